@@ -1,0 +1,34 @@
+# Two commands for a new user (see README.md): `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+SOURCES := pyproject.toml setup.py mptier/native/build_ffi.py mptier/native/mptier_io.c
+
+.PHONY: run test lint bench vllm-env vllm-test clean
+
+$(STAMP): $(SOURCES)
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --disable-pip-version-check -q -e '.[test,bench]'
+	$(VENV)/bin/python -c "import mptier.native as n; assert n.HAS_NATIVE, n.NATIVE_IMPORT_ERROR"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/mptier run
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check mptier tests bench
+
+bench: $(STAMP)
+	$(VENV)/bin/mptier bench --quick
+
+vllm-env:
+	bash scripts/vllm-env.sh
+
+vllm-test: vllm-env
+	.venv-vllm/bin/python -m pytest -q -m vllm
+
+clean:
+	rm -rf $(VENV) build *.egg-info mptier/native/_mptier_cffi*

@@ -1,0 +1,5 @@
+import sys
+
+from mptier.cli import main
+
+sys.exit(main())

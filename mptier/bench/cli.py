@@ -1,0 +1,345 @@
+"""``mptier bench``: mptier vs the in-process thread-pool design vs the raw disk limit.
+
+Entry points: :func:`main` (``python -m mptier.bench``) and :func:`add_arguments` +
+:func:`run` for the ``mptier`` command's ``bench`` subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from typing import Any
+
+from mptier.bench import report as rep
+from mptier.bench.designs import DEFAULT_DESIGNS, DesignSpec, parse_designs
+from mptier.bench.harness import Case, Workload
+from mptier.bench.measure import filesystem_of, parse_size, probe_o_direct
+from mptier.bench.raw import RawLimit, fio_path
+
+SCHEMA_VERSION = 1
+DEFAULT_SAVE_DIR = os.path.join("bench", "results")
+QUICK_TOTAL = "384M"  # per phase; with --quick the whole default run stays under a minute
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [parse_size(x) for x in text.replace(",", " ").split()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of whole numbers: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need positive whole numbers: {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the benchmark's options to ``parser`` (a subcommand parser or a fresh one)."""
+    add = parser.add_argument
+    add("--root", action="append", metavar="DIR",
+        help="folder to benchmark (repeatable; each design gets a fresh sub-folder, "
+             f"removed afterwards). Default: {tempfile.gettempdir()}")
+    add("--block-bytes", type=_sizes, action="append", metavar="SIZE[,SIZE]",
+        help="block size(s), e.g. 256K, 2M, 8M (default 2M)")
+    add("--job-blocks", type=_ints, action="append", metavar="N[,N]",
+        help="blocks per job, e.g. 1, 16, 64 (default 16)")
+    add("--inflight-jobs", type=int, default=16, metavar="N",
+        help="jobs the scheduler keeps in flight (default 16; also fio's numjobs)")
+    add("--total-bytes", type=parse_size, default=None, metavar="SIZE",
+        help=f"bytes stored and loaded per phase (default 2G, with --quick {QUICK_TOTAL})")
+    add("--designs", action="append", metavar="SPEC[,SPEC]",
+        help=f"designs to compare (default {DEFAULT_DESIGNS}); variants such as "
+             "mptier:nice=19, mptier:workers=2+2, mptier:task_bytes=8M, "
+             "baseline:threads=8+8, raw:tool=loop")
+    add("--rounds", type=int, default=1, metavar="N",
+        help="run every design N times, interleaved, and report medians (default 1); "
+             "use 3 or more on a machine whose disk or CPUs are shared")
+    add("--quick", action="store_true",
+        help="small run (under a minute): less data, one large-job repeat, short idle "
+             "calibration")
+    add("--json", metavar="PATH", help="write the full results as JSON")
+    add("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib)")
+    add("--markdown", metavar="PATH", help="write the tables as Markdown")
+    add("--save", nargs="?", const=DEFAULT_SAVE_DIR, metavar="DIR",
+        help=f"write latest.json, table.md, table.txt and chart.png to DIR "
+             f"(default {DEFAULT_SAVE_DIR})")
+    add("--single-job-blocks", type=int, default=64, metavar="N",
+        help="blocks of the large job timed alone (default 64)")
+    add("--repeats", type=int, default=None, metavar="N",
+        help="runs of the large job alone, median reported (default 3, --quick 1)")
+    add("--work-us", type=int, default=500, metavar="US",
+        help="pure-Python work of the scheduler loop between two polls (default 500)")
+    add("--wait-us", type=int, default=500, metavar="US",
+        help="GIL-free wait of the scheduler loop after its work, standing for the "
+             "model's forward pass (default 500; 0 = a loop that never lets go of the "
+             "interpreter)")
+    add("--idle-seconds", type=float, default=None, metavar="S",
+        help="idle calibration of the scheduler loop per design (default 0.3, quick 0.15)")
+    add("--buffer-bytes", type=parse_size, default=parse_size("4G"), metavar="SIZE",
+        help="largest primary buffer (source + destination halves; default 4G)")
+    add("--no-drop-caches", action="store_true",
+        help="do not drop the page cache between the store and load phases")
+    add("--no-verify", action="store_true", help="skip the byte-for-byte check of loads")
+    add("--keep-files", action="store_true", help="leave the block files in place")
+    add("--no-progress", action="store_true", help="no progress bar")
+    add("--inject-corruption", type=int, default=0, help=argparse.SUPPRESS)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mptier bench",
+        description="Run one workload against mptier (a), the in-process thread-pool "
+                    "reference (b), that pool with mptier's native I/O (c) and the raw "
+                    "limit of the root (d), on the same files; print a table, and "
+                    "optionally write JSON, Markdown and a PNG chart.")
+    return add_arguments(parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    return run(args, argv)
+
+
+# -- running ---------------------------------------------------------------------------
+
+def _flatten(values: list[list[Any]] | None, default: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for group in values or [default]:
+        for v in group:
+            if v not in out:
+                out.append(v)
+    return out
+
+
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    total = args.total_bytes or parse_size(QUICK_TOTAL if args.quick else "2G")
+    roots = args.root or [tempfile.gettempdir()]
+    out = []
+    for root in roots:
+        for block in _flatten(args.block_bytes, [parse_size("2M")]):
+            for job_blocks in _flatten(args.job_blocks, [16]):
+                out.append(Workload(
+                    root=os.path.abspath(root), block_bytes=block, job_blocks=job_blocks,
+                    inflight_jobs=args.inflight_jobs, total_bytes=total,
+                    single_job_blocks=args.single_job_blocks,
+                    single_repeats=args.repeats or (1 if args.quick else 3),
+                    idle_seconds=args.idle_seconds or (0.15 if args.quick else 0.3),
+                    work_us=args.work_us, wait_us=args.wait_us, drop_caches=not args.no_drop_caches,
+                    verify=not args.no_verify, region_cap_bytes=args.buffer_bytes // 2,
+                    keep_files=args.keep_files, inject_corruption=args.inject_corruption))
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        mem = None
+    return {"cpus": len(os.sched_getaffinity(0)), "cpu_model": model, "memory_bytes": mem,
+            "kernel": platform.release(), "python": platform.python_version(),
+            "fio": fio_path() is not None, "uid": os.getuid()}
+
+
+class _Progress:
+    """A progress bar on stderr (rich when on a terminal, plain lines otherwise).
+
+    Refreshed only between phases -- never from a thread of its own -- so it does not
+    compete with the scheduler loop it measures.
+    """
+
+    def __init__(self, total_steps: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.total = total_steps
+        self.step = 0
+        self.start = time.monotonic()
+        self._rich = None
+        if enabled and sys.stderr.isatty():
+            try:
+                from rich.console import Console
+                from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+            except ImportError:
+                return
+            self._rich = Progress(TextColumn("{task.description}"), BarColumn(),
+                                  TextColumn("{task.completed}/{task.total}"),
+                                  TimeElapsedColumn(), console=Console(stderr=True),
+                                  auto_refresh=False, transient=True)
+            self._task = self._rich.add_task("starting", total=total_steps)
+            self._rich.start()
+
+    def __call__(self, message: str) -> None:
+        if not self.enabled:
+            return
+        self.step = min(self.step + 1, self.total)
+        if self._rich is not None:
+            self._rich.update(self._task, completed=self.step - 1, description=message)
+            self._rich.refresh()
+        else:
+            elapsed = time.monotonic() - self.start
+            print(f"[{self.step}/{self.total} {elapsed:5.1f}s] {message}", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+            self._rich = None
+
+
+def _estimate_seconds(cases: list[Workload], specs: list[DesignSpec], rounds: int) -> float:
+    per_design = sum(2 * w.total_bytes / 1.5e9 + 2.0 for w in cases)
+    return per_design * len(specs) * rounds
+
+
+def run_case(w: Workload, specs: list[DesignSpec], progress: _Progress,
+             rounds: int = 1) -> dict[str, Any]:
+    fs_type, mount = filesystem_of(w.root)
+    case_doc: dict[str, Any] = {
+        "workload": {"root": w.root, "block_bytes": w.block_bytes, "job_blocks": w.job_blocks,
+                     "inflight_jobs": w.inflight_jobs, "total_bytes": w.total_bytes,
+                     "blocks_per_phase": w.n_blocks, "single_job_blocks": w.single_job_blocks,
+                     "single_repeats": w.single_repeats, "work_us": w.work_us, "wait_us": w.wait_us,
+                     "idle_seconds": w.idle_seconds},
+        "root_fs": fs_type, "mount": mount, "o_direct": probe_o_direct(w.root),
+    }
+    per_spec: dict[DesignSpec, list[dict[str, Any]]] = {spec: [] for spec in specs}
+    case = Case(w, progress)
+    case_doc["buffer"] = {"kind": case.buffer.kind, "region_blocks": case.buffer.region}
+    case_doc["verified"] = (
+        "off" if not w.verify else
+        f"all {w.n_blocks} blocks" if w.n_blocks <= case.buffer.region else
+        f"the last {case.buffer.region} of {w.n_blocks} blocks")
+    try:
+        for round_no in range(rounds):
+            for spec in specs:
+                design = spec.build()
+                reason = design.available()
+                if reason is not None:
+                    if round_no == 0:
+                        progress(f"{design.label}: skipped")
+                        record = rep.design_record(design.label, design.letter,
+                                                   design.kind, {}, [], {})
+                        record["skipped"] = reason
+                        record["notes"].append(f"skipped: {reason}")
+                        per_spec[spec].append(record)
+                    continue
+                out = case.run_raw(design) if isinstance(design, RawLimit) else \
+                    case.run_design(design)
+                per_spec[spec].append(rep.design_record(
+                    design.label, design.letter, design.kind, design.info, design.notes, out))
+    finally:
+        case.close()
+    records = [rep.merge_rounds(recs) for recs in per_spec.values()]
+    case_doc["rounds"] = rounds
+    case_doc["designs"] = records
+    case_doc["reference_b"], case_doc["reference_d"] = rep.add_ratios(records)
+    drops = [r["page_cache_dropped"] for r in records if r["page_cache_dropped"] is not None]
+    case_doc["page_cache_dropped"] = (None if not drops else all(drops))
+    background = [r.get("background_cpus_max", r.get("background_cpus")) for r in records
+                  if r.get("background_cpus") is not None]
+    case_doc["background_cpus_max"] = max(background) if background else None
+    case_doc["problems"] = rep.problems(case_doc)
+    return case_doc
+
+
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Run the benchmark described by parsed ``args``; return the exit status.
+
+    0: every design ran and every load verified; 1: something failed (printed).
+    """
+    try:
+        specs = parse_designs(args.designs or [DEFAULT_DESIGNS])
+        for spec in specs:
+            spec.build()  # reject bad options before any work
+    except ValueError as exc:
+        print(f"mptier bench: {exc}", file=sys.stderr)
+        return 2
+    cases = workloads(args)
+    for w in cases:
+        if not os.path.isdir(w.root):
+            print(f"mptier bench: --root {w.root} is not a folder", file=sys.stderr)
+            return 2
+    rounds = max(1, args.rounds)
+    steps = sum(1 if s.name == "raw" else 5 for s in specs) * len(cases) * rounds
+    long_run = _estimate_seconds(cases, specs, rounds) > 3
+    progress = _Progress(steps, long_run and not args.no_progress)
+    doc: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": "mptier bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine_info(),
+        "figures": [{"key": f.key, "label": f.label.strip(), "unit": f.unit,
+                     "better": f.better} for f in rep.FIGURES],
+        "cases": [],
+    }
+    try:
+        for w in cases:
+            doc["cases"].append(run_case(w, specs, progress, rounds))
+    finally:
+        progress.close()
+    _emit(doc, args)
+    issues = [p for c in doc["cases"] for p in c["problems"]]
+    for issue in issues:
+        print(f"mptier bench: FAILED: {issue}", file=sys.stderr)
+    return 1 if issues else 0
+
+
+def _emit(doc: dict[str, Any], args: argparse.Namespace) -> None:
+    for case in doc["cases"]:
+        rep.print_case(case)
+    paths = {"json": args.json, "markdown": args.markdown, "plot": args.plot, "text": None}
+    if args.save:
+        os.makedirs(args.save, exist_ok=True)
+        paths = {"json": args.json or os.path.join(args.save, "latest.json"),
+                 "markdown": args.markdown or os.path.join(args.save, "table.md"),
+                 "plot": args.plot or os.path.join(args.save, "chart.png"),
+                 "text": os.path.join(args.save, "table.txt")}
+    if paths["json"]:
+        _write(paths["json"], json.dumps(doc, indent=2, default=str) + "\n")
+    if paths["markdown"]:
+        body = "\n\n".join(rep.markdown_table(c) for c in doc["cases"])
+        _write(paths["markdown"], f"Command: `{doc['command']}`\n\n{body}\n")
+    if paths["text"]:
+        body = "\n\n".join(rep.plain_table(c) for c in doc["cases"])
+        _write(paths["text"], f"{doc['command']}\n\n{body}\n")
+    if paths["plot"]:
+        try:
+            from mptier.bench.plot import write_png
+            write_png(doc, paths["plot"])
+        except ImportError as exc:
+            print(f"mptier bench: no chart written ({exc}); install the 'bench' extra",
+                  file=sys.stderr)
+    for kind, path in paths.items():
+        if path:
+            print(f"{kind}: {path}", file=sys.stderr)
+
+
+def _write(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+

@@ -1,0 +1,86 @@
+"""``--designs`` specs: which designs to compare, and their variants.
+
+A spec is a name and optional ``key=value`` options after colons::
+
+    mptier                 (a) mptier, default pool
+    mptier:nice=19         (a) with the workers at CPU priority 19
+    mptier:workers=1+1     (a) with one load and one store worker
+    baseline               (b) the in-process reference: 16+16 threads, pure-Python I/O
+    baseline:threads=4+4   (b) with a smaller pool
+    pool-native            (c) the reference pool calling mptier.native batch I/O
+    raw                    (d) fio when installed, else a plain write/read loop
+    raw:tool=loop          (d) the plain loop even when fio is installed
+
+Single letters ``a``, ``b``, ``c``, ``d`` name the plain designs. Several specs are
+separated by commas or spaces (so list CPUs as ``cpus=1+2`` or ``cpus=1-2``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mptier.bench.baseline import NativePoolDesign, ThreadPoolDesign
+from mptier.bench.engine import MptierDesign
+from mptier.bench.raw import RawLimit
+
+DESIGNS = {
+    "mptier": MptierDesign,
+    "baseline": ThreadPoolDesign,
+    "pool-native": NativePoolDesign,
+    "raw": RawLimit,
+}
+ALIASES = {
+    "a": "mptier", "b": "baseline", "c": "pool-native", "d": "raw",
+    "reference": "baseline", "threads": "baseline", "threads-native": "pool-native",
+    "fio": "raw:tool=fio", "raw-loop": "raw:tool=loop",
+}
+DEFAULT_DESIGNS = "mptier,baseline,pool-native,raw"
+
+
+@dataclass(frozen=True)
+class DesignSpec:
+    name: str
+    options: tuple[tuple[str, str], ...]
+
+    @property
+    def label(self) -> str:
+        return ":".join([self.name, *(f"{k}={v}" for k, v in self.options)])
+
+    def build(self):
+        return DESIGNS[self.name](self.label, dict(self.options))
+
+
+def parse_spec(text: str) -> DesignSpec:
+    """Parse one spec; raises ``ValueError`` naming an unknown design or a bad option."""
+    text = text.strip()
+    head, _, rest = text.partition(":")
+    head = head.lower()
+    if head in ALIASES:
+        alias_head, _, alias_rest = ALIASES[head].partition(":")
+        head = alias_head
+        rest = ":".join(x for x in (alias_rest, rest) if x)
+    if head not in DESIGNS:
+        known = ", ".join([*DESIGNS, *ALIASES])
+        raise ValueError(f"unknown design {text!r}; known: {known}")
+    options = []
+    for part in filter(None, rest.split(":")):
+        key, eq, value = part.partition("=")
+        if not eq or not key or not value:
+            raise ValueError(f"design {text!r}: option {part!r} is not KEY=VALUE")
+        options.append((key.strip(), value.strip()))
+    return DesignSpec(head, tuple(options))
+
+
+def parse_designs(values: list[str] | str) -> list[DesignSpec]:
+    """Parse ``--designs`` (repeatable, comma/space separated); duplicates dropped."""
+    if isinstance(values, str):
+        values = [values]
+    specs: list[DesignSpec] = []
+    for value in values:
+        for token in value.replace(",", " ").split():
+            spec = parse_spec(token)
+            if spec not in specs:
+                specs.append(spec)
+    if not specs:
+        raise ValueError("--designs names no design")
+    return specs

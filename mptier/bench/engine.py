@@ -1,0 +1,143 @@
+"""Design (a): mptier's own ``FileSystemTier`` with the given config.
+
+Variants pass ``TierConfig`` overrides from the ``--designs`` spec, so pool sizes, task
+sizes and CPU priority are compared side by side in one run::
+
+    mptier                      the default pool
+    mptier:workers=2+2          n_load_workers=2, n_store_workers=2
+    mptier:nice=19              worker_nice=19
+    mptier:cpus=1               worker_cpus=[1] (keep the workers off core 0)
+    mptier:task_bytes=8M        any other TierConfig field by its own name
+    mptier:native=0             the pure-Python I/O twin instead of the C core
+
+The primary buffer must be mptier's ``SharedKVBuffer`` (worker processes map it); the
+harness makes one when the class exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mptier.bench.base import MODEL_NAME, Design, DesignContext
+
+# Short option names -> TierConfig fields.
+_ALIASES = {"nice": "worker_nice", "task": "task_bytes", "prefault": "prefault",
+            "o_direct": "use_o_direct"}
+
+
+def _literal(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "yes", "on"):
+        return True
+    if lowered in ("false", "no", "off"):
+        return False
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def config_overrides(options: dict[str, str]) -> dict[str, Any]:
+    """Turn ``--designs`` options into ``TierConfig`` keyword arguments.
+
+    ``workers=L+S`` sets both pool sizes; ``cpus=1,2`` or ``cpus=1-3`` sets
+    ``worker_cpus``; ``native``/``prefault`` take 0/1; other keys pass through by name.
+    Raises ``ValueError`` for a malformed value.
+    """
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        if key == "workers":
+            try:
+                load, store = (int(x) for x in value.split("+"))
+            except ValueError:
+                raise ValueError(f"workers={value!r}: expected LOAD+STORE, e.g. 2+2") from None
+            out["n_load_workers"], out["n_store_workers"] = load, store
+        elif key == "cpus":
+            out["worker_cpus"] = _cpu_list(value)
+        elif key in ("native", "prefault", "enable_events"):
+            out[key] = value.lower() in ("1", "true", "yes", "on")
+        elif key in ("task_bytes", "task"):
+            out["task_bytes"] = value  # TierConfig parses "8M"
+        else:
+            out[_ALIASES.get(key, key)] = _literal(value)
+    return out
+
+
+def _cpu_list(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in text.replace("+", ",").split(","):
+        if "-" in part:
+            low, high = (int(x) for x in part.split("-"))
+            cpus.extend(range(low, high + 1))
+        elif part:
+            cpus.append(int(part))
+    return cpus
+
+
+class MptierDesign(Design):
+    letter = "a"
+    kind = "mptier"
+
+    def __init__(self, label: str, options: dict[str, str] | None = None) -> None:
+        super().__init__(label, options)
+        self.overrides = config_overrides(self.options)
+        self._tier: Any = None
+
+    @classmethod
+    def available(cls) -> str | None:
+        try:
+            import mptier
+            mptier.FileSystemTier  # noqa: B018 - the engine may not be built yet
+            mptier.SharedKVBuffer  # noqa: B018
+        except (ImportError, AttributeError) as exc:
+            return f"mptier.FileSystemTier is not available yet ({exc})"
+        return None
+
+    def setup(self, ctx: DesignContext) -> None:
+        import mptier
+
+        if ctx.shared is None:
+            raise RuntimeError("design (a) needs the buffer in mptier.SharedKVBuffer")
+        config = {"model_name": MODEL_NAME, **self.overrides}
+        mptier.TierConfig(root_dir=ctx.root, **config)  # raise on a bad override first
+        self._tier = mptier.FileSystemTier(ctx.shared, root_dir=ctx.root, **config)
+        self.info.update({k: v for k, v in config.items() if k != "model_name"})
+        self.info["workers"] = (f"{self._tier.config.n_load_workers}+"
+                                f"{self._tier.config.n_store_workers}")
+        stats = getattr(self._tier, "stats", None)
+        if callable(stats):
+            try:
+                snapshot = stats()
+            except Exception as exc:  # stats are decoration; never fail the run on them
+                self.notes.append(f"stats() failed: {exc}")
+            else:
+                for key in ("mode", "o_direct", "native", "blocks_per_task"):
+                    if isinstance(snapshot, dict) and key in snapshot:
+                        self.info[key] = snapshot[key]
+
+    def submit_store(self, job: Any) -> None:
+        self._tier.submit_store(job)
+
+    def submit_load(self, job: Any) -> None:
+        self._tier.submit_load(job)
+
+    def get_finished(self) -> list[Any]:
+        return self._tier.get_finished_jobs()
+
+    def lookup(self, key: bytes, req_id: str) -> Any:
+        return self._tier.lookup(key, req_id)
+
+    def on_schedule_end(self) -> None:
+        self._tier.on_schedule_end()
+
+    def drain(self) -> None:
+        self._tier.drain_jobs()
+
+    def close(self) -> None:
+        if self._tier is not None:
+            tier, self._tier = self._tier, None
+            tier.shutdown()

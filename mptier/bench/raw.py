@@ -1,0 +1,215 @@
+"""Design (d): the raw limit of the root -- what the disk (or tmpfs) gives without a tier.
+
+With fio installed: one fio job per in-flight job of the workload (``numjobs`` =
+``--inflight-jobs``, capped by the number of blocks), synchronous ``psync`` I/O at
+depth 1, one file per block of exactly the block size (``--nrfiles``/``--filesize``),
+files created inside the timed run (``create_on_open``, no preallocation), O_DIRECT
+where the root supports it. The designs run each in-flight job as one synchronous
+stream of block I/O, so this is the same concurrency, the same files and the same block
+size, minus everything a tier adds (existence checks, temporary names, renames,
+folders, queues). The store pass writes the files, the page cache is dropped, the load
+pass reads them back.
+
+Without fio: the same passes as a plain write/read loop on as many threads in a child
+process (``python -m mptier.bench.raw``), also O_DIRECT where supported.
+
+Either way the I/O runs in other processes, and the harness's main thread runs its
+scheduler loop beside it, so (d) also gets an interference figure.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from mptier.bench.base import RawOutcome
+from mptier.bench.measure import CacheDrop, probe_o_direct, tool_version
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+BusyWait = Callable[[subprocess.Popen], tuple[int, int]]
+
+
+def fio_path() -> str | None:
+    return shutil.which("fio")
+
+
+class RawLimit:
+    """(d). Options: ``tool=auto|fio|loop``, ``jobs=N`` (override the concurrency)."""
+
+    letter = "d"
+    kind = "raw"
+    supports_lookup = False
+
+    def __init__(self, label: str, options: dict[str, str] | None = None) -> None:
+        self.label = label
+        opts = dict(options or {})
+        self.tool = opts.pop("tool", "auto")
+        if self.tool not in ("auto", "fio", "loop"):
+            raise ValueError(f"{label}: tool must be auto, fio or loop")
+        self.jobs_override = int(opts.pop("jobs")) if "jobs" in opts else None
+        if opts:
+            raise ValueError(f"{label}: unknown option(s) {', '.join(sorted(opts))} "
+                             "(known: tool, jobs)")
+        self.info: dict = {}
+        self.notes: list[str] = []
+
+    @classmethod
+    def available(cls) -> str | None:
+        return None
+
+    def chosen_tool(self) -> str:
+        if self.tool == "auto":
+            return "fio" if fio_path() else "loop"
+        return self.tool
+
+    def run(self, root: str, block_bytes: int, n_blocks: int, concurrency: int,
+            busy_wait: BusyWait, drop: Callable[[], CacheDrop]) -> RawOutcome:
+        """Store then load ``n_blocks`` one-block files under ``root``.
+
+        ``busy_wait(proc)`` runs the harness's scheduler loop until ``proc`` exits and
+        returns ``(iterations, nanoseconds)``; ``drop`` drops the page cache.
+        """
+        tool = self.chosen_tool()
+        if tool == "fio" and not fio_path():
+            raise RuntimeError(f"{self.label}: fio is not installed")
+        jobs = max(1, min(self.jobs_override or concurrency, n_blocks))
+        per_job = max(1, n_blocks // jobs)
+        direct = probe_o_direct(root) and block_bytes % mmap.PAGESIZE == 0
+        out = RawOutcome()
+        out.info.update(tool=tool, numjobs=jobs, files=jobs * per_job, o_direct=direct,
+                        ioengine="psync" if tool == "fio" else "os.write/os.readv threads")
+        if tool == "fio":
+            out.info["fio_version"] = tool_version([fio_path() or "fio", "--version"])
+        for phase in ("store", "load"):
+            if phase == "load":
+                drop()
+            argv = (self._fio_argv(root, phase, block_bytes, per_job, jobs, direct)
+                    if tool == "fio" else self._loop_argv(root, phase, block_bytes,
+                                                          per_job * jobs, jobs, direct))
+            gbps, iters, ns, note = self._run_one(argv, phase, tool, root, busy_wait)
+            rate = iters / (ns / 1e9) if ns else None
+            if phase == "store":
+                out.store_gbps, out.store_loop_rate = gbps, rate
+            else:
+                out.load_gbps, out.load_loop_rate = gbps, rate
+            if note:
+                out.notes.append(note)
+        return out
+
+    # -- fio ---------------------------------------------------------------------------
+    @staticmethod
+    def _fio_argv(root: str, phase: str, block_bytes: int, files_per_job: int, jobs: int,
+                  direct: bool) -> list[str]:
+        argv = [fio_path() or "fio", "--name=mptier-bench", f"--directory={root}",
+                f"--rw={'write' if phase == 'store' else 'read'}", f"--bs={block_bytes}",
+                f"--filesize={block_bytes}", f"--nrfiles={files_per_job}",
+                f"--numjobs={jobs}", "--ioengine=psync", "--iodepth=1",
+                f"--direct={int(direct)}", "--openfiles=1",
+                "--file_service_type=sequential", "--group_reporting",
+                "--output-format=json", f"--output={root}/fio-{phase}.json"]
+        if phase == "store":
+            argv += ["--fallocate=none", "--create_on_open=1"]
+        return argv
+
+    # -- plain loop --------------------------------------------------------------------
+    @staticmethod
+    def _loop_argv(root: str, phase: str, block_bytes: int, n_files: int, jobs: int,
+                   direct: bool) -> list[str]:
+        return [sys.executable, "-m", "mptier.bench.raw", phase, root, str(block_bytes),
+                str(n_files), str(jobs), str(int(direct))]
+
+    def _run_one(self, argv: list[str], phase: str, tool: str, root: str,
+                 busy_wait: BusyWait) -> tuple[float | None, int, int, str | None]:
+        env = dict(os.environ)
+        package_parent = os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (package_parent, env.get("PYTHONPATH")) if p)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env, text=True)
+        iters, ns = busy_wait(proc)
+        stdout, stderr = proc.communicate()
+        if proc.returncode != 0:
+            tail = (stderr or stdout).strip().splitlines()[-3:]
+            return None, iters, ns, f"{tool} {phase} failed ({proc.returncode}): {' | '.join(tail)}"
+        try:
+            if tool == "fio":
+                with open(f"{root}/fio-{phase}.json") as f:
+                    text = f.read()
+                report = json.loads(text[text.index("{"):])
+                job = report["jobs"][0]
+                side = job["write" if phase == "store" else "read"]
+                if job.get("error"):
+                    return None, iters, ns, f"fio {phase}: error {job['error']}"
+                return side["bw_bytes"] / 1e9, iters, ns, None
+            result = json.loads(stdout)
+            note = f"loop {phase}: {result['errors'][0]}" if result["errors"] else None
+            return result["bytes"] / result["seconds"] / 1e9, iters, ns, note
+        except (OSError, ValueError, KeyError, IndexError, ZeroDivisionError) as exc:
+            return None, iters, ns, f"{tool} {phase}: unreadable output ({exc})"
+
+
+def _loop_main(argv: list[str]) -> int:
+    """``python -m mptier.bench.raw store|load DIR BLOCK_BYTES N_FILES THREADS DIRECT``.
+
+    Prints ``{"bytes", "seconds", "errors"}`` as JSON; the time starts when every
+    thread is ready and ends when the last one finished.
+    """
+    phase, directory, block, n_files, jobs, direct = argv
+    block_bytes, n, n_threads = int(block), int(n_files), int(jobs)
+    flag = O_DIRECT if direct == "1" else 0
+    barrier = threading.Barrier(n_threads + 1)
+    errors: list[str] = []
+    done = [0] * n_threads
+    pattern = os.urandom(min(block_bytes, 1 << 20))
+
+    def run(index: int) -> None:
+        buf = mmap.mmap(-1, block_bytes)  # page-aligned, as O_DIRECT wants
+        for pos in range(0, block_bytes, len(pattern)):
+            buf[pos:pos + len(pattern)] = pattern[:block_bytes - pos]
+        view = memoryview(buf)
+        barrier.wait()
+        try:
+            for i in range(index, n, n_threads):
+                path = f"{directory}/f{i}"
+                if phase == "store":
+                    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | flag, 0o644)
+                    try:
+                        os.write(fd, view)
+                    finally:
+                        os.close(fd)
+                else:
+                    fd = os.open(path, os.O_RDONLY | flag)
+                    try:
+                        os.readv(fd, [view])
+                    finally:
+                        os.close(fd)
+                done[index] += block_bytes
+        except OSError as exc:
+            errors.append(str(exc))
+        finally:
+            view.release()
+            buf.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n_threads)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - start
+    print(json.dumps({"bytes": sum(done), "seconds": seconds, "errors": errors[:3]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_loop_main(sys.argv[1:]))

@@ -1,0 +1,330 @@
+"""Figures, ratios and the terminal / Markdown tables of a benchmark run.
+
+Every design of a case gets the same figure keys (``None`` where a figure does not
+apply, e.g. job latency for fio), and every figure also as a ratio to the baseline (b)
+and to the raw limit (d) of the same case: ``ratio = value / value of (b or d)``.
+Whether higher or lower is better is stated per figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from mptier.bench.harness import PhaseStats, ms_summary, us_summary
+from mptier.bench.measure import format_size
+
+
+@dataclass(frozen=True)
+class Figure:
+    key: str
+    label: str
+    unit: str
+    better: str  # "higher" or "lower"
+    digits: int = 2
+
+
+FIGURES: tuple[Figure, ...] = (
+    Figure("store_gbps", "store throughput", "GB/s", "higher"),
+    Figure("load_gbps", "load throughput", "GB/s", "higher"),
+    Figure("store_job_p50_ms", "store job latency p50", "ms", "lower", 1),
+    Figure("store_job_p99_ms", "store job latency p99", "ms", "lower", 1),
+    Figure("load_job_p50_ms", "load job latency p50", "ms", "lower", 1),
+    Figure("load_job_p99_ms", "load job latency p99", "ms", "lower", 1),
+    Figure("single_store_ms", "large job alone: store", "ms", "lower", 1),
+    Figure("single_load_ms", "large job alone: load", "ms", "lower", 1),
+    Figure("submit_store_us_p50", "submit_store p50", "µs", "lower", 1),
+    Figure("submit_store_us_p99", "submit_store p99", "µs", "lower", 1),
+    Figure("submit_store_us_max", "submit_store max", "µs", "lower", 0),
+    Figure("submit_load_us_p50", "submit_load p50", "µs", "lower", 1),
+    Figure("submit_load_us_p99", "submit_load p99", "µs", "lower", 1),
+    Figure("submit_load_us_max", "submit_load max", "µs", "lower", 0),
+    Figure("get_finished_empty_us_p50", "get_finished (empty) p50", "µs", "lower", 1),
+    Figure("get_finished_empty_us_p99", "get_finished (empty) p99", "µs", "lower", 1),
+    Figure("get_finished_empty_us_max", "get_finished (empty) max", "µs", "lower", 0),
+    Figure("lookup_us_p50", "lookup per key p50", "µs", "lower", 2),
+    Figure("lookup_us_p99", "lookup per key p99", "µs", "lower", 1),
+    Figure("lookup_us_max", "lookup per key max", "µs", "lower", 0),
+    Figure("interference", "scheduler loop rate busy/idle", "x", "higher"),
+    Figure("interference_store", "  during stores", "x", "higher"),
+    Figure("interference_load", "  during loads", "x", "higher"),
+)
+FIGURE_KEYS = tuple(f.key for f in FIGURES)
+# Background load (CPUs busy with other processes while the design idled) above which
+# the table warns that the machine was not quiet.
+BUSY_MACHINE_CPUS = 0.25
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
+                  notes: list[str], out: dict[str, Any]) -> dict[str, Any]:
+    """Turn what :class:`~mptier.bench.harness.Case` measured into one JSON record."""
+    figures: dict[str, float | None] = dict.fromkeys(FIGURE_KEYS)
+    record: dict[str, Any] = {"label": label, "letter": letter, "kind": kind,
+                              "info": info, "notes": list(notes), "error": out.get("error"),
+                              "figures": figures}
+    idle = out.get("idle_loop_rate")
+    record["idle_loop_rate"] = idle
+    record["background_cpus"] = out.get("background_cpus")
+    drop = out.get("drop")
+    record["page_cache_dropped"] = None if drop is None else drop.dropped
+    if drop is not None and drop.error:
+        record["notes"].append(f"page cache not dropped: {drop.error}")
+
+    raw = out.get("raw")
+    if raw is not None:
+        figures["store_gbps"] = raw.store_gbps
+        figures["load_gbps"] = raw.load_gbps
+        figures["interference_store"] = _ratio(raw.store_loop_rate, idle)
+        figures["interference_load"] = _ratio(raw.load_loop_rate, idle)
+        rates = [r for r in (raw.store_loop_rate, raw.load_loop_rate) if r is not None]
+        figures["interference"] = _ratio(statistics.mean(rates), idle) if rates else None
+        record["info"] = {**info, **raw.info}
+        record["notes"].extend(raw.notes)
+        return record
+
+    store: PhaseStats | None = out.get("store")
+    load: PhaseStats | None = out.get("load")
+    if store is not None:
+        figures["store_gbps"] = store.gbps
+        lat = ms_summary(store.latencies_ns)
+        figures["store_job_p50_ms"], figures["store_job_p99_ms"] = lat["p50"], lat["p99"]
+        _put(figures, "submit_store_us", us_summary(store.submit_ns))
+        figures["interference_store"] = _ratio(store.loop_rate, idle)
+    if load is not None:
+        figures["load_gbps"] = load.gbps
+        lat = ms_summary(load.latencies_ns)
+        figures["load_job_p50_ms"], figures["load_job_p99_ms"] = lat["p50"], lat["p99"]
+        _put(figures, "submit_load_us", us_summary(load.submit_ns))
+        if load.lookup_ns:
+            _put(figures, "lookup_us", us_summary(load.lookup_ns))
+        figures["interference_load"] = _ratio(load.loop_rate, idle)
+    phases = [p for p in (store, load) if p is not None]
+    if phases:
+        _put(figures, "get_finished_empty_us",
+             us_summary([x for p in phases for x in p.empty_poll_ns]))
+        loop_ns = sum(p.loop_ns for p in phases)
+        if loop_ns:
+            rate = sum(p.loop_iterations for p in phases) / (loop_ns / 1e9)
+            figures["interference"] = _ratio(rate, idle)
+        record["jobs"] = {
+            name: {"jobs": p.jobs, "failed": p.failed, "duplicates": p.duplicates,
+                   "seconds": p.elapsed_ns / 1e9, "bytes_ok": p.ok_bytes}
+            for name, p in (("store", store), ("load", load)) if p is not None}
+    singles = {"store": out.get("single_store_ns") or [], "load": out.get("single_load_ns")
+               or []}
+    if singles["store"]:
+        figures["single_store_ms"] = statistics.median(singles["store"]) / 1e6
+    if singles["load"]:
+        figures["single_load_ms"] = statistics.median(singles["load"]) / 1e6
+    record["single_job_runs"] = {k: [v / 1e6 for v in vs] for k, vs in singles.items()}
+    record["verify"] = out.get("verify")
+    record["single_verify"] = out.get("single_verify")
+    if "corrupted_files" in out:
+        record["corrupted_files"] = out["corrupted_files"]
+    return record
+
+
+def merge_rounds(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from the same design's records of several rounds: each figure the
+    median of the rounds that have it; jobs and verification summed; per-round figures
+    kept under ``"rounds"``."""
+    if len(records) == 1:
+        return records[0]
+    first = records[0]
+    merged = {**first, "notes": [], "rounds": [r["figures"] for r in records]}
+    merged["figures"] = {
+        key: (statistics.median(vals) if (vals := [r["figures"][key] for r in records
+                                                   if r["figures"][key] is not None])
+              else None)
+        for key in FIGURE_KEYS}
+    for r in records:
+        merged["notes"].extend(n for n in r["notes"] if n not in merged["notes"])
+    merged["error"] = next((r["error"] for r in records if r.get("error")), None)
+    for name in ("idle_loop_rate", "background_cpus"):
+        vals = [r[name] for r in records if r.get(name) is not None]
+        merged[name] = statistics.median(vals) if vals else None
+    busy = [r["background_cpus"] for r in records if r.get("background_cpus") is not None]
+    merged["background_cpus_max"] = max(busy) if busy else None
+    drops = [r["page_cache_dropped"] for r in records if r["page_cache_dropped"] is not None]
+    merged["page_cache_dropped"] = all(drops) if drops else None
+    if all(r.get("jobs") for r in records):
+        merged["jobs"] = {
+            phase: {k: sum(r["jobs"][phase][k] for r in records) for k in j}
+            for phase, j in first["jobs"].items()}
+    for which in ("verify", "single_verify"):
+        checks = [r.get(which) for r in records if r.get(which)]
+        if checks and all(v.get("mode") == "full" for v in checks):
+            merged[which] = {
+                "mode": "full", "rounds": len(checks),
+                "blocks_checked": sum(v["blocks_checked"] for v in checks),
+                "mismatched": sum(v["mismatched"] for v in checks),
+                "ok": all(v["ok"] for v in checks)}
+    if "single_job_runs" in first:
+        merged["single_job_runs"] = {
+            k: [x for r in records for x in r.get("single_job_runs", {}).get(k, [])]
+            for k in first["single_job_runs"]}
+    return merged
+
+
+def _put(figures: dict[str, float | None], prefix: str, summary: dict[str, Any]) -> None:
+    for q in ("p50", "p99", "max"):
+        figures[f"{prefix}_{q}"] = summary[q]
+
+
+def pick_reference(records: list[dict[str, Any]], letter: str) -> dict[str, Any] | None:
+    """The plain design of ``letter`` (no variant options) if any, else the first one."""
+    same = [r for r in records if r["letter"] == letter and not r.get("error")]
+    plain = [r for r in same if ":" not in r["label"]]
+    return (plain or same or [None])[0]
+
+
+def add_ratios(records: list[dict[str, Any]]) -> tuple[str | None, str | None]:
+    """Fill ``ratio_to_b`` / ``ratio_to_d`` of every record; return the two labels."""
+    ref_b = pick_reference(records, "b")
+    ref_d = pick_reference(records, "d")
+    for record in records:
+        for name, ref in (("ratio_to_b", ref_b), ("ratio_to_d", ref_d)):
+            record[name] = {
+                key: (_ratio(record["figures"][key], ref["figures"][key]) if ref else None)
+                for key in FIGURE_KEYS}
+    return (ref_b["label"] if ref_b else None, ref_d["label"] if ref_d else None)
+
+
+def problems(case: dict[str, Any]) -> list[str]:
+    """Failures worth a non-zero exit: errors, failed jobs, bytes that did not verify."""
+    out = []
+    for r in case["designs"]:
+        name = r["label"]
+        if r.get("error"):
+            out.append(f"{name}: {r['error']}")
+        for phase, j in (r.get("jobs") or {}).items():
+            if j["failed"] or j["duplicates"]:
+                out.append(f"{name}: {j['failed']} {phase} job(s) failed, "
+                           f"{j['duplicates']} reported twice")
+        for which in ("verify", "single_verify"):
+            v = r.get(which)
+            if v and v.get("mode") == "full" and not v["ok"]:
+                out.append(f"{name}: {v['mismatched']} of {v['blocks_checked']} loaded "
+                           f"blocks differ from what was stored ({which})")
+    return out
+
+
+# -- rendering ------------------------------------------------------------------------
+
+def fmt(value: float | None, digits: int) -> str:
+    if value is None:
+        return "—"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
+
+
+def cells(record: dict[str, Any], fig: Figure) -> tuple[str, str]:
+    """``(value, "b 1.00 · d 0.85")`` for one design and figure."""
+    value = fmt(record["figures"].get(fig.key), fig.digits)
+    parts = []
+    for letter in ("b", "d"):
+        r = (record.get(f"ratio_to_{letter}") or {}).get(fig.key)
+        if r is not None:
+            parts.append(f"{letter} {r:.2f}")
+    return value, " · ".join(parts)
+
+
+def case_title(case: dict[str, Any]) -> str:
+    w = case["workload"]
+    return (f"{w['root']} ({case['root_fs']}, O_DIRECT {'yes' if case['o_direct'] else 'no'})"
+            f" · {format_size(w['block_bytes'])} blocks · {w['job_blocks']}-block jobs · "
+            f"{w['inflight_jobs']} in flight · {format_size(w['total_bytes'])} per phase")
+
+
+def case_caption(case: dict[str, Any]) -> str:
+    drop = case.get("page_cache_dropped")
+    dropped = {True: "page cache dropped between store and load",
+               False: "page cache NOT dropped (not permitted here)",
+               None: "page cache drop disabled"}[drop]
+    ref_b = case.get("reference_b") or "n/a"
+    ref_d = case.get("reference_d") or "n/a"
+    text = (f"{dropped}; loads verified byte for byte ({case['verified']}); ratios: "
+            f"'b' = ÷ {ref_b}, 'd' = ÷ {ref_d}"
+            "; higher is better for GB/s and loop rate, lower for times")
+    busy = case.get("background_cpus_max")
+    if busy is not None and busy > BUSY_MACHINE_CPUS:
+        text += (f". WARNING: other processes kept up to {busy:.1f} CPUs busy during the "
+                 "run; the figures are noisy")
+    return text
+
+
+def markdown_table(case: dict[str, Any]) -> str:
+    designs = case["designs"]
+    head = "| figure | " + " | ".join(f"{r['letter']}: {r['label']}" for r in designs) + " |"
+    lines = [f"**{case_title(case)}**", "", head,
+             "|---|" + "---|" * len(designs)]
+    for fig in FIGURES:
+        row = []
+        for r in designs:
+            value, ratios = cells(r, fig)
+            row.append(f"{value} ({ratios})" if ratios and value != "—" else value)
+        lines.append(f"| {fig.label.strip()} ({fig.unit}) | " + " | ".join(row) + " |")
+    lines += ["", case_caption(case)]
+    for r in designs:
+        if r.get("error"):
+            lines.append(f"- {r['label']}: **error** {r['error']}")
+    return "\n".join(lines)
+
+
+def plain_table(case: dict[str, Any]) -> str:
+    designs = case["designs"]
+    header = ["figure"] + [f"{r['letter']}: {r['label']}" for r in designs]
+    rows = []
+    for fig in FIGURES:
+        row = [f"{fig.label} ({fig.unit})"]
+        for r in designs:
+            value, ratios = cells(r, fig)
+            row.append(f"{value} [{ratios}]" if ratios and value != "—" else value)
+        rows.append(row)
+    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
+    out = [case_title(case)]
+    for row in [header, *rows]:
+        out.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(row)).rstrip())
+    out.append(case_caption(case))
+    out.extend(f"  {r['label']}: error {r['error']}" for r in designs if r.get("error"))
+    out.extend(f"  {r['label']}: {n}" for r in designs for n in r.get("notes", []))
+    return "\n".join(out)
+
+
+def print_case(case: dict[str, Any], console: Any = None) -> None:
+    """Print a case table: with rich on a terminal when it is installed, else plain text
+    (which a pipe or a log file keeps unwrapped)."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        Console = None
+    if Console is None or (console is None and not sys.stdout.isatty()):
+        print(plain_table(case))
+        return
+    console = console or Console()
+    designs = case["designs"]
+    table = Table(title=case_title(case), caption=case_caption(case), caption_justify="left",
+                  title_justify="left")
+    table.add_column("figure", style="bold")
+    for r in designs:
+        table.add_column(f"{r['letter']}: {r['label']}", justify="right")
+    for fig in FIGURES:
+        row = [f"{fig.label} ({fig.unit})"]
+        for r in designs:
+            value, ratios = cells(r, fig)
+            row.append(f"{value}\n[dim]{ratios}[/dim]" if ratios and value != "—" else value)
+        table.add_row(*row)
+    console.print(table)
+    for r in designs:
+        if r.get("error"):
+            console.print(f"[red]{r['label']}: error {r['error']}[/red]")
+        for note in r.get("notes", []):
+            console.print(f"[yellow]{r['label']}: {note}[/yellow]")

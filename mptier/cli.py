@@ -1,0 +1,130 @@
+"""The ``mptier`` command.
+
+    mptier run      a verified store/load round trip through the tier (the default job)
+    mptier bench    mptier vs the in-process thread-pool design vs the raw disk limit
+    mptier info     what this installation has: native core, O_DIRECT at a root, defaults
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from mptier.config import TierConfig, parse_bytes
+from mptier.errors import MptierError
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _config(args: argparse.Namespace) -> TierConfig:
+    overrides = {}
+    if args.workers:
+        try:
+            loads, stores = (int(x) for x in args.workers.split("+"))
+        except ValueError:
+            raise MptierError(f"--workers {args.workers!r}: expected LOAD+STORE, e.g. 2+2"
+                              ) from None
+        overrides.update(n_load_workers=loads, n_store_workers=stores)
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise MptierError(f"--set {item!r}: expected KEY=VALUE, e.g. task_bytes=4M")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    if args.config:
+        return TierConfig.from_toml(args.config, **overrides)
+    return TierConfig.from_dict(overrides)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from mptier.roundtrip import round_trip
+
+    report = round_trip(total_bytes=args.total_bytes, block_bytes=args.block_bytes,
+                        job_blocks=args.job_blocks, inflight=args.inflight, root=args.root,
+                        config=_config(args))
+    print("\n".join(report.lines()))
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from mptier import native
+    from mptier.layout import FileMapper
+
+    info = {"native_core": native.HAS_NATIVE, "backend": native.BACKEND,
+            "native_import_error": native.NATIVE_IMPORT_ERROR,
+            "defaults": TierConfig().__dict__}
+    if args.root:
+        mapper = FileMapper(args.root, "probe")
+        info["root"] = args.root
+        info["o_direct"] = native.probe_o_direct(args.root)
+        del mapper
+    print(json.dumps(info, indent=2, default=str))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mptier", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="verified store/load round trip through the tier")
+    run.add_argument("--total-bytes", type=_size, default="2G",
+                     help="bytes to store and load back (default 2G)")
+    run.add_argument("--block-bytes", type=_size, default="2M", help="block size (2M)")
+    run.add_argument("--job-blocks", type=int, default=16, help="blocks per job (16)")
+    run.add_argument("--inflight", type=int, default=8, help="jobs in flight (8)")
+    run.add_argument("--root", help="folder to use (default: a new temporary folder, "
+                                    "removed afterwards)")
+    for p in (run,):
+        p.add_argument("--config", help="TOML file with TierConfig fields")
+        p.add_argument("--workers", help="LOAD+STORE worker counts, e.g. 4+4")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="override a TierConfig field (repeatable)")
+    run.set_defaults(func=_cmd_run)
+
+    info = sub.add_parser("info", help="native core, O_DIRECT support, defaults")
+    info.add_argument("--root", help="probe O_DIRECT in this folder")
+    info.set_defaults(func=_cmd_info)
+
+    bench = sub.add_parser("bench", help="compare mptier, the thread-pool design and the "
+                                         "raw limit on this machine")
+    try:
+        from mptier.bench.cli import add_arguments
+        from mptier.bench.cli import run as run_bench
+    except ImportError:  # pragma: no cover - the bench ships with the package
+        bench.set_defaults(func=lambda a: _missing(exc))
+    else:
+        add_arguments(bench)
+        bench.set_defaults(func=lambda a: run_bench(a, sys.argv[2:]))
+    return parser
+
+
+def _missing(reason: str) -> int:
+    print(f"mptier bench is unavailable: {reason}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (MptierError, ValueError, OSError) as exc:
+        print(f"mptier {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

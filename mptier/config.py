@@ -1,0 +1,218 @@
+"""``TierConfig``: every tunable of the tier, with defaults, validation and TOML loading.
+
+``configs/default.toml`` documents each field; :meth:`TierConfig.from_toml` reads a file
+of the same shape. Unknown keys and bad values raise :class:`~mptier.errors.ConfigError`
+(a ``ValueError``) naming the key and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from mptier.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+MiB = 1 << 20
+
+
+@dataclass
+class TierConfig:
+    """Configuration of a :class:`~mptier.FileSystemTier`.
+
+    Tunables that trade one thing for another say so in ``configs/default.toml``.
+    """
+
+    # Where block files live (created on demand).
+    root_dir: str = ""
+    # Load-priority worker processes: take loads and lookups first, stores when idle.
+    n_load_workers: int = 2
+    # Store-priority worker processes: take stores first, loads when idle.
+    n_store_workers: int = 2
+    # Jobs are cut into tasks of at most this many bytes (at least one block each).
+    task_bytes: int = 8 * MiB
+    # A task running longer than this gets its worker killed (hung mount) and is failed
+    # (loads) or retried elsewhere (stores).
+    io_timeout_s: float = 60.0
+    # How many times a store task whose worker died is retried on another worker.
+    max_task_retries: int = 2
+    # "auto": probe the root once; True: use where aligned (fall back if refused);
+    # False: always buffered I/O.
+    use_o_direct: bool | str = "auto"
+    # Use the compiled C core when it is available (False: the pure-Python twin).
+    native: bool = True
+    # Emit "stored" events from take_events() for keys of successful stores.
+    enable_events: bool = False
+    # CPU priority of worker processes (0 = same as the engine, 19 = lowest).
+    worker_nice: int = 0
+    # CPUs the workers may run on (empty: all). e.g. [1] keeps them off core 0.
+    worker_cpus: list[int] = field(default_factory=list)
+    # Fault in every page of the primary buffer when a worker starts, so the first
+    # jobs do not pay one minor fault per 4 KiB page.
+    prefault: bool = True
+    # A worker that has not reported ready by then counts as failed to boot.
+    worker_start_timeout_s: float = 60.0
+    # Most keys checked by one lookup task.
+    lookup_batch_keys: int = 256
+    # File layout fields (vLLM's FileMapper): they name the cache folder.
+    model_name: str = "model"
+    tokens_per_hash: int = 16
+    blocks_per_file: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+    pcp_size: int = 1
+    dcp_size: int = 1
+    rank: int = 0
+    dtype: str = "bfloat16"
+    kv_cache_groups: list[dict[str, Any]] | None = None
+    inference_engine: str = "vllm"
+    parallel_agnostic: bool = False
+    replicated_layout: bool = False
+    canonical_format: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], base: TierConfig | None = None) -> TierConfig:
+        """A config from ``values`` on top of ``base`` (or the defaults).
+
+        Raises ``ConfigError`` naming any unknown key.
+        """
+        known = set(cls.field_names())
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown TierConfig key(s) {', '.join(map(repr, unknown))}; "
+                f"known keys: {', '.join(sorted(known))}")
+        start = dataclasses.asdict(base) if base is not None else {}
+        start.update(values)
+        return cls(**start)
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> TierConfig:
+        """Load a TOML file (flat keys, or under a ``[tier]`` table); ``overrides`` win."""
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {os.fspath(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {os.fspath(path)!r} is not valid TOML: {exc}") \
+                from None
+        if "tier" in data and isinstance(data["tier"], dict):
+            data = data["tier"]
+        data.update(overrides)
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> TierConfig:
+        return self.from_dict(changes, base=self)
+
+    def layout_kwargs(self) -> dict[str, Any]:
+        """Arguments for :class:`mptier.layout.FileMapper` (without ``root_dir``)."""
+        names = ("model_name", "tokens_per_hash", "blocks_per_file", "tp_size", "pp_size",
+                 "pcp_size", "dcp_size", "rank", "dtype", "kv_cache_groups",
+                 "inference_engine", "parallel_agnostic", "replicated_layout",
+                 "canonical_format")
+        return {name: getattr(self, name) for name in names}
+
+    # -- validation ---------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad field and what it accepts."""
+        self.root_dir = os.fspath(self.root_dir) if self.root_dir is not None else ""
+        _want(isinstance(self.root_dir, str), "root_dir", self.root_dir, "a path string")
+        for name in ("n_load_workers", "n_store_workers"):
+            _want_int(self, name, low=0, high=256)
+        _want(self.n_load_workers + self.n_store_workers >= 1, "n_load_workers",
+              self.n_load_workers, "at least one worker in all (n_load_workers + "
+              "n_store_workers >= 1)")
+        self.task_bytes = _parse_bytes("task_bytes", self.task_bytes)
+        _want(self.task_bytes >= 1, "task_bytes", self.task_bytes, "a positive byte count")
+        for name in ("io_timeout_s", "worker_start_timeout_s"):
+            value = getattr(self, name)
+            _want(isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and value > 0, name, value, "a positive number of seconds")
+        _want_int(self, "max_task_retries", low=0, high=100)
+        if isinstance(self.use_o_direct, str):
+            lowered = self.use_o_direct.lower()
+            mapping = {"auto": "auto", "true": True, "false": False}
+            _want(lowered in mapping, "use_o_direct", self.use_o_direct,
+                  '"auto", true or false')
+            self.use_o_direct = mapping[lowered]
+        else:
+            _want(isinstance(self.use_o_direct, bool), "use_o_direct", self.use_o_direct,
+                  '"auto", true or false')
+        for name in ("native", "enable_events", "prefault", "parallel_agnostic",
+                     "replicated_layout"):
+            _want(isinstance(getattr(self, name), bool), name, getattr(self, name),
+                  "true or false")
+        _want_int(self, "worker_nice", low=0, high=19)
+        _want(isinstance(self.worker_cpus, (list, tuple))
+              and all(isinstance(c, int) and c >= 0 for c in self.worker_cpus),
+              "worker_cpus", self.worker_cpus, "a list of CPU numbers, e.g. [1]")
+        self.worker_cpus = list(self.worker_cpus)
+        _want_int(self, "lookup_batch_keys", low=1, high=1 << 20)
+        _want(isinstance(self.model_name, str) and self.model_name != "", "model_name",
+              self.model_name, "a non-empty string")
+        for name in ("tokens_per_hash", "blocks_per_file", "tp_size", "pp_size", "pcp_size",
+                     "dcp_size"):
+            _want_int(self, name, low=1, high=1 << 30)
+        _want_int(self, "rank", low=0, high=1 << 30)
+        _want(isinstance(self.dtype, str), "dtype", self.dtype, "a string such as 'bfloat16'")
+        _want(self.kv_cache_groups is None or isinstance(self.kv_cache_groups, list),
+              "kv_cache_groups", self.kv_cache_groups, "a list of tables, or absent")
+        _want(isinstance(self.inference_engine, str), "inference_engine",
+              self.inference_engine, "a string")
+        _want(self.canonical_format is None or isinstance(self.canonical_format, str),
+              "canonical_format", self.canonical_format, "a string, or absent")
+
+
+def _want(ok: bool, name: str, value: Any, accepted: str) -> None:
+    if not ok:
+        raise ConfigError(f"TierConfig.{name} = {value!r} is invalid: expected {accepted}")
+
+
+def _want_int(config: TierConfig, name: str, *, low: int, high: int) -> None:
+    value = getattr(config, name)
+    _want(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
+          name, value, f"a whole number from {low} to {high}")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": MiB, "mb": MiB,
+          "mib": MiB, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def _parse_bytes(name: str, value: Any) -> int:
+    """Accept 8388608, "8M", "8 MiB", "512k" (binary units)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        number = text.rstrip("kmgib ")
+        unit = text[len(number):].strip()
+        try:
+            if unit in _UNITS:
+                return int(float(number) * _UNITS[unit])
+        except ValueError:
+            pass
+    raise ConfigError(f"TierConfig.{name} = {value!r} is invalid: expected a byte count "
+                      "such as 8388608, \"8M\" or \"512KiB\"")
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a byte count with an optional binary unit ("2M", "256KiB")."""
+    return _parse_bytes("value", text)

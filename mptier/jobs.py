@@ -1,0 +1,246 @@
+"""The records of the tier: what the engine hands in, what it gets back, and the small
+versioned messages that cross the process boundary.
+
+Engine-facing: :class:`TransferJob`, :class:`JobResult`, :class:`LookupResult`,
+:class:`TierEvent`.
+
+Wire records (engine <-> workers), all little-endian and fixed-layout:
+
+* a **task** is exactly :data:`TASK_RECORD_BYTES` bytes, so that it is written to a
+  queue pipe in one atomic ``write`` and read back whole by exactly one worker::
+
+      header  magic "MPT" version(u8) kind(u8) attempt(u8) reserved(u16)
+              n_items(u32) task_id(u64)
+      body    n_items x block_id (u64)   [not for EXISTS]
+              n_items x key length (u16)
+              the keys back to back, then zero padding
+
+* a **message** (worker -> engine) is at most ``PIPE_BUF`` bytes, length-prefixed, and
+  also written in one atomic ``write``::
+
+      length(u16) type(u8) version(u8) slot(u16) reserved(u16) pid(u32) errno(i32)
+      n_done(u32) task_id(u64) started_ns(u64) elapsed_ns(u64) payload...
+
+  ``payload`` is a bitmap of existing keys for a finished EXISTS task, or UTF-8 text
+  (an error description) otherwise.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+WIRE_VERSION = 1
+TASK_RECORD_BYTES = 4096  # == PIPE_BUF on Linux: larger writes are not atomic
+_TASK_HEADER = struct.Struct("<3sBBBHIQ")
+TASK_HEADER_BYTES = _TASK_HEADER.size
+_TASK_MAGIC = b"MPT"
+# Bytes one item costs in a task record besides the key itself.
+TASK_ITEM_OVERHEAD = 8 + 2
+EXISTS_ITEM_OVERHEAD = 2
+
+_MESSAGE_HEADER = struct.Struct("<HBBHHIiIQQQ")
+MESSAGE_HEADER_BYTES = _MESSAGE_HEADER.size
+MAX_MESSAGE_BYTES = 4096
+MAX_TEXT_BYTES = 1024
+
+
+class TaskKind(enum.IntEnum):
+    STORE = 1
+    LOAD = 2
+    EXISTS = 3
+
+
+class MessageType(enum.IntEnum):
+    READY = 1  # worker mapped the buffer and waits for tasks
+    DONE = 2  # worker finished a task (errno 0 = success)
+    LEAVING = 3  # worker exits on purpose (shutdown or engine gone)
+    LOST = 4  # supervisor: a worker died or hung holding this task; it was not retried
+    WORKER_DIED = 5  # supervisor: a worker ended unexpectedly (informational)
+    BOOT_FAILED = 6  # worker could not start; payload says why
+
+
+class LookupResult(enum.Enum):
+    """Answer of :meth:`FileSystemTier.lookup` (same members as vLLM's)."""
+
+    HIT = "hit"
+    MISS = "miss"
+    RETRY = "retry"
+
+
+@dataclass
+class TransferJob:
+    """A store or load of whole blocks between primary-buffer slots and files.
+
+    ``keys[i]`` goes to/from slot ``block_ids[i]``.
+    """
+
+    job_id: int
+    keys: Sequence[bytes]
+    block_ids: Sequence[int]
+
+
+@dataclass
+class JobResult:
+    """How a job ended. Every submitted job is reported exactly once.
+
+    ``successful_keys`` is set only for loads that partly failed: the keys that did
+    load, in job order. ``None`` means every key shares the fate of ``success``.
+    ``transfer_time`` is seconds from the first task's I/O start to the last one's end;
+    ``transfer_bytes`` counts the blocks that succeeded.
+    """
+
+    job_id: int
+    success: bool
+    successful_keys: tuple[bytes, ...] | None = None
+    transfer_time: float | None = None
+    transfer_bytes: int | None = None
+    errno: int = 0
+    error: str | None = None
+
+
+@dataclass
+class TierEvent:
+    """``kind`` is ``"stored"`` (keys a successful store wrote) or ``"removed"`` (keys
+    whose files the tier deleted, e.g. corrupt blocks)."""
+
+    kind: str
+    keys: tuple[bytes, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# -- tasks -------------------------------------------------------------------------------
+
+@dataclass
+class Task:
+    kind: TaskKind
+    task_id: int
+    keys: list[bytes]
+    block_ids: list[int]
+    attempt: int = 0
+
+
+def task_record_capacity(kind: TaskKind, key_len: int) -> int:
+    """How many items of ``key_len``-byte keys fit in one task record."""
+    per_item = key_len + (EXISTS_ITEM_OVERHEAD if kind == TaskKind.EXISTS
+                          else TASK_ITEM_OVERHEAD)
+    return (TASK_RECORD_BYTES - TASK_HEADER_BYTES) // per_item
+
+
+def encode_task(kind: TaskKind, task_id: int, keys: Sequence[bytes],
+                block_ids: Sequence[int] = (), attempt: int = 0) -> bytes:
+    """Pack a task into one fixed-size record. Raises ``ValueError`` if it does not fit."""
+    n = len(keys)
+    parts = [_TASK_HEADER.pack(_TASK_MAGIC, WIRE_VERSION, int(kind), attempt, 0, n, task_id)]
+    if kind != TaskKind.EXISTS:
+        parts.append(struct.pack(f"<{n}Q", *block_ids))
+    parts.append(struct.pack(f"<{n}H", *map(len, keys)))
+    parts.extend(keys)
+    record = b"".join(parts)
+    if len(record) > TASK_RECORD_BYTES:
+        raise ValueError(f"task {task_id} needs {len(record)} bytes, more than the "
+                         f"{TASK_RECORD_BYTES}-byte record")
+    return record.ljust(TASK_RECORD_BYTES, b"\0")
+
+
+def peek_task(record: bytes | memoryview) -> tuple[TaskKind, int, int] | None:
+    """``(kind, task_id, attempt)`` of a record, or ``None`` for an empty/invalid one."""
+    magic, version, kind, attempt, _, _, task_id = _TASK_HEADER.unpack_from(record, 0)
+    if magic != _TASK_MAGIC or version != WIRE_VERSION or task_id == 0:
+        return None
+    return TaskKind(kind), task_id, attempt
+
+
+def with_attempt(record: bytes | memoryview, attempt: int) -> bytes:
+    """A copy of ``record`` with its attempt counter set."""
+    copy = bytearray(record)
+    copy[5] = min(attempt, 255)
+    return bytes(copy)
+
+
+def decode_task(record: bytes | memoryview) -> Task:
+    magic, version, kind, attempt, _, n, task_id = _TASK_HEADER.unpack_from(record, 0)
+    if magic != _TASK_MAGIC or version != WIRE_VERSION:
+        raise ValueError(f"not an mptier v{WIRE_VERSION} task record: {bytes(record[:8])!r}")
+    kind = TaskKind(kind)
+    pos = TASK_HEADER_BYTES
+    block_ids: list[int] = []
+    if kind != TaskKind.EXISTS:
+        block_ids = list(struct.unpack_from(f"<{n}Q", record, pos))
+        pos += 8 * n
+    lengths = struct.unpack_from(f"<{n}H", record, pos)
+    pos += 2 * n
+    raw = bytes(record[pos:pos + sum(lengths)])
+    keys = []
+    start = 0
+    for length in lengths:
+        keys.append(raw[start:start + length])
+        start += length
+    return Task(kind, task_id, keys, block_ids, attempt)
+
+
+# -- messages ----------------------------------------------------------------------------
+
+@dataclass
+class Message:
+    type: MessageType
+    slot: int
+    pid: int
+    errno: int = 0
+    n_done: int = 0
+    task_id: int = 0
+    started_ns: int = 0
+    elapsed_ns: int = 0
+    payload: bytes = b""
+
+    @property
+    def text(self) -> str:
+        return self.payload.decode("utf-8", "replace")
+
+
+def encode_message(type_: MessageType, slot: int, pid: int, *, errno: int = 0,
+                   n_done: int = 0, task_id: int = 0, started_ns: int = 0,
+                   elapsed_ns: int = 0, payload: bytes | str = b"") -> bytes:
+    if isinstance(payload, str):
+        payload = payload.encode("utf-8", "replace")[:MAX_TEXT_BYTES]
+    length = MESSAGE_HEADER_BYTES + len(payload)
+    if length > MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return _MESSAGE_HEADER.pack(length, int(type_), WIRE_VERSION, slot, 0, pid, errno,
+                                n_done, task_id, started_ns, elapsed_ns) + payload
+
+
+def decode_messages(buffer: bytearray) -> list[Message]:
+    """Take every whole message off the front of ``buffer`` (in place)."""
+    out = []
+    pos = 0
+    end = len(buffer)
+    while end - pos >= MESSAGE_HEADER_BYTES:
+        (length, type_, version, slot, _, pid, err, n_done, task_id, started, elapsed
+         ) = _MESSAGE_HEADER.unpack_from(buffer, pos)
+        if end - pos < length:
+            break
+        if version != WIRE_VERSION or length < MESSAGE_HEADER_BYTES:
+            raise ValueError(f"corrupt completion stream at byte {pos}: version {version}, "
+                             f"length {length}")
+        payload = bytes(buffer[pos + MESSAGE_HEADER_BYTES:pos + length])
+        out.append(Message(MessageType(type_), slot, pid, err, n_done, task_id, started,
+                           elapsed, payload))
+        pos += length
+    del buffer[:pos]
+    return out
+
+
+def pack_bitmap(flags: Sequence[bool]) -> bytes:
+    out = bytearray((len(flags) + 7) // 8)
+    for i, flag in enumerate(flags):
+        if flag:
+            out[i >> 3] |= 1 << (i & 7)
+    return bytes(out)
+
+
+def unpack_bitmap(data: bytes, n: int) -> list[bool]:
+    return [bool(data[i >> 3] & (1 << (i & 7))) for i in range(n)]

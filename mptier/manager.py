@@ -1,0 +1,535 @@
+"""``FileSystemTier``: the engine-side manager. Every public method is non-blocking
+(except ``drain_jobs`` and ``shutdown``, which exist to block) and runs on the engine's
+scheduler thread.
+
+::
+
+    engine process                                           worker processes
+    ┌───────────────────────────────────────────┐           ┌───────────────────────────┐
+    │ scheduler thread                          │  lookup   │ map primary buffer once   │
+    │  submit_store/_load ─ split into tasks ─▶ │══ pipe ══▶│ take: lookup > own > other│
+    │  lookup ─ on_schedule_end ─ exists tasks ▶│  load     │ native batch I/O (no GIL) │
+    │                                           │══ pipe ══▶│ files under root_dir      │
+    │  get_finished_jobs ◀─ drain, no block ────│  store    │                           │
+    │                                           │══ pipe ══▶│                           │
+    │                                           │◀═ completion pipe (messages) ═════════│
+    │ supervisor thread: pidfds, io_timeout,    │           │ slot in the control block │
+    │   retries, respawn, overflow flush        │◀═ shared memory: who holds which task │
+    └───────────────────────────────────────────┘           └───────────────────────────┘
+      the primary KV buffer is mapped by both sides: no block data crosses a pipe
+
+Who blocks where:
+
+* the scheduler thread blocks nowhere: task records go into non-blocking pipes (or an
+  overflow list when a pipe is full) and completions are read with non-blocking reads;
+* workers block in ``poll()`` on their queues and the lifeline, and in file I/O;
+* the supervisor thread blocks in ``poll()`` on worker pidfds and a wake-up pipe, and
+  ticks every 0.1 s; it holds the GIL only for microseconds at a time.
+
+Every job appears in ``get_finished_jobs()`` exactly once: task ids are unique, the first
+report of a task counts and any later one (a retried store's twin) is ignored.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import logging
+import os
+import select
+import time
+from collections.abc import Hashable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mptier import native
+from mptier.channels import CompletionReader, TaskQueue, make_pipe
+from mptier.config import TierConfig
+from mptier.errors import ConfigError, MptierError, TierClosedError
+from mptier.jobs import (
+    JobResult,
+    LookupResult,
+    Message,
+    MessageType,
+    TaskKind,
+    TierEvent,
+    TransferJob,
+    decode_task,
+    encode_task,
+    task_record_capacity,
+    unpack_bitmap,
+)
+from mptier.keys import check_key
+from mptier.layout import FileMapper
+from mptier.lookup import LookupTable
+from mptier.shm import SharedKVBuffer, cleanup_stale
+from mptier.workers.control import ControlBlock
+from mptier.workers.launcher import LaunchSpec
+from mptier.workers.pool import ProcessPool, ThreadPool
+
+log = logging.getLogger(__name__)
+
+_warned_threads = False
+# Recent job latencies kept for stats() percentiles.
+LATENCY_WINDOW = 4096
+
+
+@dataclass(slots=True)
+class _Job:
+    job_id: int
+    kind: TaskKind
+    keys: list[bytes]
+    submitted_ns: int
+    tasks_left: int
+    ok: bytearray  # per key: 1 when it succeeded
+    errno: int = 0
+    error: str | None = None
+    first_start_ns: int = 0
+    last_end_ns: int = 0
+
+
+@dataclass(slots=True)
+class _TaskRef:
+    job: _Job | None  # None: an existence check for lookups
+    start: int
+    keys: list[bytes]
+
+
+@dataclass
+class _Counters:
+    jobs_submitted: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
+    jobs_failed: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
+    bytes_done: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
+    keys_checked: int = 0
+    keys_found: int = 0
+    corrupt_removed: int = 0
+
+
+class FileSystemTier:
+    """A secondary KV tier on a file system, served by worker processes.
+
+    ``FileSystemTier(buffer, root_dir=..., **overrides)``: ``buffer`` is a
+    :class:`SharedKVBuffer` or the engine's own memory (see
+    :meth:`SharedKVBuffer.from_memoryview`); keyword overrides apply on top of ``config``
+    (a :class:`TierConfig`, defaults otherwise). The constructor blocks until every worker
+    is ready and raises :class:`MptierError` if they cannot start, ``OSError`` naming the
+    path if ``root_dir`` cannot be used.
+    """
+
+    def __init__(self, buffer: SharedKVBuffer | Any, config: TierConfig | None = None,
+                 **overrides: Any) -> None:
+        self._closed = True  # until fully constructed, so shutdown() is safe on failure
+        cfg = TierConfig.from_dict(overrides, base=config) if overrides or config is None \
+            else config
+        if not cfg.root_dir:
+            raise ConfigError("TierConfig.root_dir is required: the folder block files go "
+                              "into, e.g. FileSystemTier(buf, root_dir='/mnt/kv')")
+        self.config = cfg
+        if not isinstance(buffer, SharedKVBuffer):
+            buffer = SharedKVBuffer.from_memoryview(buffer)
+        self._buffer = buffer
+        self._block_bytes = buffer.block_bytes
+        self._num_blocks = buffer.num_blocks
+        self.mapper = FileMapper(cfg.root_dir, **cfg.layout_kwargs())
+        self.mapper.write_config()
+        if cfg.use_o_direct == "auto":
+            self.use_o_direct = native.probe_o_direct(self.mapper.blocks_dir)
+        else:
+            self.use_o_direct = bool(cfg.use_o_direct)
+        self.native = cfg.native and native.HAS_NATIVE
+        cleanup_stale()
+
+        self._jobs: dict[int, _Job] = {}
+        self._tasks: dict[int, _TaskRef] = {}
+        self._next_task_id = 1
+        self._finished: list[JobResult] = []
+        self._events: list[TierEvent] = []
+        self._lookups = LookupTable()
+        self._counters = _Counters()
+        self._latency: dict[str, collections.deque[float]] = {
+            "store": collections.deque(maxlen=LATENCY_WINDOW),
+            "load": collections.deque(maxlen=LATENCY_WINDOW)}
+        self._boot_errors: list[str] = []
+        self._ready = 0
+        self._per_task = max(1, cfg.task_bytes // self._block_bytes)
+        self._queues = {kind: TaskQueue(name) for kind, name in (
+            (TaskKind.EXISTS, "lookup"), (TaskKind.LOAD, "load"), (TaskKind.STORE, "store"))}
+        self._completions = CompletionReader()
+        self._lifeline_r, self._lifeline_w = make_pipe(4096)
+        self._segment_fds: list[int] = []
+        self._control: ControlBlock | None = None
+        roles = ["load"] * cfg.n_load_workers + ["store"] * cfg.n_store_workers
+        self._closed = False
+        self._shut_down = False
+        try:
+            self._pool = self._make_pool(roles)
+            self._pool.start()
+            self._wait_ready(len(roles))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _make_pool(self, roles: list[str]) -> ProcessPool | ThreadPool:
+        cfg = self.config
+        q = self._queues
+        if not self._buffer.shareable:
+            global _warned_threads
+            if not _warned_threads:
+                _warned_threads = True
+                log.warning("mptier: the primary buffer cannot be shared with worker "
+                            "processes (%s); running I/O on %d threads in this process "
+                            "instead (io_timeout_s is not enforced there)",
+                            self._buffer.unshareable_reason, len(roles))
+            self.mode = "threads"
+            return ThreadPool(
+                roles=roles, memory=memoryview(self._buffer.view).cast("B"),
+                lookup_queue=q[TaskKind.EXISTS], load_queue=q[TaskKind.LOAD],
+                store_queue=q[TaskKind.STORE], completion_fd=self._completions.write_fd,
+                lifeline_fd=self._lifeline_r, mapper=self.mapper,
+                backend=native.get_backend("native" if self.native else "python"),
+                use_o_direct=self.use_o_direct, block_bytes=self._block_bytes)
+        self.mode = "processes"
+        segments = self._buffer.open_segments()
+        self._segment_fds = [s.fd for s in segments]
+        self._control = ControlBlock(2 * len(roles) + 2)
+        spec = LaunchSpec(
+            n_slots=self._control.n_slots, control_fd=self._control.fd,
+            lookup_queue_fd=q[TaskKind.EXISTS].read_fd, load_queue_fd=q[TaskKind.LOAD].read_fd,
+            store_queue_fd=q[TaskKind.STORE].read_fd,
+            completion_fd=self._completions.write_fd, lifeline_fd=self._lifeline_r,
+            segments=segments, nbytes=self._buffer.nbytes, block_bytes=self._block_bytes,
+            layout={"root_dir": cfg.root_dir, **cfg.layout_kwargs()},
+            use_o_direct=self.use_o_direct, native=self.native, nice=cfg.worker_nice,
+            cpus=cfg.worker_cpus, prefault=cfg.prefault)
+        return ProcessPool(
+            spec=spec, roles=roles, control=self._control, lookup_queue=q[TaskKind.EXISTS],
+            load_queue=q[TaskKind.LOAD], store_queue=q[TaskKind.STORE],
+            completion_fd=self._completions.write_fd, mapper=self.mapper,
+            io_timeout_s=cfg.io_timeout_s, max_task_retries=cfg.max_task_retries,
+            start_timeout_s=cfg.worker_start_timeout_s)
+
+    def _wait_ready(self, n_workers: int) -> None:
+        deadline = time.monotonic() + self.config.worker_start_timeout_s
+        while self._ready < n_workers:
+            if self._pool.broken_reason:
+                raise MptierError(f"mptier workers could not start: "
+                                  f"{self._pool.broken_reason}")
+            if time.monotonic() > deadline:
+                raise MptierError(f"only {self._ready} of {n_workers} mptier workers "
+                                  f"reported ready within {self.config.worker_start_timeout_s}"
+                                  f" s; errors: {self._boot_errors or 'none reported'}")
+            select.select([self._completions.read_fd], [], [], 0.05)
+            self._pump()
+
+    # -- submitting ------------------------------------------------------------------------
+
+    def submit_store(self, job: TransferJob) -> None:
+        """Queue a store of ``job.keys`` from slots ``job.block_ids``. Never blocks.
+
+        Raises ``ValueError`` (nothing queued) for a bad key, a block id outside the
+        buffer, mismatched lengths or a job id already in flight.
+        """
+        self._submit(TaskKind.STORE, job)
+
+    def submit_load(self, job: TransferJob) -> None:
+        """Queue a load of ``job.keys`` into slots ``job.block_ids``. Never blocks.
+
+        Raises ``ValueError`` like :meth:`submit_store`.
+        """
+        self._submit(TaskKind.LOAD, job)
+
+    def _submit(self, kind: TaskKind, job: TransferJob) -> None:
+        if self._closed:
+            raise TierClosedError("the tier was shut down; no more jobs can be submitted")
+        job_id = job.job_id
+        if job_id in self._jobs:
+            raise ValueError(f"job_id {job_id!r} is already in flight; job ids must be "
+                             "unique among unfinished jobs")
+        keys = job.keys if type(job.keys) is list else list(job.keys)
+        block_ids = job.block_ids
+        if hasattr(block_ids, "tolist"):  # numpy arrays
+            block_ids = block_ids.tolist()
+        elif type(block_ids) is not list:
+            block_ids = list(block_ids)
+        n = len(keys)
+        if len(block_ids) != n:
+            raise ValueError(f"job {job_id}: {n} keys but {len(block_ids)} block_ids; "
+                             "each key needs exactly one block id")
+        for key in keys:
+            if type(key) is not bytes or len(key) <= 4:
+                keys = [check_key(k) for k in keys]  # raises ValueError naming the key
+                break
+        key_len = max(map(len, keys), default=0)
+        if n:
+            for block_id in block_ids:
+                if type(block_id) is not int:
+                    raise ValueError(f"job {job_id}: block id {block_id!r} is not an int")
+            low, high = min(block_ids), max(block_ids)
+            if low < 0 or high >= self._num_blocks:
+                bad = low if low < 0 else high
+                raise ValueError(f"job {job_id}: block id {bad} is outside the primary "
+                                 f"buffer (valid ids: 0..{self._num_blocks - 1})")
+        per_task = min(self._per_task, task_record_capacity(kind, key_len))
+        if per_task < 1:
+            raise ValueError(f"job {job_id}: a {key_len}-byte key is too long for a task")
+        name = "store" if kind == TaskKind.STORE else "load"
+        self._counters.jobs_submitted[name] += 1
+        state = _Job(job_id, kind, keys, time.monotonic_ns(), 0, bytearray(n))
+        if n == 0:
+            self._finish(state)
+            return
+        records = []
+        tasks = self._tasks
+        task_id = self._next_task_id
+        for start in range(0, n, per_task):
+            part = keys[start:start + per_task]
+            records.append(encode_task(kind, task_id, part, block_ids[start:start + per_task]))
+            tasks[task_id] = _TaskRef(state, start, part)
+            task_id += 1
+        self._next_task_id = task_id
+        state.tasks_left = len(records)
+        self._jobs[job_id] = state
+        self._queues[kind].put_many(records)
+
+    # -- lookups -----------------------------------------------------------------------
+
+    def lookup(self, key: bytes, req_id: Hashable = None) -> LookupResult:
+        """HIT, MISS, or RETRY while the key waits for the next batched check. Never
+        blocks: the check runs in a worker after :meth:`on_schedule_end`."""
+        if self._closed:
+            raise TierClosedError("the tier was shut down")
+        if type(key) is not bytes:
+            key = check_key(key)
+        return self._lookups.lookup(key, req_id)
+
+    def on_schedule_end(self) -> None:
+        """Collect finished checks, then send this step's unchecked keys to the workers."""
+        if self._closed:
+            raise TierClosedError("the tier was shut down")
+        self._pump()
+        keys = self._lookups.take_unsent()
+        if not keys:
+            return
+        per_task = min(self.config.lookup_batch_keys,
+                       task_record_capacity(TaskKind.EXISTS, max(map(len, keys))))
+        records = []
+        for start in range(0, len(keys), per_task):
+            part = keys[start:start + per_task]
+            task_id = self._next_task_id
+            self._next_task_id += 1
+            self._tasks[task_id] = _TaskRef(None, 0, part)
+            records.append(encode_task(TaskKind.EXISTS, task_id, part))
+        self._queues[TaskKind.EXISTS].put_many(records)
+
+    def on_request_finished(self, req_id: Hashable) -> None:
+        """Forget what request ``req_id`` learned from lookups."""
+        self._lookups.forget(req_id)
+
+    # -- results -------------------------------------------------------------------------
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Jobs finished since the last call (each job exactly once). Never blocks.
+
+        Still works after :meth:`shutdown`, to collect the jobs it failed.
+        """
+        if not self._closed:
+            self._pump()
+        if not self._finished:
+            return []
+        out, self._finished = self._finished, []
+        return out
+
+    def take_events(self) -> list[TierEvent]:
+        """"stored" events (when ``enable_events``) and "removed" events since last call."""
+        out, self._events = self._events, []
+        return out
+
+    def fileno(self) -> int:
+        """The completion pipe's read end: readable when there may be news."""
+        return self._completions.read_fd
+
+    def drain_jobs(self) -> None:
+        """Block until every submitted job has finished; after it returns no worker
+        touches the buffer. Results stay queued for :meth:`get_finished_jobs`."""
+        if self._closed:
+            raise TierClosedError("the tier was shut down")
+        while self._jobs:
+            select.select([self._completions.read_fd], [], [], 0.05)
+            self._pump()
+
+    def _pump(self) -> None:
+        for queue in self._queues.values():
+            queue.flush()
+        messages = self._completions.read_available()
+        for message in messages:
+            if message.type == MessageType.DONE or message.type == MessageType.LOST:
+                self._task_finished(message)
+            elif message.type == MessageType.READY:
+                self._ready += 1
+                self._pool.mark_ready(message.slot, message.pid)
+            elif message.type == MessageType.BOOT_FAILED:
+                self._boot_errors.append(f"pid {message.pid}: {message.text}")
+                log.error("mptier worker pid %d failed to start: %s", message.pid,
+                          message.text)
+
+    def _task_finished(self, m: Message) -> None:
+        ref = self._tasks.pop(m.task_id, None)
+        if ref is None:
+            return  # a second report of a task (its retry's twin): the first one counted
+        job = ref.job
+        if job is None:
+            exists = unpack_bitmap(m.payload, len(ref.keys)) if m.type == MessageType.DONE \
+                and not m.errno else [False] * len(ref.keys)
+            self._counters.keys_checked += len(ref.keys)
+            self._counters.keys_found += sum(exists)
+            self._lookups.answer(ref.keys, exists)
+            return
+        n_ok = m.n_done if m.type == MessageType.DONE else 0
+        if n_ok:
+            job.ok[ref.start:ref.start + n_ok] = b"\1" * n_ok
+        if m.errno:
+            if not job.errno:
+                job.errno, job.error = m.errno, m.text or os.strerror(m.errno)
+            if m.errno == errno.ENODATA and job.kind == TaskKind.LOAD:
+                self._counters.corrupt_removed += 1
+                self._events.append(TierEvent("removed", (ref.keys[n_ok],),
+                                              {"reason": "corrupt"}))
+        if m.started_ns:
+            end = m.started_ns + m.elapsed_ns
+            if not job.first_start_ns or m.started_ns < job.first_start_ns:
+                job.first_start_ns = m.started_ns
+            if end > job.last_end_ns:
+                job.last_end_ns = end
+        job.tasks_left -= 1
+        if job.tasks_left == 0:
+            del self._jobs[job.job_id]
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        n_ok = job.ok.count(1)
+        n = len(job.keys)
+        success = n_ok == n
+        name = "store" if job.kind == TaskKind.STORE else "load"
+        successful_keys = None
+        if not success:
+            self._counters.jobs_failed[name] += 1
+            if job.kind == TaskKind.LOAD:
+                self._lookups.mark_miss(k for k, ok in zip(job.keys, job.ok) if not ok)
+                if n_ok:
+                    successful_keys = tuple(k for k, ok in zip(job.keys, job.ok) if ok)
+        elif job.kind == TaskKind.STORE and self.config.enable_events and n:
+            self._events.append(TierEvent("stored", tuple(job.keys)))
+        nbytes = n_ok * self._block_bytes
+        self._counters.bytes_done[name] += nbytes
+        now = time.monotonic_ns()
+        self._latency[name].append((now - job.submitted_ns) / 1e9)
+        elapsed = (job.last_end_ns - job.first_start_ns) / 1e9 if job.first_start_ns else 0.0
+        self._finished.append(JobResult(job.job_id, success, successful_keys, elapsed, nbytes,
+                                        job.errno, job.error))
+
+    # -- introspection -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, queue depths, latency percentiles and one entry per worker."""
+        def percentiles(samples: collections.deque[float]) -> dict[str, float | None]:
+            ordered = sorted(samples)
+
+            def pick(q: float) -> float | None:
+                return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered \
+                    else None
+
+            return {"p50_s": pick(0.5), "p99_s": pick(0.99), "count": len(ordered)}
+
+        queues = {}
+        if not self._closed:
+            queues = {q.name: q.pipe_depth() + q.overflow_depth
+                      for q in self._queues.values()}
+        return {
+            "mode": self.mode if hasattr(self, "mode") else "none",
+            "closed": self._closed,
+            "root": self.mapper.base_path,
+            "o_direct": self.use_o_direct,
+            "native": self.native,
+            "block_bytes": self._block_bytes,
+            "blocks_per_task": self._per_task,
+            "jobs_in_flight": len(self._jobs),
+            "tasks_in_flight": len(self._tasks),
+            "queued_tasks": queues,
+            "lookup_requests": self._lookups.requests,
+            "lookup_keys_pending": self._lookups.pending_keys,
+            **asdict(self._counters),
+            "latency": {k: percentiles(v) for k, v in self._latency.items()},
+            "pool": asdict(self._pool.counters) if hasattr(self, "_pool") else {},
+            "workers": self._pool.worker_stats() if hasattr(self, "_pool") else [],
+        }
+
+    def worker_pids(self) -> list[int]:
+        return self._pool.pids() if hasattr(self, "_pool") else []
+
+    # -- shutting down -------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Drop queued work (reported failed), let in-flight copies finish, stop the
+        workers and release every pipe and shared object the tier made. Idempotent.
+
+        Blocks for at most the time in-flight tasks take (then escalates to SIGKILL).
+        """
+        if getattr(self, "_shut_down", False):
+            return
+        self._shut_down = True
+        self._closed = True
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.begin_stop()
+        for queue in getattr(self, "_queues", {}).values():
+            for record in queue.take_all():
+                self._fail_task(decode_task(record).task_id, errno.ECANCELED,
+                                "cancelled: the tier shut down before the task ran")
+        if hasattr(self, "_lifeline_w"):
+            os.close(self._lifeline_w)
+        forced = pool.stop(on_wait=self._read_completions) if pool is not None else []
+        if forced:
+            log.warning("mptier shutdown: %s", "; ".join(forced))
+        if hasattr(self, "_completions"):
+            self._read_completions()
+        for task_id in list(getattr(self, "_tasks", ())):
+            self._fail_task(task_id, errno.ECANCELED,
+                            "the tier shut down while the task was running")
+        for queue in getattr(self, "_queues", {}).values():
+            queue.close()
+        if hasattr(self, "_completions"):
+            self._completions.close()
+        if hasattr(self, "_lifeline_r"):
+            with contextlib.suppress(OSError):
+                os.close(self._lifeline_r)
+        for fd in getattr(self, "_segment_fds", []):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if getattr(self, "_control", None) is not None:
+            self._control.close()
+
+    def _read_completions(self) -> None:
+        for message in self._completions.read_available():
+            if message.type in (MessageType.DONE, MessageType.LOST):
+                self._task_finished(message)
+
+    def _fail_task(self, task_id: int, err: int, text: str) -> None:
+        self._task_finished(Message(MessageType.LOST, 0, 0, errno=err, task_id=task_id,
+                                    payload=text.encode()))
+
+    def __enter__(self) -> FileSystemTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_shut_down", True):
+            with contextlib.suppress(Exception):
+                self.shutdown()
+
+
+def iter_results(results: Iterable[JobResult]) -> dict[int, JobResult]:
+    """Index results by job id (a convenience for tests and tools)."""
+    return {r.job_id: r for r in results}

@@ -1,0 +1,225 @@
+"""The worker loop: take a task record, run one native batch call, report, repeat.
+
+A worker (a process, or a thread when the buffer cannot be shared) owns one slot of the
+control block. It polls three descriptors and blocks only there:
+
+    lookup queue ─┐
+    own queue    ─┤
+    other queue  ─┼─ poll() ─▶ read one record into the slot ─▶ batch I/O ─▶ message ─▶ pipe
+    lifeline     ─┘            (lookups, own queue, other)       (no GIL)
+
+Existence checks (lookups) are tiny and gate the engine's scheduling, so every worker
+takes them first; then its own priority's queue; then the other one.
+
+It leaves when the lifeline reaches end-of-file (the engine shut down or died), after
+sending LEAVING, so a planned exit is never mistaken for a crash. The I/O never blocks
+the engine: if it hangs, the supervisor kills this process and handles the held task.
+
+Run as a process: ``python -m mptier.workers.worker '<json spec>'`` (see
+:mod:`mptier.workers.launcher`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from mptier.errors import BatchIOError
+from mptier.jobs import (
+    TASK_RECORD_BYTES,
+    MessageType,
+    TaskKind,
+    decode_task,
+    encode_message,
+    pack_bitmap,
+)
+from mptier.layout import FileMapper
+from mptier.workers.control import SLOT_BYTES, SlotState, SlotWriter
+
+_POLL_MS = 1000  # idle wake-up to notice a lifeline that closed without POLLHUP
+_PR_SET_PDEATHSIG = 1
+# Fault injection for tests: MPTIER_FAULT_STALL="store:0.5,load:2" makes the worker sleep
+# that long at the start of each task of that kind, as a slow or hung file system would.
+STALL_ENV = "MPTIER_FAULT_STALL"
+
+
+def _parse_stalls(spec: str) -> dict[TaskKind, float]:
+    stalls = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, _, seconds = part.partition(":")
+        stalls[TaskKind[kind.upper()]] = float(seconds)
+    return stalls
+
+
+_STALLS = _parse_stalls(os.environ.get(STALL_ENV, ""))
+
+
+@dataclass
+class WorkerContext:
+    slot: int
+    role: str
+    lookup_fd: int
+    own_fd: int
+    other_fd: int
+    completion_fd: int
+    lifeline_fd: int
+    memory: memoryview
+    slot_writer: SlotWriter
+    mapper: FileMapper
+    backend: Any
+    use_o_direct: bool
+    block_bytes: int
+
+
+def run_worker(ctx: WorkerContext) -> str:
+    """Serve tasks until the lifeline closes. Returns why the worker left."""
+    poller = select.poll()
+    for fd in (ctx.lookup_fd, ctx.own_fd, ctx.other_fd):
+        poller.register(fd, select.POLLIN)
+    poller.register(ctx.lifeline_fd, select.POLLIN)
+    record = ctx.slot_writer.record
+    pid = os.getpid()
+    ctx.slot_writer.set_state(SlotState.IDLE)
+    _send(ctx, encode_message(MessageType.READY, ctx.slot, pid))
+    while True:
+        took = (_take(ctx.lookup_fd, record) or _take(ctx.own_fd, record)
+                or _take(ctx.other_fd, record))
+        if not took:
+            events = poller.poll(_POLL_MS)
+            if any(fd == ctx.lifeline_fd for fd, _ in events):
+                return "engine closed the lifeline"
+            continue
+        started = time.monotonic_ns()
+        ctx.slot_writer.mark_started(started)
+        message, nbytes, failed = _run_task(ctx, record, started, pid)
+        _send(ctx, message)
+        ctx.slot_writer.finish(nbytes, time.monotonic_ns() - started, failed)
+        if _lifeline_closed(ctx.lifeline_fd):
+            return "engine closed the lifeline"
+
+
+def _take(fd: int, record: memoryview) -> bool:
+    try:
+        n = os.readv(fd, [record])
+    except BlockingIOError:
+        return False
+    if n != TASK_RECORD_BYTES:  # cannot happen with whole-record writes; never run half
+        record[:16] = bytes(16)
+        return False
+    return True
+
+
+def _lifeline_closed(fd: int) -> bool:
+    ready, _, _ = select.select([fd], [], [], 0)
+    return bool(ready)
+
+
+def _send(ctx: WorkerContext, message: bytes) -> None:
+    os.write(ctx.completion_fd, message)
+
+
+def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
+              ) -> tuple[bytes, int, bool]:
+    task = decode_task(record)
+    if _STALLS and task.kind in _STALLS:
+        time.sleep(_STALLS[task.kind])
+    paths = [ctx.mapper.path_for(key) for key in task.keys]
+    err = 0
+    n_done = len(paths)
+    payload: bytes | str = b""
+    try:
+        if task.kind == TaskKind.EXISTS:
+            payload = pack_bitmap(ctx.backend.batch_exists(paths))
+        else:
+            offsets = [block_id * ctx.block_bytes for block_id in task.block_ids]
+            io = ctx.backend.batch_store if task.kind == TaskKind.STORE \
+                else ctx.backend.batch_load
+            io(paths, ctx.memory, offsets, ctx.block_bytes, use_o_direct=ctx.use_o_direct)
+    except BatchIOError as exc:
+        err, n_done, payload = exc.errno or errno.EIO, exc.n_succeeded, str(exc)
+    except Exception as exc:  # a bug or bad input must not kill the worker: report it
+        err, n_done = errno.EIO, 0
+        payload = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    elapsed = time.monotonic_ns() - started
+    nbytes = 0 if task.kind == TaskKind.EXISTS else n_done * ctx.block_bytes
+    message = encode_message(MessageType.DONE, ctx.slot, pid, errno=err, n_done=n_done,
+                             task_id=task.task_id, started_ns=started, elapsed_ns=elapsed,
+                             payload=payload)
+    return message, nbytes, bool(err)
+
+
+# -- process entry ---------------------------------------------------------------------
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL us if the thread that spawned us exits (the supervisor)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def process_main(spec: dict[str, Any]) -> int:
+    from mptier import native
+    from mptier.mapping import MappedBuffer, Segment
+    from mptier.workers.control import ControlBlock
+
+    _die_with_parent(spec["parent_pid"])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the engine's terminal
+    slot, role = spec["slot"], spec["role"]
+    completion_fd = spec["completion_fd"]
+    control = ControlBlock(spec["n_slots"], fd=spec["control_fd"])
+    base = slot * SLOT_BYTES
+    writer = SlotWriter(control.memory[base:base + SLOT_BYTES], role)
+    try:
+        if spec.get("nice"):
+            os.setpriority(os.PRIO_PROCESS, 0, spec["nice"])
+        if spec.get("cpus"):
+            os.sched_setaffinity(0, spec["cpus"])
+        segments = [Segment(**seg) for seg in spec["segments"]]
+        buffer = MappedBuffer(segments, spec["nbytes"])
+        for seg in segments:  # mapped: the descriptors are no longer needed
+            os.close(seg.fd)
+        if spec.get("prefault"):
+            buffer.prefault()
+        backend = native.get_backend("native" if spec["native"] and native.HAS_NATIVE
+                                     else "python")
+        mapper = FileMapper(**spec["layout"])
+    except Exception as exc:
+        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        os.write(completion_fd, encode_message(MessageType.BOOT_FAILED, slot, os.getpid(),
+                                               errno=getattr(exc, "errno", 0) or 0,
+                                               payload=text))
+        return 3
+    ctx = WorkerContext(slot=slot, role=role, lookup_fd=spec["lookup_fd"],
+                        own_fd=spec["own_fd"],
+                        other_fd=spec["other_fd"], completion_fd=completion_fd,
+                        lifeline_fd=spec["lifeline_fd"], memory=buffer.memory,
+                        slot_writer=writer, mapper=mapper, backend=backend,
+                        use_o_direct=spec["use_o_direct"], block_bytes=spec["block_bytes"])
+    try:
+        reason = run_worker(ctx)
+    except BrokenPipeError:
+        return 0  # the engine is gone; nobody to tell
+    writer.set_state(SlotState.LEAVING)
+    try:
+        os.write(completion_fd, encode_message(MessageType.LEAVING, slot, os.getpid(),
+                                               payload=reason))
+    except BrokenPipeError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(process_main(json.loads(sys.argv[1])))

@@ -1,0 +1,152 @@
+"""``mptier bench`` end to end on tiny sizes: every design, every figure, consistent
+ratios, and a corrupted block caught by the byte-for-byte check. No speed assertions."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+
+from mptier.bench import cli, harness
+from mptier.bench.designs import parse_designs, parse_spec
+from mptier.bench.engine import MptierDesign, config_overrides
+from mptier.bench.measure import CacheDrop, parse_size
+from mptier.bench.report import FIGURE_KEYS
+
+TINY = ["--block-bytes", "64K", "--job-blocks", "4", "--inflight-jobs", "4",
+        "--total-bytes", "2M", "--single-job-blocks", "8", "--repeats", "1",
+        "--idle-seconds", "0.05", "--work-us", "200", "--wait-us", "200", "--no-progress"]
+
+# Figures a job-driven design (a, b, c) must fill; (d) has only these three kinds.
+RAW_FIGURES = {"store_gbps", "load_gbps", "interference", "interference_store",
+               "interference_load"}
+
+
+def job_designs() -> list[str]:
+    designs = ["baseline", "pool-native"]
+    if MptierDesign.available() is None:
+        designs.insert(0, "mptier:workers=1+1:prefault=0")
+    return designs
+
+
+@pytest.fixture
+def fake_drop(monkeypatch) -> list[int]:
+    """Record page-cache drops instead of dropping the whole machine's cache."""
+    calls: list[int] = []
+
+    def drop() -> CacheDrop:
+        calls.append(1)
+        return CacheDrop(True)
+
+    monkeypatch.setattr(harness, "drop_page_cache", drop)
+    return calls
+
+
+def run_bench(tmp_path, *extra: str) -> tuple[int, dict]:
+    out = tmp_path / "out.json"
+    rc = cli.main(["--root", str(tmp_path), *TINY, "--json", str(out), *extra])
+    return rc, json.loads(out.read_text())
+
+
+def test_every_design_reports_every_figure_with_consistent_ratios(tmp_path, fake_drop,
+                                                                  capsys):
+    designs = [*job_designs(), "raw:tool=loop"]
+    png, md = tmp_path / "chart.png", tmp_path / "table.md"
+    rc, doc = run_bench(tmp_path, "--designs", ",".join(designs), "--plot", str(png),
+                        "--markdown", str(md))
+    assert rc == 0, doc["cases"][0]["problems"]
+    (case,) = doc["cases"]
+    assert case["problems"] == []
+    assert case["page_cache_dropped"] is True
+    assert fake_drop, "the page cache was never dropped"
+    assert [r["label"] for r in case["designs"]] == designs
+    assert case["reference_b"] == "baseline" and case["reference_d"] == "raw:tool=loop"
+
+    records = {r["label"]: r for r in case["designs"]}
+    b, d = records["baseline"], records["raw:tool=loop"]
+    for r in case["designs"]:
+        assert r["error"] is None, r
+        assert set(r["figures"]) == set(FIGURE_KEYS)
+        assert set(r["ratio_to_b"]) == set(FIGURE_KEYS) == set(r["ratio_to_d"])
+        filled = {k for k, v in r["figures"].items() if v is not None}
+        want = RAW_FIGURES if r["letter"] == "d" else set(FIGURE_KEYS)
+        assert filled == want, (r["label"], want - filled, filled - want)
+        for key in FIGURE_KEYS:
+            for ref, ratios in ((b, r["ratio_to_b"]), (d, r["ratio_to_d"])):
+                value, base = r["figures"][key], ref["figures"][key]
+                if value is None or not base:
+                    assert ratios[key] is None
+                else:
+                    assert math.isclose(ratios[key], value / base)
+        if r["letter"] != "d":
+            assert r["verify"]["ok"] and r["verify"]["blocks_checked"] == 32
+            assert r["single_verify"]["ok"]
+            assert r["jobs"]["store"] == {"jobs": 8, "failed": 0, "duplicates": 0,
+                                          "seconds": r["jobs"]["store"]["seconds"],
+                                          "bytes_ok": 2 << 20}
+    assert all(v == 1.0 for v in b["ratio_to_b"].values() if v is not None)
+    assert all(v == 1.0 for v in d["ratio_to_d"].values() if v is not None)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "baseline" in md.read_text()
+    assert "store throughput" in capsys.readouterr().out
+    assert not list(tmp_path.glob("mptier-bench-*")), "design folders left behind"
+
+
+def test_corrupted_block_fails_verification(tmp_path, fake_drop):
+    rc, doc = run_bench(tmp_path, "--designs", "baseline", "--inject-corruption", "2")
+    assert rc == 1
+    (record,) = doc["cases"][0]["designs"]
+    assert record["corrupted_files"] == 2
+    assert record["verify"]["ok"] is False
+    assert record["verify"]["mismatched"] == 2
+    assert record["jobs"]["load"]["failed"] == 0  # the loads "succeeded": only bytes tell
+    assert any("differ" in p for p in doc["cases"][0]["problems"])
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_fio_raw_limit(tmp_path, fake_drop):
+    rc, doc = run_bench(tmp_path, "--designs", "baseline,raw:tool=fio")
+    assert rc == 0, doc["cases"][0]["problems"]
+    raw = doc["cases"][0]["designs"][1]
+    assert raw["info"]["tool"] == "fio" and raw["info"]["files"] == 32
+    assert raw["figures"]["store_gbps"] > 0 and raw["figures"]["load_gbps"] > 0
+
+
+def test_rounds_report_medians(tmp_path, fake_drop):
+    rc, doc = run_bench(tmp_path, "--designs", "baseline", "--rounds", "2")
+    assert rc == 0
+    (record,) = doc["cases"][0]["designs"]
+    assert len(record["rounds"]) == 2
+    assert record["jobs"]["store"]["jobs"] == 16
+    values = sorted(r["store_gbps"] for r in record["rounds"])
+    assert math.isclose(record["figures"]["store_gbps"], sum(values) / 2)
+
+
+def test_design_specs():
+    assert [s.label for s in parse_designs(["a,b", "c d", "mptier:nice=19"])] == [
+        "mptier", "baseline", "pool-native", "raw", "mptier:nice=19"]
+    assert parse_spec("raw-loop").label == "raw:tool=loop"
+    assert parse_spec("b:threads=4+4").build().n_load == 4
+    for bad in ("nosuch", "mptier:nice", "baseline:threads=x", "baseline:colour=red"):
+        with pytest.raises(ValueError):
+            parse_spec(bad).build()
+    assert config_overrides({"workers": "2+3", "nice": "19", "cpus": "1-2",
+                             "task_bytes": "8M", "native": "0"}) == {
+        "n_load_workers": 2, "n_store_workers": 3, "worker_nice": 19,
+        "worker_cpus": [1, 2], "task_bytes": "8M", "native": False}
+
+
+def test_bad_arguments_exit_2(tmp_path, capsys):
+    assert cli.main(["--root", str(tmp_path), "--designs", "nosuch"]) == 2
+    assert cli.main(["--root", str(tmp_path / "missing"), *TINY]) == 2
+    assert "unknown design" in capsys.readouterr().err
+
+
+def test_parse_size():
+    assert parse_size("2M") == parse_size("2MiB") == 2 << 20
+    assert parse_size("256k") == 256 << 10
+    assert parse_size("4096") == 4096
+    with pytest.raises(ValueError):
+        parse_size("two megs")

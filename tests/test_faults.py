@@ -1,0 +1,172 @@
+"""Crashes, hangs and a dying engine, with real processes: nothing hangs, no job is lost,
+the pool heals, nothing is left behind."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+from conftest import fill_random, wait_for, wait_results
+
+from mptier import LookupResult, MptierError, TransferJob, make_key
+from mptier.shm import cleanup_stale
+
+KB = 1 << 10
+
+
+def keys_for(n: int, tag: int = 0) -> list[bytes]:
+    return [make_key(os.urandom(31) + bytes([tag]), 0) for _ in range(n)]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def busy_worker(tier, role: str | None = None) -> dict:
+    holder = {}
+
+    def find() -> bool:
+        for w in tier.stats()["workers"]:
+            if w["state"] == "busy" and (role is None or w["role"] == role):
+                holder.update(w)
+                return True
+        return False
+
+    wait_for(find, timeout=10, what="a busy worker")
+    return holder
+
+
+def full_pool(tier, size: int) -> bool:
+    workers = tier.stats()["workers"]
+    return len(workers) == size and all(w["alive"] and w["ready"] for w in workers)
+
+
+def test_sigkill_mid_store_retries_and_replaces(make_buffer, make_tier, monkeypatch):
+    monkeypatch.setenv("MPTIER_FAULT_STALL", "store:0.3")
+    block = 64 * KB
+    buf = make_buffer(16, block)
+    fill_random(buf.view, range(16))
+    tier = make_tier(buf, n_load_workers=1, n_store_workers=2, task_bytes=2 * block)
+    keys = keys_for(16)
+    for j in range(4):
+        tier.submit_store(TransferJob(j, keys[4 * j:4 * j + 4], list(range(4 * j, 4 * j + 4))))
+    victim = busy_worker(tier)
+    os.kill(victim["pid"], signal.SIGKILL)
+    results = wait_results(tier, range(4))
+    assert all(r.success for r in results.values()), results
+    stats = tier.stats()
+    assert stats["pool"]["deaths"] == 1 and stats["pool"]["tasks_retried"] == 1
+    assert "killed by SIGKILL(-9)" in stats["pool"]["last_deaths"][0]
+    wait_for(lambda: full_pool(tier, 3), what="the pool back at full size")
+    assert victim["pid"] not in [w["pid"] for w in tier.stats()["workers"]]
+    for key, block_id in zip(keys, range(16)):
+        with open(tier.mapper.path_for(key), "rb") as f:
+            assert f.read() == buf.view[block_id].tobytes()
+    leftovers = [n for _, _, files in os.walk(tier.mapper.blocks_dir) for n in files
+                 if not n.endswith(".bin")]
+    assert leftovers == []
+
+
+def test_sigkill_mid_load_fails_that_load_only(make_buffer, make_tier, root):
+    buf = make_buffer(8, 4 * KB)
+    fill_random(buf.view, range(2))
+    tier = make_tier(buf, n_load_workers=1, n_store_workers=1)
+    good, stuck = keys_for(2)
+    tier.submit_store(TransferJob(1, [good], [0]))
+    wait_results(tier, [1])
+    path = tier.mapper.path_for(stuck)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.mkfifo(path)  # open() for reading blocks until a writer comes: a hung mount
+    tier.lookup(stuck, "req")
+    tier.submit_load(TransferJob(2, [stuck], [5]))
+    victim = busy_worker(tier)
+    os.kill(victim["pid"], signal.SIGKILL)
+    result = wait_results(tier, [2])[2]
+    assert not result.success and result.errno == errno.EOWNERDEAD
+    assert "killed by SIGKILL" in result.error
+    tier.submit_load(TransferJob(3, [good], [6]))  # the pool still serves
+    assert wait_results(tier, [3])[3].success
+    assert np.array_equal(buf.view[6], buf.view[0])
+    wait_for(lambda: full_pool(tier, 2), what="replacement worker")
+    assert os.path.exists(path), "a failed load must leave the file alone"
+
+
+def test_hung_task_times_out_and_others_keep_flowing(make_buffer, make_tier):
+    buf = make_buffer(16, 4 * KB)
+    fill_random(buf.view, range(4))
+    tier = make_tier(buf, n_load_workers=1, n_store_workers=1, io_timeout_s=1.0)
+    stuck = keys_for(1)[0]
+    path = tier.mapper.path_for(stuck)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.mkfifo(path)
+    started = time.monotonic()
+    tier.submit_load(TransferJob(1, [stuck], [8]))
+    busy_worker(tier)
+    others = keys_for(4, tag=1)
+    for j, key in enumerate(others):  # keeps flowing on the other worker meanwhile
+        tier.submit_store(TransferJob(10 + j, [key], [j]))
+    stores = wait_results(tier, range(10, 14))
+    assert all(r.success for r in stores.values())
+    result = wait_results(tier, [1], timeout=15)[1]
+    waited = time.monotonic() - started
+    assert not result.success and result.errno == errno.ETIMEDOUT
+    assert "io_timeout_s" in result.error
+    assert waited >= 1.0
+    stats = tier.stats()
+    assert stats["pool"]["timeouts"] == 1
+    wait_for(lambda: full_pool(tier, 2), what="replacement worker")
+    tier.submit_load(TransferJob(2, others, [12, 13, 14, 15]))
+    assert wait_results(tier, [2])[2].success
+    assert np.array_equal(buf.view[12:16], buf.view[0:4])
+    assert tier.lookup(stuck, "r") is LookupResult.RETRY
+
+
+def test_workers_that_cannot_boot_make_the_constructor_fail(make_buffer, make_tier):
+    buf = make_buffer(4, 4 * KB)
+    with pytest.raises(MptierError, match="could not start"):
+        make_tier(buf, n_load_workers=1, n_store_workers=0, worker_cpus=[4095])
+
+
+ENGINE = textwrap.dedent("""
+    import json, sys, time
+    from mptier import FileSystemTier, SharedKVBuffer
+    buf = SharedKVBuffer.create(8, 4096)
+    tier = FileSystemTier(buf, root_dir=sys.argv[1], n_load_workers=2, n_store_workers=2,
+                          prefault=False)
+    print(json.dumps({"pids": tier.worker_pids(), "buffer": buf.name}), flush=True)
+    time.sleep(60)
+""")
+
+
+def test_engine_sigkill_workers_leave_and_next_start_cleans_up(root):
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE, root], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        info = json.loads(engine.stdout.readline())
+        assert len(info["pids"]) == 4 and all(not gone(p) for p in info["pids"])
+        engine.kill()
+        engine.wait()
+        killed_at = time.monotonic()
+        wait_for(lambda: all(gone(p) for p in info["pids"]), timeout=2.0,
+                 what="workers to exit after their engine died")
+        assert time.monotonic() - killed_at < 2.0
+        leftover = f"/dev/shm/{info['buffer']}"
+        assert os.path.exists(leftover)  # a killed engine cannot clean up after itself
+        assert info["buffer"] in cleanup_stale()  # what every start runs first
+        assert not os.path.exists(leftover)
+    finally:
+        engine.kill()
+        engine.wait()
+        engine.stdout.close()

@@ -1,0 +1,169 @@
+"""SharedKVBuffer: created, attached, and adopted from the engine's own memory."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+
+import numpy as np
+import pytest
+from conftest import fill_random, wait_results
+
+from mptier import ConfigError, SharedKVBuffer, TransferJob, make_key
+from mptier.mapping import MappedBuffer, Segment
+from mptier.shm import cleanup_stale, owner_alive, unique_name
+
+KB = 1 << 10
+
+
+def keys_for(n: int) -> list[bytes]:
+    return [make_key(os.urandom(32), 1) for _ in range(n)]
+
+
+def round_trip(tier, buf: SharedKVBuffer, n: int) -> None:
+    """Store slots 0..n-1 and load them into n..2n-1; every byte must match."""
+    fill_random(buf.view, range(n), seed=n)
+    keys = keys_for(n)
+    tier.submit_store(TransferJob(1, keys, list(range(n))))
+    assert wait_results(tier, [1])[1].success
+    tier.submit_load(TransferJob(2, keys, list(range(n, 2 * n))))
+    assert wait_results(tier, [2])[2].success
+    assert np.array_equal(buf.view[:n], buf.view[n:2 * n])
+
+
+@contextlib.contextmanager
+def vllm_like_file(tmp_name: str, nbytes: int):
+    """A /dev/shm file mapped shared, as vLLM's scheduler-side primary buffer is."""
+    path = f"/dev/shm/{tmp_name}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes)
+        os.close(fd)
+        fd = -1
+        yield path, mapping
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def test_create_attach_and_unlink():
+    with SharedKVBuffer.create(4, 8 * KB) as buf:
+        assert buf.view.shape == (4, 8 * KB) and buf.view.dtype == np.uint8
+        assert os.path.exists(f"/dev/shm/{buf.name}")
+        assert str(os.getpid()) in buf.name and owner_alive(buf.name)
+        buf.view[2, :5] = [1, 2, 3, 4, 5]
+        other = SharedKVBuffer.attach(buf.name, block_bytes=8 * KB)
+        assert list(other.view[2, :5]) == [1, 2, 3, 4, 5]
+        other.close()
+        other.unlink()  # not the owner: must not remove it
+        assert os.path.exists(f"/dev/shm/{buf.name}")
+        name = buf.name
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize("num_blocks, block_bytes", [(0, 4096), (4, 0), (4, -1), (2.5, 4)])
+def test_create_rejects_bad_sizes(num_blocks, block_bytes):
+    with pytest.raises(ConfigError):
+        SharedKVBuffer.create(num_blocks, block_bytes)
+
+
+def test_stale_objects_of_dead_owners_are_removed():
+    live = unique_name("buf")
+    dead = "mptier.999999999.1.deadbeef.buf"  # no such pid
+    for name in (live, dead):
+        open(f"/dev/shm/{name}", "wb").close()
+    try:
+        removed = cleanup_stale()
+        assert dead in removed and live not in removed
+        assert os.path.exists(f"/dev/shm/{live}") and not os.path.exists(f"/dev/shm/{dead}")
+    finally:
+        for name in (live, dead):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize("unlink_first", [False, True], ids=["file", "unlinked-file"])
+def test_from_memoryview_of_shared_file(make_tier, unlink_first):
+    nbytes = 16 * 16 * KB
+    with vllm_like_file(f"vllm_offload_test{os.getpid()}.mmap", nbytes) as (path, mapping):
+        view2d = np.frombuffer(mapping, dtype=np.uint8).reshape(16, 16 * KB)
+        if unlink_first:  # vLLM unlinks once its own workers mapped the file
+            os.unlink(path)
+        buf = SharedKVBuffer.from_memoryview(memoryview(view2d))
+        assert buf.shareable and buf.block_bytes == 16 * KB and buf.num_blocks == 16
+        tier = make_tier(buf)
+        assert tier.stats()["mode"] == "processes"
+        round_trip(tier, buf, 8)
+        tier.shutdown()
+        buf.close()
+        del view2d
+
+
+def test_from_memoryview_of_two_segments(make_tier):
+    """vLLM splits large buffers into `.mmap`, `.mmap.1`...: one contiguous mapping."""
+    seg_bytes = 8 * 16 * KB
+    base = f"/dev/shm/vllm_offload_seg{os.getpid()}.mmap"
+    paths = [base, base + ".1"]
+    fds = []
+    try:
+        for p in paths:
+            fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, seg_bytes)
+            fds.append(fd)
+        mapped = MappedBuffer([Segment(fd, 0, seg_bytes, i * seg_bytes, p)
+                               for i, (fd, p) in enumerate(zip(fds, paths))], 2 * seg_bytes)
+        buf = SharedKVBuffer.from_memoryview(mapped.memory, block_bytes=16 * KB)
+        assert buf.shareable and len(buf.open_segments()) == 2
+        tier = make_tier(buf)
+        round_trip(tier, buf, 8)  # blocks 0-7 in the first file, 8-15 in the second
+        with open(paths[1], "rb") as f:  # the loads landed in the second file
+            assert f.read(16 * KB) == buf.view[8].tobytes()
+        tier.shutdown()
+        buf.close()
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for p in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+
+def test_anonymous_memory_falls_back_to_threads(make_tier, caplog):
+    import mptier.manager
+
+    mptier.manager._warned_threads = False
+    memory = np.zeros((16, 16 * KB), dtype=np.uint8)
+    buf = SharedKVBuffer.from_memoryview(memory)
+    assert not buf.shareable and "anonymous" in buf.unshareable_reason
+    with caplog.at_level(logging.WARNING, logger="mptier.manager"):
+        tier = make_tier(buf, n_load_workers=1, n_store_workers=1)
+        second = make_tier(buf, n_load_workers=1, n_store_workers=1)
+    warnings = [r for r in caplog.records if "cannot be shared" in r.getMessage()]
+    assert len(warnings) == 1, "warn once"
+    second.shutdown()
+    assert tier.stats()["mode"] == "threads"
+    assert all(w["pid"] == os.getpid() for w in tier.stats()["workers"])
+    round_trip(tier, buf, 8)
+    assert np.array_equal(memory[:8], memory[8:16])  # the engine's own array got the data
+
+
+def test_private_file_mapping_is_not_shareable(tmp_path):
+    path = tmp_path / "private.bin"
+    path.write_bytes(bytes(4 * 4096))
+    with open(path, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 4 * 4096, flags=mmap.MAP_PRIVATE)
+    buf = SharedKVBuffer.from_memoryview(mapping, block_bytes=4096)
+    assert not buf.shareable and "private" in buf.unshareable_reason
+    buf.close()
+
+
+def test_from_memoryview_needs_block_bytes_for_flat_memory():
+    with pytest.raises(ConfigError, match="block_bytes is required"):
+        SharedKVBuffer.from_memoryview(bytearray(8192))
+    with pytest.raises(ConfigError, match="not a multiple"):
+        SharedKVBuffer.from_memoryview(bytearray(8192), block_bytes=3000)
