@@ -100,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from mptier.bench.cli import add_arguments
         from mptier.bench.cli import run as run_bench
-    except ImportError:  # pragma: no cover - the bench ships with the package
-        bench.set_defaults(func=lambda a: _missing(exc))
+    except ImportError as exc:  # pragma: no cover - the bench ships with the package
+        reason = str(exc)
+        bench.set_defaults(func=lambda a: _missing(reason))
     else:
         add_arguments(bench)
         bench.set_defaults(func=lambda a: run_bench(a, sys.argv[2:]))

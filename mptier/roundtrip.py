@@ -76,12 +76,13 @@ def fill_random(view: np.ndarray, seed: int = 0) -> None:
 
 
 def _progress(label: str, done: int, total: int, started: float) -> None:
-    if not sys.stderr.isatty() and done not in (total,) and done % max(1, total // 4):
-        return
+    """A live counter on a terminal; a line per quarter otherwise (logs, CI)."""
     rate = done / max(time.perf_counter() - started, 1e-9)
-    sys.stderr.write(f"\r  {label}: {done}/{total} jobs ({rate:.0f} jobs/s)   ")
-    if done == total:
-        sys.stderr.write("\n")
+    text = f"  {label}: {done}/{total} jobs ({rate:.0f} jobs/s)"
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r{text}   " + ("\n" if done == total else ""))
+    else:
+        sys.stderr.write(text + "\n")
     sys.stderr.flush()
 
 
@@ -93,6 +94,8 @@ def _run_jobs(tier: FileSystemTier, kind: str, keys: list[bytes], slots: list[in
     started = time.perf_counter()
     submitted = finished = 0
     last_report = 0.0
+    tty = sys.stderr.isatty()
+    reported_quarter = 0
     while finished < len(jobs):
         while submitted - finished < inflight and submitted < len(jobs):
             submit(TransferJob(first_id + submitted, *jobs[submitted]))
@@ -103,8 +106,10 @@ def _run_jobs(tier: FileSystemTier, kind: str, keys: list[bytes], slots: list[in
                 raise RuntimeError(f"{kind} job {result.job_id} failed: {result.error}")
         finished += len(results)
         now = time.perf_counter()
-        if results and (now - last_report > 0.25 or finished == len(jobs)):
-            last_report = now
+        quarter = finished * 4 // len(jobs)
+        if results and (quarter > reported_quarter if not tty
+                        else now - last_report > 0.25 or finished == len(jobs)):
+            last_report, reported_quarter = now, quarter
             _progress(kind, finished, len(jobs), started)
         if not results:
             time.sleep(0.0002)

@@ -287,10 +287,16 @@ def test_events_off_by_default(make_buffer, make_tier):
     assert tier.take_events() == []
 
 
-def test_stats_shape(make_buffer, make_tier):
+def test_stats_shape_and_worker_priority(make_buffer, make_tier):
+    import psutil
+
     buf = make_buffer(4, 4 * KB)
-    tier = make_tier(buf, n_load_workers=2, n_store_workers=1)
+    tier = make_tier(buf, n_load_workers=2, n_store_workers=1, worker_nice=7,
+                     worker_cpus=[0], prefault=True)
     stats = tier.stats()
+    for pid in tier.worker_pids():
+        proc = psutil.Process(pid)
+        assert proc.nice() == 7 and proc.cpu_affinity() == [0]
     roles = sorted(w["role"] for w in stats["workers"])
     assert roles == ["load", "load", "store"]
     assert all(w["alive"] and w["pid"] > 0 and w["tasks_done"] == 0

@@ -103,10 +103,13 @@ class Design:
 
 @dataclass
 class RawOutcome:
-    """What the raw limit (d) measured: bandwidths and the scheduler loop beside it."""
+    """What the raw limit (d) measured: bandwidths with a light scheduler, and with the
+    busy scheduler loop beside it (whose iteration rates are kept too)."""
 
     store_gbps: float | None = None
     load_gbps: float | None = None
+    store_gbps_busy: float | None = None
+    load_gbps_busy: float | None = None
     store_loop_rate: float | None = None
     load_loop_rate: float | None = None
     info: dict[str, Any] = field(default_factory=dict)

@@ -7,6 +7,7 @@ Entry points: :func:`main` (``python -m mptier.bench``) and :func:`add_arguments
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -79,12 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="blocks of the large job timed alone (default 64)")
     add("--repeats", type=int, default=None, metavar="N",
         help="runs of the large job alone, median reported (default 3, --quick 1)")
-    add("--work-us", type=int, default=500, metavar="US",
-        help="pure-Python work of the scheduler loop between two polls (default 500)")
-    add("--wait-us", type=int, default=500, metavar="US",
-        help="GIL-free wait of the scheduler loop after its work, standing for the "
-             "model's forward pass (default 500; 0 = a loop that never lets go of the "
-             "interpreter)")
+    add("--poll-us", type=int, default=500, metavar="US",
+        help="light scheduler: GIL-free sleep between two polls (default 500)")
+    add("--busy-work-us", type=int, default=500, metavar="US",
+        help="busy scheduler: pure-Python work between two polls, never sleeping "
+             "(default 500)")
+    add("--busy-fraction", type=float, default=0.5, metavar="F",
+        help="share of each phase's jobs run beside the busy scheduler loop, where "
+             "interference is measured (default 0.5; 0 = no busy part)")
     add("--idle-seconds", type=float, default=None, metavar="S",
         help="idle calibration of the scheduler loop per design (default 0.3, quick 0.15)")
     add("--buffer-bytes", type=parse_size, default=parse_size("4G"), metavar="SIZE",
@@ -138,7 +141,8 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
                     single_job_blocks=args.single_job_blocks,
                     single_repeats=args.repeats or (1 if args.quick else 3),
                     idle_seconds=args.idle_seconds or (0.15 if args.quick else 0.3),
-                    work_us=args.work_us, wait_us=args.wait_us, drop_caches=not args.no_drop_caches,
+                    poll_us=args.poll_us, busy_work_us=args.busy_work_us,
+                    busy_fraction=args.busy_fraction, drop_caches=not args.no_drop_caches,
                     verify=not args.no_verify, region_cap_bytes=args.buffer_bytes // 2,
                     keep_files=args.keep_files, inject_corruption=args.inject_corruption))
     return out
@@ -216,11 +220,7 @@ def run_case(w: Workload, specs: list[DesignSpec], progress: _Progress,
              rounds: int = 1) -> dict[str, Any]:
     fs_type, mount = filesystem_of(w.root)
     case_doc: dict[str, Any] = {
-        "workload": {"root": w.root, "block_bytes": w.block_bytes, "job_blocks": w.job_blocks,
-                     "inflight_jobs": w.inflight_jobs, "total_bytes": w.total_bytes,
-                     "blocks_per_phase": w.n_blocks, "single_job_blocks": w.single_job_blocks,
-                     "single_repeats": w.single_repeats, "work_us": w.work_us, "wait_us": w.wait_us,
-                     "idle_seconds": w.idle_seconds},
+        "workload": {**dataclasses.asdict(w), "blocks_per_phase": w.n_blocks},
         "root_fs": fs_type, "mount": mount, "o_direct": probe_o_direct(w.root),
     }
     per_spec: dict[DesignSpec, list[dict[str, Any]]] = {spec: [] for spec in specs}

@@ -8,13 +8,17 @@
     │     --inflight-jobs are in flight                │    processes (a), fio (d)
     │   get_finished()                        [timed]  │◀── completions
     │   on_schedule_end()                              │
-    │   work: a pure-Python counting loop, --work-us   │
-    │   wait: a GIL-free sleep, --wait-us (the model's │
-    │     forward pass in a real engine)               │
+    │   light half: sleep --poll-us (GIL-free)         │
+    │   busy half:  pure-Python counting loop for      │
+    │               --busy-work-us, never sleeping     │
     └─────────────────────────────────────────────────┘
 
-The counting loop's rate during a phase, divided by its rate when the design is idle,
-is the scheduler-interference figure; see :class:`~mptier.bench.measure.SchedulerLoad`.
+Every phase runs its first jobs under the *light* scheduler, which only polls -- the
+design at full speed: throughput, job latency -- and the rest (``--busy-fraction``)
+beside the *busy* scheduler, a pure-Python loop that never lets go of the interpreter.
+The loop's rate there, divided by its rate with the design idle, is the scheduler
+interference; the throughput there shows what that loop costs the design. Scheduler
+calls are timed in both halves.
 
 Per case (root x block size x job size) the harness makes one primary buffer of two
 regions -- source slots ``[0, R)`` filled with random bytes, destination slots
@@ -23,7 +27,7 @@ loaded into slot ``R + i % R``; keys ``i`` and ``i + R`` hold the same bytes, so
 destination is right whatever order jobs finish in. Per design, on a fresh folder of
 its own: warm-up job, idle loop rate, store phase, page-cache drop, load phase (with
 lookups), byte-for-byte verification of the destination region, then the 64-block job
-alone (store, drop, load), repeated.
+alone under the light scheduler (store, drop, load), repeated.
 """
 
 from __future__ import annotations
@@ -74,8 +78,9 @@ class Workload:
     single_job_blocks: int = 64
     single_repeats: int = 3
     idle_seconds: float = 0.3
-    work_us: int = 500
-    wait_us: int = 500
+    poll_us: int = 500  # light scheduler: sleep between polls
+    busy_work_us: int = 500  # busy scheduler: pure-Python work between polls
+    busy_fraction: float = 0.5  # share of each phase's jobs run beside the busy loop
     drop_caches: bool = True
     verify: bool = True
     # Largest source region (the destination region is as large): beyond it keys reuse
@@ -278,7 +283,8 @@ class Case:
         self.progress = progress or (lambda _msg: None)
         self.buffer = CaseBuffer(workload.region_blocks, workload.block_bytes)
         self.keys = CaseKeys.make(workload)
-        self.load = SchedulerLoad(workload.work_us * 1000, workload.wait_us * 1000)
+        self.light = SchedulerLoad(0, workload.poll_us * 1000)
+        self.busy = SchedulerLoad(workload.busy_work_us * 1000, 0)
         self._next_job_id = 1
 
     def close(self) -> None:
@@ -331,8 +337,11 @@ class Case:
         self._idle(out)
 
         self.progress(f"{design.label}: store phase")
-        out["store"] = run(design, self._jobs(design, keys.phase, 0, w.job_blocks, False),
-                           "store", False, w.inflight_jobs)
+        jobs = self._jobs(design, keys.phase, 0, w.job_blocks, False)
+        split = self._split(len(jobs))
+        out["store"] = run(design, jobs[:split], "store", False, w.inflight_jobs)
+        out["store_busy"] = run(design, jobs[split:], "store", False, w.inflight_jobs,
+                                self.busy)
         design.drain()
         if w.inject_corruption:
             out["corrupted_files"] = self._corrupt(ctx.mapper, w.inject_corruption)
@@ -340,8 +349,11 @@ class Case:
         self.progress(f"{design.label}: dropping the page cache")
         out["drop"] = self._drop()
         self.progress(f"{design.label}: load phase")
-        out["load"] = run(design, self._jobs(design, keys.phase, 0, w.job_blocks, True),
-                          "load", design.supports_lookup, w.inflight_jobs)
+        jobs = self._jobs(design, keys.phase, 0, w.job_blocks, True)
+        out["load"] = run(design, jobs[:split], "load", design.supports_lookup,
+                          w.inflight_jobs)
+        out["load_busy"] = run(design, jobs[split:], "load", design.supports_lookup,
+                               w.inflight_jobs, self.busy)
         design.drain()
         out["verify"] = self._verify(min(w.n_blocks, self.buffer.region))
 
@@ -366,9 +378,14 @@ class Case:
         out["single_verify"] = single_verify
 
     def _run_jobs(self, design: Design, jobs: list[tuple[Any, int]], kind: str,
-                  lookups: bool, inflight: int = 1) -> PhaseStats:
-        return drive(design, jobs, kind, inflight, self.load, lookups,
+                  lookups: bool, inflight: int = 1,
+                  load: SchedulerLoad | None = None) -> PhaseStats:
+        return drive(design, jobs, kind, inflight, load or self.light, lookups,
                      self.w.stall_timeout_s)
+
+    def _split(self, n_jobs: int) -> int:
+        """How many of a phase's ``n_jobs`` run under the light scheduler."""
+        return n_jobs - round(n_jobs * min(1.0, max(0.0, self.w.busy_fraction)))
 
     def run_raw(self, raw: RawLimit) -> dict[str, Any]:
         w = self.w
@@ -381,10 +398,11 @@ class Case:
             drops.append(result)
             return result
 
-        def busy_wait(proc: subprocess.Popen) -> tuple[int, int]:
+        def wait(proc: subprocess.Popen, busy: bool) -> tuple[int, int]:
+            step = (self.busy if busy else self.light).step
             iterations = elapsed = 0
             while proc.poll() is None:
-                n, dt = self.load.step()
+                n, dt = step()
                 iterations += n
                 elapsed += dt
             return iterations, elapsed
@@ -392,8 +410,9 @@ class Case:
         try:
             self._idle(out)
             self.progress(f"{raw.label}: {raw.chosen_tool()} store + load")
-            out["raw"] = raw.run(root, w.block_bytes, w.n_blocks, w.inflight_jobs,
-                                 busy_wait, drop)
+            n_busy = round(w.n_blocks * min(1.0, max(0.0, w.busy_fraction)))
+            out["raw"] = raw.run(root, w.block_bytes, w.n_blocks - n_busy, n_busy,
+                                 w.inflight_jobs, wait, drop)
             out["drop"] = drops[0] if drops else None
         except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
@@ -405,7 +424,7 @@ class Case:
     def _idle(self, out: dict[str, Any]) -> None:
         """Idle rate of the scheduler loop, and how busy the rest of the machine was."""
         before = CpuSnapshot.take()
-        out["idle_loop_rate"] = self.load.idle_rate(self.w.idle_seconds)
+        out["idle_loop_rate"] = self.busy.idle_rate(self.w.idle_seconds)
         out["background_cpus"] = CpuSnapshot.take().others_since(before)
 
     # checks -------------------------------------------------------------------------

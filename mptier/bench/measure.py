@@ -99,6 +99,8 @@ class SchedulerLoad:
             due = begin + self.wait_ns
         else:
             due = time.perf_counter_ns()
+        if not self.work_ns:
+            return 0, 0
         iterations, _ = spin(self.work_ns)
         return iterations, time.perf_counter_ns() - due
 

@@ -7,14 +7,16 @@ files created inside the timed run (``create_on_open``, no preallocation), O_DIR
 where the root supports it. The designs run each in-flight job as one synchronous
 stream of block I/O, so this is the same concurrency, the same files and the same block
 size, minus everything a tier adds (existence checks, temporary names, renames,
-folders, queues). The store pass writes the files, the page cache is dropped, the load
-pass reads them back.
+folders, queues). Like the designs' phases, each pass runs in two parts on separate
+files: one while the harness's scheduler only polls (the raw throughput), one beside
+its busy loop. The store passes write the files, the page cache is dropped, the load
+passes read them back.
 
 Without fio: the same passes as a plain write/read loop on as many threads in a child
 process (``python -m mptier.bench.raw``), also O_DIRECT where supported.
 
-Either way the I/O runs in other processes, and the harness's main thread runs its
-scheduler loop beside it, so (d) also gets an interference figure.
+Either way the I/O runs in other processes, so (d) also gets an interference figure:
+what I/O at this concurrency costs the scheduler loop through CPU contention alone.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from mptier.bench.measure import CacheDrop, probe_o_direct, tool_version
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
-BusyWait = Callable[[subprocess.Popen], tuple[int, int]]
+Wait = Callable[[subprocess.Popen, bool], tuple[int, int]]
 
 
 def fio_path() -> str | None:
@@ -70,64 +72,78 @@ class RawLimit:
             return "fio" if fio_path() else "loop"
         return self.tool
 
-    def run(self, root: str, block_bytes: int, n_blocks: int, concurrency: int,
-            busy_wait: BusyWait, drop: Callable[[], CacheDrop]) -> RawOutcome:
-        """Store then load ``n_blocks`` one-block files under ``root``.
+    def run(self, root: str, block_bytes: int, n_light: int, n_busy: int,
+            concurrency: int, wait: Wait, drop: Callable[[], CacheDrop]) -> RawOutcome:
+        """Store then load one-block files under ``root``: ``n_light`` of them while the
+        harness's scheduler only polls, ``n_busy`` beside its busy loop.
 
-        ``busy_wait(proc)`` runs the harness's scheduler loop until ``proc`` exits and
-        returns ``(iterations, nanoseconds)``; ``drop`` drops the page cache.
+        ``wait(proc, busy)`` runs the harness's scheduler loop (light or busy) until
+        ``proc`` exits and returns ``(iterations, nanoseconds)``; ``drop`` drops the page
+        cache between the store and the load passes.
         """
         tool = self.chosen_tool()
         if tool == "fio" and not fio_path():
             raise RuntimeError(f"{self.label}: fio is not installed")
-        jobs = max(1, min(self.jobs_override or concurrency, n_blocks))
-        per_job = max(1, n_blocks // jobs)
         direct = probe_o_direct(root) and block_bytes % mmap.PAGESIZE == 0
         out = RawOutcome()
-        out.info.update(tool=tool, numjobs=jobs, files=jobs * per_job, o_direct=direct,
-                        ioengine="psync" if tool == "fio" else "os.write/os.readv threads")
+        layout = {name: self._layout(n, concurrency)
+                  for name, n in (("light", n_light), ("busy", n_busy)) if n > 0}
+        out.info.update(
+            tool=tool, o_direct=direct,
+            numjobs=max((jobs for jobs, _ in layout.values()), default=0),
+            files=sum(jobs * per_job for jobs, per_job in layout.values()),
+            ioengine="psync" if tool == "fio" else "os.write/os.readv threads")
         if tool == "fio":
             out.info["fio_version"] = tool_version([fio_path() or "fio", "--version"])
         for phase in ("store", "load"):
             if phase == "load":
                 drop()
-            argv = (self._fio_argv(root, phase, block_bytes, per_job, jobs, direct)
-                    if tool == "fio" else self._loop_argv(root, phase, block_bytes,
-                                                          per_job * jobs, jobs, direct))
-            gbps, iters, ns, note = self._run_one(argv, phase, tool, root, busy_wait)
-            rate = iters / (ns / 1e9) if ns else None
-            if phase == "store":
-                out.store_gbps, out.store_loop_rate = gbps, rate
-            else:
-                out.load_gbps, out.load_loop_rate = gbps, rate
-            if note:
-                out.notes.append(note)
+            for name, (jobs, per_job) in layout.items():
+                argv = (self._fio_argv(root, name, phase, block_bytes, per_job, jobs, direct)
+                        if tool == "fio" else
+                        self._loop_argv(root, name, phase, block_bytes, per_job * jobs, jobs,
+                                        direct))
+                gbps, iters, ns, note = self._run_one(argv, name, phase, tool, root,
+                                                      lambda p, b=name == "busy": wait(p, b))
+                if note:
+                    out.notes.append(note)
+                if name == "light":
+                    setattr(out, f"{phase}_gbps", gbps)
+                else:
+                    setattr(out, f"{phase}_gbps_busy", gbps)
+                    setattr(out, f"{phase}_loop_rate", iters / (ns / 1e9) if ns else None)
         return out
+
+    def _layout(self, n_files: int, concurrency: int) -> tuple[int, int]:
+        """``(numjobs, files per job)`` for ``n_files`` one-block files."""
+        jobs = max(1, min(self.jobs_override or concurrency, n_files))
+        return jobs, max(1, n_files // jobs)
 
     # -- fio ---------------------------------------------------------------------------
     @staticmethod
-    def _fio_argv(root: str, phase: str, block_bytes: int, files_per_job: int, jobs: int,
-                  direct: bool) -> list[str]:
-        argv = [fio_path() or "fio", "--name=mptier-bench", f"--directory={root}",
+    def _fio_argv(root: str, name: str, phase: str, block_bytes: int, files_per_job: int,
+                  jobs: int, direct: bool) -> list[str]:
+        argv = [fio_path() or "fio", f"--name={name}", f"--directory={root}",
                 f"--rw={'write' if phase == 'store' else 'read'}", f"--bs={block_bytes}",
                 f"--filesize={block_bytes}", f"--nrfiles={files_per_job}",
                 f"--numjobs={jobs}", "--ioengine=psync", "--iodepth=1",
                 f"--direct={int(direct)}", "--openfiles=1",
                 "--file_service_type=sequential", "--group_reporting",
-                "--output-format=json", f"--output={root}/fio-{phase}.json"]
+                "--output-format=json", f"--output={root}/fio-{name}-{phase}.json"]
         if phase == "store":
             argv += ["--fallocate=none", "--create_on_open=1"]
         return argv
 
     # -- plain loop --------------------------------------------------------------------
     @staticmethod
-    def _loop_argv(root: str, phase: str, block_bytes: int, n_files: int, jobs: int,
-                   direct: bool) -> list[str]:
-        return [sys.executable, "-m", "mptier.bench.raw", phase, root, str(block_bytes),
-                str(n_files), str(jobs), str(int(direct))]
+    def _loop_argv(root: str, name: str, phase: str, block_bytes: int, n_files: int,
+                   jobs: int, direct: bool) -> list[str]:
+        return [sys.executable, "-m", "mptier.bench.raw", phase, f"{root}/{name}",
+                str(block_bytes), str(n_files), str(jobs), str(int(direct))]
 
-    def _run_one(self, argv: list[str], phase: str, tool: str, root: str,
-                 busy_wait: BusyWait) -> tuple[float | None, int, int, str | None]:
+    def _run_one(self, argv: list[str], name: str, phase: str, tool: str, root: str,
+                 wait: Callable[[subprocess.Popen], tuple[int, int]]
+                 ) -> tuple[float | None, int, int, str | None]:
         env = dict(os.environ)
         package_parent = os.path.dirname(os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))))
@@ -135,14 +151,15 @@ class RawLimit:
             p for p in (package_parent, env.get("PYTHONPATH")) if p)
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=env, text=True)
-        iters, ns = busy_wait(proc)
+        iters, ns = wait(proc)
         stdout, stderr = proc.communicate()
         if proc.returncode != 0:
             tail = (stderr or stdout).strip().splitlines()[-3:]
-            return None, iters, ns, f"{tool} {phase} failed ({proc.returncode}): {' | '.join(tail)}"
+            return (None, iters, ns,
+                    f"{tool} {name} {phase} failed ({proc.returncode}): {' | '.join(tail)}")
         try:
             if tool == "fio":
-                with open(f"{root}/fio-{phase}.json") as f:
+                with open(f"{root}/fio-{name}-{phase}.json") as f:
                     text = f.read()
                 report = json.loads(text[text.index("{"):])
                 job = report["jobs"][0]
@@ -158,12 +175,12 @@ class RawLimit:
 
 
 def _loop_main(argv: list[str]) -> int:
-    """``python -m mptier.bench.raw store|load DIR BLOCK_BYTES N_FILES THREADS DIRECT``.
+    """``python -m mptier.bench.raw store|load PREFIX BLOCK_BYTES N_FILES THREADS DIRECT``.
 
-    Prints ``{"bytes", "seconds", "errors"}`` as JSON; the time starts when every
-    thread is ready and ends when the last one finished.
+    Files are ``PREFIX.<i>``. Prints ``{"bytes", "seconds", "errors"}`` as JSON; the
+    time starts when every thread is ready and ends when the last one finished.
     """
-    phase, directory, block, n_files, jobs, direct = argv
+    phase, prefix, block, n_files, jobs, direct = argv
     block_bytes, n, n_threads = int(block), int(n_files), int(jobs)
     flag = O_DIRECT if direct == "1" else 0
     barrier = threading.Barrier(n_threads + 1)
@@ -179,7 +196,7 @@ def _loop_main(argv: list[str]) -> int:
         barrier.wait()
         try:
             for i in range(index, n, n_threads):
-                path = f"{directory}/f{i}"
+                path = f"{prefix}.{i}"
                 if phase == "store":
                     fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | flag, 0o644)
                     try:

@@ -29,6 +29,8 @@ class Figure:
 FIGURES: tuple[Figure, ...] = (
     Figure("store_gbps", "store throughput", "GB/s", "higher"),
     Figure("load_gbps", "load throughput", "GB/s", "higher"),
+    Figure("store_gbps_busy", "store beside busy loop", "GB/s", "higher"),
+    Figure("load_gbps_busy", "load beside busy loop", "GB/s", "higher"),
     Figure("store_job_p50_ms", "store job latency p50", "ms", "lower", 1),
     Figure("store_job_p99_ms", "store job latency p99", "ms", "lower", 1),
     Figure("load_job_p50_ms", "load job latency p50", "ms", "lower", 1),
@@ -78,8 +80,8 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
 
     raw = out.get("raw")
     if raw is not None:
-        figures["store_gbps"] = raw.store_gbps
-        figures["load_gbps"] = raw.load_gbps
+        for key in ("store_gbps", "load_gbps", "store_gbps_busy", "load_gbps_busy"):
+            figures[key] = getattr(raw, key)
         figures["interference_store"] = _ratio(raw.store_loop_rate, idle)
         figures["interference_load"] = _ratio(raw.load_loop_rate, idle)
         rates = [r for r in (raw.store_loop_rate, raw.load_loop_rate) if r is not None]
@@ -88,34 +90,40 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
         record["notes"].extend(raw.notes)
         return record
 
-    store: PhaseStats | None = out.get("store")
-    load: PhaseStats | None = out.get("load")
-    if store is not None:
-        figures["store_gbps"] = store.gbps
-        lat = ms_summary(store.latencies_ns)
-        figures["store_job_p50_ms"], figures["store_job_p99_ms"] = lat["p50"], lat["p99"]
-        _put(figures, "submit_store_us", us_summary(store.submit_ns))
-        figures["interference_store"] = _ratio(store.loop_rate, idle)
-    if load is not None:
-        figures["load_gbps"] = load.gbps
-        lat = ms_summary(load.latencies_ns)
-        figures["load_job_p50_ms"], figures["load_job_p99_ms"] = lat["p50"], lat["p99"]
-        _put(figures, "submit_load_us", us_summary(load.submit_ns))
-        if load.lookup_ns:
-            _put(figures, "lookup_us", us_summary(load.lookup_ns))
-        figures["interference_load"] = _ratio(load.loop_rate, idle)
-    phases = [p for p in (store, load) if p is not None]
+    phases: dict[str, PhaseStats] = {
+        name: out[name] for name in ("store", "store_busy", "load", "load_busy") if name in out}
+    for kind in ("store", "load"):
+        light, busy = phases.get(kind), phases.get(f"{kind}_busy")
+        both = [p for p in (light, busy) if p is not None]
+        if light is not None:
+            figures[f"{kind}_gbps"] = light.gbps
+            lat = ms_summary(light.latencies_ns)
+            figures[f"{kind}_job_p50_ms"] = lat["p50"]
+            figures[f"{kind}_job_p99_ms"] = lat["p99"]
+        if busy is not None:
+            figures[f"{kind}_gbps_busy"] = busy.gbps
+            figures[f"interference_{kind}"] = _ratio(busy.loop_rate, idle)
+        if both:
+            _put(figures, f"submit_{kind}_us", us_summary([x for p in both for x in p.submit_ns]))
+        if kind == "load" and any(p.lookup_ns for p in both):
+            _put(figures, "lookup_us", us_summary([x for p in both for x in p.lookup_ns]))
     if phases:
         _put(figures, "get_finished_empty_us",
-             us_summary([x for p in phases for x in p.empty_poll_ns]))
-        loop_ns = sum(p.loop_ns for p in phases)
+             us_summary([x for p in phases.values() for x in p.empty_poll_ns]))
+        busy_phases = [p for name, p in phases.items() if name.endswith("_busy")]
+        loop_ns = sum(p.loop_ns for p in busy_phases)
         if loop_ns:
-            rate = sum(p.loop_iterations for p in phases) / (loop_ns / 1e9)
+            rate = sum(p.loop_iterations for p in busy_phases) / (loop_ns / 1e9)
             figures["interference"] = _ratio(rate, idle)
-        record["jobs"] = {
-            name: {"jobs": p.jobs, "failed": p.failed, "duplicates": p.duplicates,
-                   "seconds": p.elapsed_ns / 1e9, "bytes_ok": p.ok_bytes}
-            for name, p in (("store", store), ("load", load)) if p is not None}
+        record["jobs"] = {}
+        for kind in ("store", "load"):
+            both = [p for name, p in phases.items() if name.startswith(kind)]
+            if both:
+                record["jobs"][kind] = {
+                    "jobs": sum(p.jobs for p in both), "failed": sum(p.failed for p in both),
+                    "duplicates": sum(p.duplicates for p in both),
+                    "bytes_ok": sum(p.ok_bytes for p in both)}
+        record["phase_seconds"] = {name: p.elapsed_ns / 1e9 for name, p in phases.items()}
     singles = {"store": out.get("single_store_ns") or [], "load": out.get("single_load_ns")
                or []}
     if singles["store"]:
