@@ -311,3 +311,17 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_deep_queue_overflows_without_blocking_or_dropping(make_buffer, make_tier,
+                                                           monkeypatch):
+    monkeypatch.setenv("MPTIER_FAULT_STALL", "store:0.002")
+    buf = make_buffer(1000, 4 * KB)
+    tier = make_tier(buf, n_load_workers=1, n_store_workers=1, task_bytes=4 * KB)
+    keys = keys_for(1000, seed=12)
+    for i in range(1000):  # 1000 task records; a queue pipe holds 256
+        tier.submit_store(TransferJob(i, [keys[i]], [i]))
+    queued = tier.stats()["queued_tasks"]["store"]
+    assert queued > 256, "the overflow list should hold what the pipe cannot"
+    results = wait_results(tier, range(1000), timeout=60)
+    assert all(r.success for r in results.values())

@@ -21,7 +21,7 @@ from typing import Any
 from mptier.bench import report as rep
 from mptier.bench.designs import DEFAULT_DESIGNS, DesignSpec, parse_designs
 from mptier.bench.harness import Case, Workload
-from mptier.bench.measure import filesystem_of, parse_size, probe_o_direct
+from mptier.bench.measure import filesystem_of, format_size, parse_size, probe_o_direct
 from mptier.bench.raw import RawLimit, fio_path
 
 SCHEMA_VERSION = 1
@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="idle calibration of the scheduler loop per design (default 0.3, quick 0.15)")
     add("--buffer-bytes", type=parse_size, default=parse_size("4G"), metavar="SIZE",
         help="largest primary buffer (source + destination halves; default 4G)")
+    add("--engine-cpu", type=int, default=None, metavar="CPU",
+        help="pin the harness's main thread (the engine's scheduler) to this CPU while "
+             "designs run, e.g. 0 beside mptier:cpus=1")
     add("--no-drop-caches", action="store_true",
         help="do not drop the page cache between the store and load phases")
     add("--no-verify", action="store_true", help="skip the byte-for-byte check of loads")
@@ -144,7 +147,8 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
                     poll_us=args.poll_us, busy_work_us=args.busy_work_us,
                     busy_fraction=args.busy_fraction, drop_caches=not args.no_drop_caches,
                     verify=not args.no_verify, region_cap_bytes=args.buffer_bytes // 2,
-                    keep_files=args.keep_files, inject_corruption=args.inject_corruption))
+                    keep_files=args.keep_files, inject_corruption=args.inject_corruption,
+                    engine_cpu=args.engine_cpu))
     return out
 
 
@@ -193,10 +197,10 @@ class _Progress:
             self._task = self._rich.add_task("starting", total=total_steps)
             self._rich.start()
 
-    def __call__(self, message: str) -> None:
+    def __call__(self, message: str, advance: bool = True) -> None:
         if not self.enabled:
             return
-        self.step = min(self.step + 1, self.total)
+        self.step = min(self.step + advance, self.total)
         if self._rich is not None:
             self._rich.update(self._task, completed=self.step - 1, description=message)
             self._rich.refresh()
@@ -224,12 +228,14 @@ def run_case(w: Workload, specs: list[DesignSpec], progress: _Progress,
         "root_fs": fs_type, "mount": mount, "o_direct": probe_o_direct(w.root),
     }
     per_spec: dict[DesignSpec, list[dict[str, Any]]] = {spec: [] for spec in specs}
+    progress(f"preparing a {format_size(2 * w.region_blocks * w.block_bytes)} buffer and "
+             f"{w.n_blocks} keys", advance=False)
     case = Case(w, progress)
     case_doc["buffer"] = {"kind": case.buffer.kind, "region_blocks": case.buffer.region}
     case_doc["verified"] = (
         "off" if not w.verify else
         f"all {w.n_blocks} blocks" if w.n_blocks <= case.buffer.region else
-        f"the last {case.buffer.region} of {w.n_blocks} blocks")
+        f"{case.buffer.region} of {w.n_blocks} blocks: the last load into each slot")
     try:
         for round_no in range(rounds):
             for spec in specs:
@@ -275,6 +281,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"mptier bench: {exc}", file=sys.stderr)
         return 2
+    if args.engine_cpu is not None and args.engine_cpu not in os.sched_getaffinity(0):
+        print(f"mptier bench: --engine-cpu {args.engine_cpu} is not one of this process's "
+              f"CPUs {sorted(os.sched_getaffinity(0))}", file=sys.stderr)
+        return 2
     cases = workloads(args)
     for w in cases:
         if not os.path.isdir(w.root):
@@ -287,7 +297,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
         "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": "mptier bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "mptier bench " + shlex.join(_own_argv(argv)),
         "machine": machine_info(),
         "figures": [{"key": f.key, "label": f.label.strip(), "unit": f.unit,
                      "better": f.better} for f in rep.FIGURES],
@@ -303,6 +313,14 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     for issue in issues:
         print(f"mptier bench: FAILED: {issue}", file=sys.stderr)
     return 1 if issues else 0
+
+
+def _own_argv(argv: list[str] | None) -> list[str]:
+    """The benchmark's own arguments (without a leading ``bench`` subcommand word)."""
+    if argv is not None:
+        return list(argv)
+    rest = sys.argv[1:]
+    return rest[1:] if rest[:1] == ["bench"] else rest
 
 
 def _emit(doc: dict[str, Any], args: argparse.Namespace) -> None:

@@ -33,37 +33,27 @@ alone under the light scheduler (store, drop, load), repeated.
 from __future__ import annotations
 
 import contextlib
-import gc
-import mmap
 import os
-import secrets
 import shutil
-import statistics
 import subprocess
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from mptier.bench.base import MODEL_NAME, Design, DesignContext, fresh_dir
+from mptier.bench.buffer import CaseBuffer
 from mptier.bench.measure import (
     CacheDrop,
     CpuSnapshot,
     SchedulerLoad,
     drop_page_cache,
-    summarize,
 )
 from mptier.bench.raw import RawLimit
+from mptier.bench.scheduler import PhaseStats, drive
 from mptier.keys import make_key
 from mptier.layout import FileMapper
 
-Progress = Callable[[str], None]
-
-
-class StallError(RuntimeError):
-    """A design reported no finished job for ``stall_timeout_s`` while jobs were due."""
+Progress = Callable[..., None]
 
 
 @dataclass
@@ -87,6 +77,9 @@ class Workload:
     # slots and verification covers the last R loaded blocks.
     region_cap_bytes: int = 2 << 30
     keep_files: bool = False
+    # Pin the harness's main thread (the "engine") to this CPU while designs run; worker
+    # processes and threads started before keep their own CPUs.
+    engine_cpu: int | None = None
     inject_corruption: int = 0  # corrupt this many stored files before the load phase
     stall_timeout_s: float = 120.0
 
@@ -98,165 +91,6 @@ class Workload:
     def region_blocks(self) -> int:
         capped = min(self.n_blocks, max(1, self.region_cap_bytes // self.block_bytes))
         return max(capped, self.single_job_blocks, self.job_blocks)
-
-
-# -- the primary buffer ---------------------------------------------------------------
-
-class CaseBuffer:
-    """The primary buffer of a case: ``array`` of shape ``(2R, block_bytes)``.
-
-    mptier's ``SharedKVBuffer`` when importable (design (a) needs it); otherwise a
-    stand-in: a ``/dev/shm`` file mapped shared and unlinked at once.
-    """
-
-    def __init__(self, region_blocks: int, block_bytes: int) -> None:
-        self.region = region_blocks
-        self.block_bytes = block_bytes
-        n = 2 * region_blocks
-        self.shared: Any = None
-        self._mmap: mmap.mmap | None = None
-        try:
-            from mptier.shm import SharedKVBuffer
-        except ImportError:
-            SharedKVBuffer = None
-        if SharedKVBuffer is not None:
-            self.shared = SharedKVBuffer.create(n, block_bytes)
-            self.array = self.shared.view
-            self.kind = "mptier.SharedKVBuffer"
-        else:
-            path = f"/dev/shm/mptier-bench.{os.getpid()}.{secrets.token_hex(4)}.buf"
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.unlink(path)
-                os.ftruncate(fd, n * block_bytes)
-                self._mmap = mmap.mmap(fd, n * block_bytes)
-            finally:
-                os.close(fd)
-            self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(n, block_bytes)
-            self.kind = "/dev/shm stand-in"
-        self._fill_source()
-        self.array[region_blocks:].fill(0)  # touch the destination pages now
-
-    def _fill_source(self) -> None:
-        """Random bytes, every 4 KiB page of every block stamped with its own 8 bytes."""
-        rng = np.random.default_rng()
-        src = self.array[:self.region]
-        pattern_blocks = max(1, min(self.region, (32 << 20) // self.block_bytes))
-        pattern = rng.integers(0, 256, size=(pattern_blocks, self.block_bytes),
-                               dtype=np.uint8)
-        for start in range(0, self.region, pattern_blocks):
-            stop = min(start + pattern_blocks, self.region)
-            src[start:stop] = pattern[:stop - start]
-        page = 4096 if self.block_bytes % 4096 == 0 else self.block_bytes
-        pages = src.reshape(self.region, self.block_bytes // page, page)
-        pages[:, :, :8] = rng.integers(0, 256, size=(self.region, pages.shape[1], 8),
-                                       dtype=np.uint8)
-
-    def clear_destination(self) -> None:
-        self.array[self.region:].fill(0)
-
-    def close(self) -> None:
-        self.array = None  # type: ignore[assignment]
-        if self.shared is not None:
-            shared, self.shared = self.shared, None
-            try:
-                shared.close()
-            finally:
-                shared.unlink()
-        if self._mmap is not None:
-            with contextlib.suppress(BufferError):
-                self._mmap.close()
-            self._mmap = None
-
-
-# -- the scheduler loop ---------------------------------------------------------------
-
-@dataclass
-class PhaseStats:
-    jobs: int = 0
-    failed: int = 0
-    ok_bytes: int = 0
-    elapsed_ns: int = 0
-    latencies_ns: list[int] = field(default_factory=list)
-    submit_ns: list[int] = field(default_factory=list)
-    empty_poll_ns: list[int] = field(default_factory=list)
-    lookup_ns: list[int] = field(default_factory=list)
-    loop_iterations: int = 0
-    loop_ns: int = 0
-    duplicates: int = 0
-
-    @property
-    def gbps(self) -> float | None:
-        return self.ok_bytes / self.elapsed_ns if self.elapsed_ns and self.ok_bytes else None
-
-    @property
-    def loop_rate(self) -> float | None:
-        return self.loop_iterations / (self.loop_ns / 1e9) if self.loop_ns else None
-
-
-def drive(design: Design, jobs: list[tuple[Any, int]], kind: str, inflight: int,
-          load: SchedulerLoad, with_lookups: bool, stall_timeout_s: float) -> PhaseStats:
-    """Run ``jobs`` (``(job record, bytes)``) through ``design`` as a scheduler would.
-
-    Keeps ``inflight`` jobs in flight; between polls runs one step of ``load``.
-    Raises :class:`StallError` when nothing finishes for ``stall_timeout_s``.
-    """
-    submit = design.submit_store if kind == "store" else design.submit_load
-    get_finished = design.get_finished
-    lookup = design.lookup
-    end_step = design.on_schedule_end
-    step = load.step
-    clock = time.perf_counter_ns
-    stats = PhaseStats(jobs=len(jobs))
-    submit_ns, empty_ns, lookup_ns, lat = (stats.submit_ns, stats.empty_poll_ns,
-                                          stats.lookup_ns, stats.latencies_ns)
-    pending: dict[int, tuple[int, int]] = {}  # job_id -> (submitted at, bytes)
-    n = len(jobs)
-    nxt = done = 0
-    stall_ns = int(stall_timeout_s * 1e9)
-    gc.collect()
-    start = last = clock()
-    while done < n:
-        while nxt < n and len(pending) < inflight:
-            job, nbytes = jobs[nxt]
-            if with_lookups:
-                req = f"r{job.job_id}"
-                for key in job.keys:
-                    t0 = clock()
-                    lookup(key, req)
-                    lookup_ns.append(clock() - t0)
-            t0 = clock()
-            submit(job)
-            submit_ns.append(clock() - t0)
-            pending[job.job_id] = (t0, nbytes)
-            nxt += 1
-        t0 = clock()
-        finished = get_finished()
-        t1 = clock()
-        if finished:
-            for result in finished:
-                entry = pending.pop(result.job_id, None)
-                if entry is None:
-                    stats.duplicates += 1
-                    continue
-                lat.append(t1 - entry[0])
-                done += 1
-                if result.success:
-                    stats.ok_bytes += entry[1]
-                else:
-                    stats.failed += 1
-            last = t1
-        else:
-            empty_ns.append(t1 - t0)
-            if t1 - last > stall_ns:
-                raise StallError(f"{design.label}: no {kind} job finished for "
-                                 f"{stall_timeout_s:.0f} s ({n - done} of {n} outstanding)")
-        end_step()
-        iterations, spent = step()
-        stats.loop_iterations += iterations
-        stats.loop_ns += spent
-    stats.elapsed_ns = last - start
-    return stats
 
 
 # -- a case ---------------------------------------------------------------------------
@@ -291,14 +125,16 @@ class Case:
         self.buffer.close()
 
     # jobs ---------------------------------------------------------------------------
-    def _jobs(self, design: Design, keys: list[bytes], first_slot: int, job_blocks: int,
+    def _jobs(self, design: Design, keys: list[bytes], job_blocks: int,
               dest: bool) -> list[tuple[Any, int]]:
+        """Jobs of ``job_blocks`` keys: key ``i`` from source slot ``i % R`` (or into
+        destination slot ``R + i % R``), as ``(job record, bytes)``."""
         region = self.buffer.region
         base = region if dest else 0
         out = []
         for start in range(0, len(keys), job_blocks):
             chunk = keys[start:start + job_blocks]
-            slots = [base + (first_slot + start + i) % region for i in range(len(chunk))]
+            slots = [base + (start + i) % region for i in range(len(chunk))]
             out.append((design.make_job(self._next_job_id, chunk, slots),
                         len(chunk) * self.w.block_bytes))
             self._next_job_id += 1
@@ -317,7 +153,8 @@ class Case:
         try:
             self.progress(f"{design.label}: setting up")
             design.setup(ctx)
-            self._run_phases(design, ctx, out)
+            with pinned(w.engine_cpu):
+                self._run_phases(design, ctx, out)
         except Exception as exc:  # one broken design must not sink the comparison
             out["error"] = f"{type(exc).__name__}: {exc}"
         finally:
@@ -332,12 +169,12 @@ class Case:
     def _run_phases(self, design: Design, ctx: DesignContext, out: dict[str, Any]) -> None:
         w, keys = self.w, self.keys
         run = self._run_jobs
-        run(design, self._jobs(design, keys.warmup, 0, w.job_blocks, False), "store", False)
-        run(design, self._jobs(design, keys.warmup, 0, w.job_blocks, True), "load", False)
+        run(design, self._jobs(design, keys.warmup, w.job_blocks, False), "store", False)
+        run(design, self._jobs(design, keys.warmup, w.job_blocks, True), "load", False)
         self._idle(out)
 
         self.progress(f"{design.label}: store phase")
-        jobs = self._jobs(design, keys.phase, 0, w.job_blocks, False)
+        jobs = self._jobs(design, keys.phase, w.job_blocks, False)
         split = self._split(len(jobs))
         out["store"] = run(design, jobs[:split], "store", False, w.inflight_jobs)
         out["store_busy"] = run(design, jobs[split:], "store", False, w.inflight_jobs,
@@ -349,7 +186,7 @@ class Case:
         self.progress(f"{design.label}: dropping the page cache")
         out["drop"] = self._drop()
         self.progress(f"{design.label}: load phase")
-        jobs = self._jobs(design, keys.phase, 0, w.job_blocks, True)
+        jobs = self._jobs(design, keys.phase, w.job_blocks, True)
         out["load"] = run(design, jobs[:split], "load", design.supports_lookup,
                           w.inflight_jobs)
         out["load_busy"] = run(design, jobs[split:], "load", design.supports_lookup,
@@ -358,24 +195,27 @@ class Case:
         out["verify"] = self._verify(min(w.n_blocks, self.buffer.region))
 
         self.progress(f"{design.label}: {w.single_job_blocks}-block job alone")
-        singles_store, singles_load = [], []
+        singles_store, singles_load, checks = [], [], []
         for single_keys in keys.single:
-            store = run(design, self._jobs(design, single_keys, 0, len(single_keys), False),
+            store = run(design, self._jobs(design, single_keys, len(single_keys), False),
                         "store", False)
             self._drop()
             region = self.buffer.region
             self.buffer.array[region:region + len(single_keys)].fill(0)
-            load = run(design, self._jobs(design, single_keys, 0, len(single_keys), True),
+            load = run(design, self._jobs(design, single_keys, len(single_keys), True),
                        "load", False)
             if store.failed == 0:
                 singles_store.append(store.latencies_ns[0])
             if load.failed == 0:
                 singles_load.append(load.latencies_ns[0])
+            checks.append(self._verify(len(single_keys)))
         design.drain()
-        single_verify = self._verify(len(keys.single[-1]))
         out["single_store_ns"] = singles_store
         out["single_load_ns"] = singles_load
-        out["single_verify"] = single_verify
+        out["single_verify"] = checks[0] if len(checks) == 1 or checks[0]["mode"] == "off" \
+            else {"mode": "full", "blocks_checked": sum(c["blocks_checked"] for c in checks),
+                  "mismatched": sum(c["mismatched"] for c in checks),
+                  "ok": all(c["ok"] for c in checks)}
 
     def _run_jobs(self, design: Design, jobs: list[tuple[Any, int]], kind: str,
                   lookups: bool, inflight: int = 1,
@@ -393,8 +233,8 @@ class Case:
         out: dict[str, Any] = {"root": root}
         drops: list[CacheDrop | None] = []
 
-        def drop() -> CacheDrop:
-            result = self._drop() or CacheDrop(False, "disabled (--no-drop-caches)")
+        def drop() -> CacheDrop | None:
+            result = self._drop()
             drops.append(result)
             return result
 
@@ -408,11 +248,12 @@ class Case:
             return iterations, elapsed
 
         try:
-            self._idle(out)
             self.progress(f"{raw.label}: {raw.chosen_tool()} store + load")
             n_busy = round(w.n_blocks * min(1.0, max(0.0, w.busy_fraction)))
-            out["raw"] = raw.run(root, w.block_bytes, w.n_blocks - n_busy, n_busy,
-                                 w.inflight_jobs, wait, drop)
+            with pinned(w.engine_cpu):
+                self._idle(out)
+                out["raw"] = raw.run(root, w.block_bytes, w.n_blocks - n_busy, n_busy,
+                                     w.inflight_jobs, wait, drop, w.job_blocks)
             out["drop"] = drops[0] if drops else None
         except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
@@ -429,18 +270,8 @@ class Case:
 
     # checks -------------------------------------------------------------------------
     def _verify(self, n_slots: int) -> dict[str, Any]:
-        """Compare destination slots ``R .. R+n_slots`` with their sources, byte for byte."""
-        if not self.w.verify:
-            return {"mode": "off"}
-        arr, region = self.buffer.array, self.buffer.region
-        step = max(1, (64 << 20) // self.w.block_bytes)
-        bad: list[int] = []
-        for start in range(0, n_slots, step):
-            stop = min(start + step, n_slots)
-            differs = np.any(arr[start:stop] != arr[region + start:region + stop], axis=1)
-            bad.extend(int(i) + start for i in np.flatnonzero(differs))
-        return {"mode": "full", "blocks_checked": n_slots, "mismatched": len(bad),
-                "first_mismatched_slots": bad[:5], "ok": not bad}
+        """Byte-for-byte check of the first ``n_slots`` destination slots."""
+        return self.buffer.verify(n_slots) if self.w.verify else {"mode": "off"}
 
     def _corrupt(self, mapper: FileMapper, count: int) -> int:
         """Flip bytes in the middle of the first ``count`` stored block files."""
@@ -459,15 +290,15 @@ class Case:
         return done
 
 
-def median_ms(values_ns: list[int]) -> float | None:
-    return statistics.median(values_ns) / 1e6 if values_ns else None
-
-
-def us_summary(values_ns: list[int]) -> dict[str, float | None]:
-    s = summarize(values_ns)
-    return {k: (v / 1e3 if v is not None and k != "n" else v) for k, v in s.items()}
-
-
-def ms_summary(values_ns: list[int]) -> dict[str, float | None]:
-    s = summarize(values_ns)
-    return {k: (v / 1e6 if v is not None and k != "n" else v) for k, v in s.items()}
+@contextlib.contextmanager
+def pinned(cpu: int | None) -> Iterator[None]:
+    """Run the calling thread on ``cpu`` alone inside the block (no-op for ``None``)."""
+    if cpu is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

@@ -254,3 +254,15 @@ def tool_version(argv: list[str]) -> str | None:
         return None
     text = (out.stdout or out.stderr).strip()
     return text.splitlines()[0] if out.returncode == 0 and text else None
+
+
+def us_summary(values_ns: list[int]) -> dict[str, float | None]:
+    """:func:`summarize` of nanosecond samples, in microseconds."""
+    return {k: (v / 1e3 if v is not None and k != "n" else v)
+            for k, v in summarize(values_ns).items()}
+
+
+def ms_summary(values_ns: list[int]) -> dict[str, float | None]:
+    """:func:`summarize` of nanosecond samples, in milliseconds."""
+    return {k: (v / 1e6 if v is not None and k != "n" else v)
+            for k, v in summarize(values_ns).items()}

@@ -12,8 +12,11 @@ files: one while the harness's scheduler only polls (the raw throughput), one be
 its busy loop. The store passes write the files, the page cache is dropped, the load
 passes read them back.
 
-Without fio: the same passes as a plain write/read loop on as many threads in a child
-process (``python -m mptier.bench.raw``), also O_DIRECT where supported.
+Without fio (or with ``raw:tool=loop``): the same passes as a plain write/read loop on
+as many threads in a child process (``python -m mptier.bench.raw``), from and into
+distinct slots of one large buffer, also O_DIRECT where supported. On some virtual
+disks O_DIRECT reads into distinct pages run faster than fio's reads into one reused
+buffer per job, so the loop can be the higher limit there; run both to see.
 
 Either way the I/O runs in other processes, so (d) also gets an interference figure:
 what I/O at this concurrency costs the scheduler loop through CPU contention alone.
@@ -37,6 +40,14 @@ from mptier.bench.measure import CacheDrop, probe_o_direct, tool_version
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 Wait = Callable[[subprocess.Popen, bool], tuple[int, int]]
+
+
+_CPUS = os.sched_getaffinity(0)
+
+
+def _all_cpus() -> None:
+    """In the child before exec: undo the harness's pinning of the engine thread."""
+    os.sched_setaffinity(0, _CPUS)
 
 
 def fio_path() -> str | None:
@@ -73,7 +84,8 @@ class RawLimit:
         return self.tool
 
     def run(self, root: str, block_bytes: int, n_light: int, n_busy: int,
-            concurrency: int, wait: Wait, drop: Callable[[], CacheDrop]) -> RawOutcome:
+            concurrency: int, wait: Wait, drop: Callable[[], CacheDrop | None],
+            job_blocks: int = 1) -> RawOutcome:
         """Store then load one-block files under ``root``: ``n_light`` of them while the
         harness's scheduler only polls, ``n_busy`` beside its busy loop.
 
@@ -102,7 +114,7 @@ class RawLimit:
                 argv = (self._fio_argv(root, name, phase, block_bytes, per_job, jobs, direct)
                         if tool == "fio" else
                         self._loop_argv(root, name, phase, block_bytes, per_job * jobs, jobs,
-                                        direct))
+                                        direct, job_blocks))
                 gbps, iters, ns, note = self._run_one(argv, name, phase, tool, root,
                                                       lambda p, b=name == "busy": wait(p, b))
                 if note:
@@ -137,9 +149,9 @@ class RawLimit:
     # -- plain loop --------------------------------------------------------------------
     @staticmethod
     def _loop_argv(root: str, name: str, phase: str, block_bytes: int, n_files: int,
-                   jobs: int, direct: bool) -> list[str]:
+                   jobs: int, direct: bool, job_blocks: int) -> list[str]:
         return [sys.executable, "-m", "mptier.bench.raw", phase, f"{root}/{name}",
-                str(block_bytes), str(n_files), str(jobs), str(int(direct))]
+                str(block_bytes), str(n_files), str(jobs), str(int(direct)), str(job_blocks)]
 
     def _run_one(self, argv: list[str], name: str, phase: str, tool: str, root: str,
                  wait: Callable[[subprocess.Popen], tuple[int, int]]
@@ -150,7 +162,7 @@ class RawLimit:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (package_parent, env.get("PYTHONPATH")) if p)
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, text=True)
+                                env=env, text=True, preexec_fn=_all_cpus)
         iters, ns = wait(proc)
         stdout, stderr = proc.communicate()
         if proc.returncode != 0:
@@ -174,47 +186,64 @@ class RawLimit:
             return None, iters, ns, f"{tool} {phase}: unreadable output ({exc})"
 
 
-def _loop_main(argv: list[str]) -> int:
-    """``python -m mptier.bench.raw store|load PREFIX BLOCK_BYTES N_FILES THREADS DIRECT``.
+# The plain loop's buffer holds at most this many bytes; files beyond it reuse slots.
+LOOP_BUFFER_CAP = 1 << 30
 
-    Files are ``PREFIX.<i>``. Prints ``{"bytes", "seconds", "errors"}`` as JSON; the
-    time starts when every thread is ready and ends when the last one finished.
+
+def _loop_main(argv: list[str]) -> int:
+    """``python -m mptier.bench.raw store|load PREFIX BLOCK_BYTES N_FILES THREADS DIRECT
+    JOB_BLOCKS``.
+
+    Files are ``PREFIX.<i>``; file ``i`` is written from / read into slot ``i`` of one
+    shared, page-aligned buffer (as the designs move blocks to and from distinct slots
+    of the primary buffer). Like the designs' workers, each thread takes the next run
+    of JOB_BLOCKS consecutive files and does them in order. Prints ``{"bytes",
+    "seconds", "errors"}`` as JSON; the time starts when every thread is ready and ends
+    when the last one finished.
     """
-    phase, prefix, block, n_files, jobs, direct = argv
-    block_bytes, n, n_threads = int(block), int(n_files), int(jobs)
+    phase, prefix, block, n_files, jobs, direct, job_blocks = argv
+    block_bytes, n, n_threads, per_job = int(block), int(n_files), int(jobs), int(job_blocks)
+    next_job = iter(range(0, n, per_job))
+    take = threading.Lock()
     flag = O_DIRECT if direct == "1" else 0
+    slots = max(1, min(n, LOOP_BUFFER_CAP // block_bytes))
+    buf = mmap.mmap(-1, slots * block_bytes)
+    pattern = os.urandom(min(block_bytes, 1 << 20))
+    for pos in range(0, slots * block_bytes, len(pattern)):  # also faults every page in
+        buf[pos:pos + len(pattern)] = pattern[:slots * block_bytes - pos]
+    view = memoryview(buf)
     barrier = threading.Barrier(n_threads + 1)
     errors: list[str] = []
     done = [0] * n_threads
-    pattern = os.urandom(min(block_bytes, 1 << 20))
+
+    def one(i: int) -> None:
+        slot = view[(i % slots) * block_bytes:(i % slots + 1) * block_bytes]
+        if phase == "store":
+            fd = os.open(f"{prefix}.{i}", os.O_CREAT | os.O_WRONLY | os.O_TRUNC | flag, 0o644)
+            try:
+                os.write(fd, slot)
+            finally:
+                os.close(fd)
+        else:
+            fd = os.open(f"{prefix}.{i}", os.O_RDONLY | flag)
+            try:
+                os.readv(fd, [slot])
+            finally:
+                os.close(fd)
 
     def run(index: int) -> None:
-        buf = mmap.mmap(-1, block_bytes)  # page-aligned, as O_DIRECT wants
-        for pos in range(0, block_bytes, len(pattern)):
-            buf[pos:pos + len(pattern)] = pattern[:block_bytes - pos]
-        view = memoryview(buf)
         barrier.wait()
         try:
-            for i in range(index, n, n_threads):
-                path = f"{prefix}.{i}"
-                if phase == "store":
-                    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | flag, 0o644)
-                    try:
-                        os.write(fd, view)
-                    finally:
-                        os.close(fd)
-                else:
-                    fd = os.open(path, os.O_RDONLY | flag)
-                    try:
-                        os.readv(fd, [view])
-                    finally:
-                        os.close(fd)
-                done[index] += block_bytes
+            while True:
+                with take:
+                    first = next(next_job, None)
+                if first is None:
+                    return
+                for i in range(first, min(first + per_job, n)):
+                    one(i)
+                    done[index] += block_bytes
         except OSError as exc:
             errors.append(str(exc))
-        finally:
-            view.release()
-            buf.close()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n_threads)]
     for thread in threads:

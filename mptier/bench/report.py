@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from mptier.bench.harness import PhaseStats, ms_summary, us_summary
-from mptier.bench.measure import format_size
+from mptier.bench.measure import format_size, ms_summary, us_summary
+from mptier.bench.scheduler import PhaseStats
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
-# The constants below are those of mptier_io.c, same names without the MPT_ prefix.
+# Mirrors of MPT_O_DIRECT, MPT_DIRECT_ALIGN, MPT_MKDIR_TRIES, MPT_NAME_TRIES in mptier_io.c.
 O_DIRECT_FLAG = 1  # flags bit: use O_DIRECT where a block is aligned
 DIRECT_ALIGN = 4096  # O_DIRECT alignment of address, length and offset (512 B or 4 KiB sectors)
 MKDIR_TRIES = 3  # rounds of "create the parents, open again" against a concurrent rmdir
