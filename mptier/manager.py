@@ -32,6 +32,7 @@ report of a task counts and any later one (a retried store's twin) is ignored.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import errno
@@ -39,6 +40,7 @@ import logging
 import os
 import select
 import time
+import weakref
 from collections.abc import Hashable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -71,6 +73,16 @@ from mptier.workers.pool import ProcessPool, ThreadPool
 log = logging.getLogger(__name__)
 
 _warned_threads = False
+# Tiers still running; shut down at interpreter exit so in-flight copies finish and
+# workers leave cleanly instead of being killed with their parent.
+_live_tiers: weakref.WeakSet[FileSystemTier] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_tiers() -> None:
+    for tier in list(_live_tiers):
+        with contextlib.suppress(Exception):
+            tier.shutdown()
 # Recent job latencies kept for stats() percentiles.
 LATENCY_WINDOW = 4096
 
@@ -162,6 +174,7 @@ class FileSystemTier:
         roles = ["load"] * cfg.n_load_workers + ["store"] * cfg.n_store_workers
         self._closed = False
         self._shut_down = False
+        _live_tiers.add(self)
         try:
             self._pool = self._make_pool(roles)
             self._pool.start()
@@ -479,6 +492,7 @@ class FileSystemTier:
             return
         self._shut_down = True
         self._closed = True
+        _live_tiers.discard(self)
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.begin_stop()

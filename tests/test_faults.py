@@ -170,3 +170,25 @@ def test_engine_sigkill_workers_leave_and_next_start_cleans_up(root):
         engine.kill()
         engine.wait()
         engine.stdout.close()
+
+
+FORGETFUL_ENGINE = textwrap.dedent("""
+    import json, sys
+    from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
+    buf = SharedKVBuffer.create(8, 4096)
+    tier = FileSystemTier(buf, root_dir=sys.argv[1], n_load_workers=1, n_store_workers=1,
+                          prefault=False)
+    tier.submit_store(TransferJob(1, [make_key(b"k" * 32, 0)], [0]))
+    print(json.dumps({"pids": tier.worker_pids(), "buffer": buf.name}), flush=True)
+    buf.unlink()
+    # exits without shutdown(): the atexit hook must stop the workers cleanly
+""")
+
+
+def test_engine_exiting_without_shutdown_stops_workers(root):
+    engine = subprocess.run([sys.executable, "-c", FORGETFUL_ENGINE, root],
+                            capture_output=True, text=True, timeout=60)
+    assert engine.returncode == 0, engine.stderr
+    info = json.loads(engine.stdout.splitlines()[0])
+    wait_for(lambda: all(gone(p) for p in info["pids"]), timeout=5, what="workers to exit")
+    assert "Traceback" not in engine.stderr and "SIGKILL" not in engine.stderr
