@@ -19,10 +19,12 @@ FIFOs instead of inherited pipes.
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import fcntl
 import os
+import termios
 import threading
 
 from mptier.jobs import TASK_RECORD_BYTES, Message, decode_messages
@@ -59,31 +61,43 @@ class TaskQueue:
         self.read_fd, self.write_fd = make_pipe()
         set_nonblocking(self.read_fd)  # shared by every worker: reads never block
         set_nonblocking(self.write_fd)  # only the engine writes: submits never block
-        self._overflow: collections.deque[bytes] = collections.deque()
+        self.overflow: collections.deque[bytes] = collections.deque()
         self._lock = threading.Lock()
-        self.capacity = fcntl.fcntl(self.write_fd, F_GETPIPE_SZ) // TASK_RECORD_BYTES
+        self.pipe_bytes = fcntl.fcntl(self.write_fd, F_GETPIPE_SZ)
+        self._fionread = array.array("i", [0])
 
     def put(self, record: bytes) -> None:
         """Enqueue one record; never blocks."""
         with self._lock:
-            if self._overflow or not self._write(record):
-                self._overflow.append(record)
+            if self.overflow or not self._write(record):
+                self.overflow.append(record)
 
-    def put_many(self, records: list[bytes]) -> None:
+    def put_records(self, blob: bytes | bytearray) -> None:
+        """Enqueue consecutive records (a job's tasks); never blocks.
+
+        When the pipe has room for all of them they go in one ``write``: one system call
+        for the engine, and one wake-up that sends every idle worker for a record. A
+        write larger than ``PIPE_BUF`` is not atomic against other writers, but every
+        writer holds the lock, and with enough room a pipe write never stops half-way.
+        """
         with self._lock:
-            for i, record in enumerate(records):
-                if self._overflow or not self._write(record):
-                    self._overflow.extend(records[i:])
-                    return
+            if not self.overflow and len(blob) <= self.pipe_bytes - self._queued_bytes():
+                os.write(self.write_fd, blob)
+                return
+            view = memoryview(blob)
+            for pos in range(0, len(blob), TASK_RECORD_BYTES):
+                record = bytes(view[pos:pos + TASK_RECORD_BYTES])
+                if self.overflow or not self._write(record):
+                    self.overflow.append(record)
 
     def flush(self) -> int:
         """Move overflow into the pipe while it has room. Returns records still waiting."""
-        if not self._overflow:
+        if not self.overflow:
             return 0
         with self._lock:
-            while self._overflow and self._write(self._overflow[0]):
-                self._overflow.popleft()
-            return len(self._overflow)
+            while self.overflow and self._write(self.overflow[0]):
+                self.overflow.popleft()
+            return len(self.overflow)
 
     def _write(self, record: bytes) -> bool:
         try:
@@ -104,22 +118,21 @@ class TaskQueue:
                 if len(record) != TASK_RECORD_BYTES:
                     break
                 out.append(record)
-            out.extend(self._overflow)
-            self._overflow.clear()
+            out.extend(self.overflow)
+            self.overflow.clear()
         return out
 
     @property
     def overflow_depth(self) -> int:
-        return len(self._overflow)
+        return len(self.overflow)
+
+    def _queued_bytes(self) -> int:
+        fcntl.ioctl(self.read_fd, termios.FIONREAD, self._fionread)
+        return self._fionread[0]
 
     def pipe_depth(self) -> int:
-        """Records waiting in the pipe (FIONREAD)."""
-        import array
-        import termios
-
-        buf = array.array("i", [0])
-        fcntl.ioctl(self.read_fd, termios.FIONREAD, buf)
-        return buf[0] // TASK_RECORD_BYTES
+        """Records waiting in the pipe."""
+        return self._queued_bytes() // TASK_RECORD_BYTES
 
     def close(self) -> None:
         for fd in (self.read_fd, self.write_fd):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 GROUP_IDX_BYTES = 4
+# Longest key accepted: keys travel in 4 KiB task records (vLLM's are 36 bytes).
+MAX_KEY_BYTES = 1024
 
 
 def make_key(block_hash: bytes, group_idx: int = 0) -> bytes:
@@ -39,6 +41,8 @@ def check_key(key: object) -> bytes:
         raise ValueError(
             f"a key must be bytes (block_hash + 4-byte group index, see mptier.make_key), "
             f"got {type(key).__name__}: {key!r:.60}")
+    if len(raw) > MAX_KEY_BYTES:
+        raise ValueError(f"a key must be at most {MAX_KEY_BYTES} bytes, got {len(raw)}")
     if len(raw) <= GROUP_IDX_BYTES:
         raise ValueError(
             f"a key must be longer than {GROUP_IDX_BYTES} bytes (block_hash + 4-byte group "

@@ -32,6 +32,7 @@ report of a task counts and any later one (a retried store's twin) is ignored.
 
 from __future__ import annotations
 
+import array
 import atexit
 import collections
 import contextlib
@@ -58,11 +59,11 @@ from mptier.jobs import (
     TierEvent,
     TransferJob,
     decode_task,
-    encode_task,
+    encode_job,
     task_record_capacity,
     unpack_bitmap,
 )
-from mptier.keys import check_key
+from mptier.keys import MAX_KEY_BYTES, check_key
 from mptier.layout import FileMapper
 from mptier.lookup import LookupTable
 from mptier.shm import SharedKVBuffer, cleanup_stale
@@ -83,6 +84,7 @@ def _shutdown_live_tiers() -> None:
     for tier in list(_live_tiers):
         with contextlib.suppress(Exception):
             tier.shutdown()
+_NO_IDS = array.array("q")
 # Recent job latencies kept for stats() percentiles.
 LATENCY_WINDOW = 4096
 
@@ -165,13 +167,19 @@ class FileSystemTier:
         self._boot_errors: list[str] = []
         self._ready = 0
         self._per_task = max(1, cfg.task_bytes // self._block_bytes)
+        # Keys up to this length always fit self._per_task items in a record.
+        self._fast_key_len = next((k for k in range(4096, 0, -1) if task_record_capacity(
+            TaskKind.STORE, k) >= self._per_task), 0)
         self._queues = {kind: TaskQueue(name) for kind, name in (
             (TaskKind.EXISTS, "lookup"), (TaskKind.LOAD, "load"), (TaskKind.STORE, "store"))}
+        self._lookup_q, self._load_q, self._store_q = self._queues.values()
         self._completions = CompletionReader()
         self._lifeline_r, self._lifeline_w = make_pipe(4096)
         self._segment_fds: list[int] = []
-        self._control: ControlBlock | None = None
         roles = ["load"] * cfg.n_load_workers + ["store"] * cfg.n_store_workers
+        # Two slots per worker: a hung worker keeps its slot until it is reaped.
+        self._control = ControlBlock(2 * len(roles) + 2)
+        self._seen_counts = self._control.counters_snapshot()
         self._closed = False
         self._shut_down = False
         _live_tiers.add(self)
@@ -196,7 +204,8 @@ class FileSystemTier:
                             self._buffer.unshareable_reason, len(roles))
             self.mode = "threads"
             return ThreadPool(
-                roles=roles, memory=memoryview(self._buffer.view).cast("B"),
+                roles=roles, control=self._control,
+                memory=memoryview(self._buffer.view).cast("B"),
                 lookup_queue=q[TaskKind.EXISTS], load_queue=q[TaskKind.LOAD],
                 store_queue=q[TaskKind.STORE], completion_fd=self._completions.write_fd,
                 lifeline_fd=self._lifeline_r, mapper=self.mapper,
@@ -205,7 +214,6 @@ class FileSystemTier:
         self.mode = "processes"
         segments = self._buffer.open_segments()
         self._segment_fds = [s.fd for s in segments]
-        self._control = ControlBlock(2 * len(roles) + 2)
         spec = LaunchSpec(
             n_slots=self._control.n_slots, control_fd=self._control.fd,
             lookup_queue_fd=q[TaskKind.EXISTS].read_fd, load_queue_fd=q[TaskKind.LOAD].read_fd,
@@ -260,30 +268,31 @@ class FileSystemTier:
             raise ValueError(f"job_id {job_id!r} is already in flight; job ids must be "
                              "unique among unfinished jobs")
         keys = job.keys if type(job.keys) is list else list(job.keys)
-        block_ids = job.block_ids
-        if hasattr(block_ids, "tolist"):  # numpy arrays
-            block_ids = block_ids.tolist()
-        elif type(block_ids) is not list:
-            block_ids = list(block_ids)
+        try:  # one C-level pass: ints (numpy integers too), anything else is refused
+            block_ids = array.array("q", job.block_ids)
+        except (TypeError, OverflowError) as exc:
+            raise ValueError(f"job {job_id}: block_ids must be whole numbers "
+                             f"({exc}): {list(job.block_ids)[:8]!r}") from None
         n = len(keys)
         if len(block_ids) != n:
             raise ValueError(f"job {job_id}: {n} keys but {len(block_ids)} block_ids; "
                              "each key needs exactly one block id")
+        key_len = 0
         for key in keys:
-            if type(key) is not bytes or len(key) <= 4:
+            if type(key) is not bytes or not 4 < len(key) <= MAX_KEY_BYTES:
                 keys = [check_key(k) for k in keys]  # raises ValueError naming the key
+                key_len = max(map(len, keys))
                 break
-        key_len = max(map(len, keys), default=0)
+            if len(key) > key_len:
+                key_len = len(key)
         if n:
-            for block_id in block_ids:
-                if type(block_id) is not int:
-                    raise ValueError(f"job {job_id}: block id {block_id!r} is not an int")
             low, high = min(block_ids), max(block_ids)
             if low < 0 or high >= self._num_blocks:
                 bad = low if low < 0 else high
                 raise ValueError(f"job {job_id}: block id {bad} is outside the primary "
                                  f"buffer (valid ids: 0..{self._num_blocks - 1})")
-        per_task = min(self._per_task, task_record_capacity(kind, key_len))
+        per_task = self._per_task if key_len <= self._fast_key_len else \
+            min(self._per_task, task_record_capacity(kind, key_len))
         if per_task < 1:
             raise ValueError(f"job {job_id}: a {key_len}-byte key is too long for a task")
         name = "store" if kind == TaskKind.STORE else "load"
@@ -292,18 +301,15 @@ class FileSystemTier:
         if n == 0:
             self._finish(state)
             return
-        records = []
+        first = task_id = self._next_task_id
         tasks = self._tasks
-        task_id = self._next_task_id
         for start in range(0, n, per_task):
-            part = keys[start:start + per_task]
-            records.append(encode_task(kind, task_id, part, block_ids[start:start + per_task]))
-            tasks[task_id] = _TaskRef(state, start, part)
+            tasks[task_id] = _TaskRef(state, start, keys[start:start + per_task])
             task_id += 1
         self._next_task_id = task_id
-        state.tasks_left = len(records)
+        state.tasks_left = task_id - first
         self._jobs[job_id] = state
-        self._queues[kind].put_many(records)
+        self._queues[kind].put_records(encode_job(kind, first, keys, block_ids, per_task))
 
     # -- lookups -----------------------------------------------------------------------
 
@@ -312,7 +318,7 @@ class FileSystemTier:
         blocks: the check runs in a worker after :meth:`on_schedule_end`."""
         if self._closed:
             raise TierClosedError("the tier was shut down")
-        if type(key) is not bytes:
+        if type(key) is not bytes or not 4 < len(key) <= MAX_KEY_BYTES:
             key = check_key(key)
         return self._lookups.lookup(key, req_id)
 
@@ -320,20 +326,18 @@ class FileSystemTier:
         """Collect finished checks, then send this step's unchecked keys to the workers."""
         if self._closed:
             raise TierClosedError("the tier was shut down")
-        self._pump()
+        self._poll()
         keys = self._lookups.take_unsent()
         if not keys:
             return
         per_task = min(self.config.lookup_batch_keys,
                        task_record_capacity(TaskKind.EXISTS, max(map(len, keys))))
-        records = []
+        first = task_id = self._next_task_id
         for start in range(0, len(keys), per_task):
-            part = keys[start:start + per_task]
-            task_id = self._next_task_id
-            self._next_task_id += 1
-            self._tasks[task_id] = _TaskRef(None, 0, part)
-            records.append(encode_task(TaskKind.EXISTS, task_id, part))
-        self._queues[TaskKind.EXISTS].put_many(records)
+            self._tasks[task_id] = _TaskRef(None, 0, keys[start:start + per_task])
+            task_id += 1
+        self._next_task_id = task_id
+        self._lookup_q.put_records(encode_job(TaskKind.EXISTS, first, keys, _NO_IDS, per_task))
 
     def on_request_finished(self, req_id: Hashable) -> None:
         """Forget what request ``req_id`` learned from lookups."""
@@ -347,7 +351,7 @@ class FileSystemTier:
         Still works after :meth:`shutdown`, to collect the jobs it failed.
         """
         if not self._closed:
-            self._pump()
+            self._poll()
         if not self._finished:
             return []
         out, self._finished = self._finished, []
@@ -371,9 +375,22 @@ class FileSystemTier:
             select.select([self._completions.read_fd], [], [], 0.05)
             self._pump()
 
-    def _pump(self) -> None:
+    def _poll(self) -> None:
+        """Read the completion pipe only if a message counter moved (no system call when
+        nothing happened); push overflowed tasks on."""
+        counts = self._control.counters_snapshot()
+        if counts != self._seen_counts:
+            self._seen_counts = counts
+            self._pump()
+        elif self._lookup_q.overflow or self._load_q.overflow or self._store_q.overflow:
+            self._flush_overflow()
+
+    def _flush_overflow(self) -> None:
         for queue in self._queues.values():
             queue.flush()
+
+    def _pump(self) -> None:
+        self._flush_overflow()
         messages = self._completions.read_available()
         for message in messages:
             if message.type == MessageType.DONE or message.type == MessageType.LOST:

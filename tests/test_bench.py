@@ -122,6 +122,10 @@ def test_rounds_report_medians(tmp_path, fake_drop):
     values = sorted(r["store_gbps"] for r in record["rounds"])
     assert math.isclose(record["figures"]["store_gbps"], sum(values) / 2)
 
+    md = tmp_path / "again.md"  # re-render the run's tables without measuring again
+    assert cli.main(["--render", str(tmp_path / "out.json"), "--markdown", str(md)]) == 0
+    assert "## Summary" in md.read_text() and "baseline" in md.read_text()
+
 
 def test_design_specs():
     assert [s.label for s in parse_designs(["a,b", "c d", "mptier:nice=19"])] == [

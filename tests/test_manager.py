@@ -188,7 +188,8 @@ def test_short_file_is_removed_and_reported(make_buffer, make_tier):
     (dict(keys=keys_for(1), block_ids=[-1]), "block id -1 is outside"),
     (dict(keys=["not bytes"], block_ids=[0]), "a key must be bytes"),
     (dict(keys=[b"abc"], block_ids=[0]), "longer than 4 bytes"),
-    (dict(keys=keys_for(1), block_ids=[1.5]), "not an int"),
+    (dict(keys=keys_for(1), block_ids=[1.5]), "must be whole numbers"),
+    (dict(keys=[b"k" * 2000], block_ids=[0]), "at most 1024 bytes"),
 ])
 def test_bad_input_raises_and_tier_keeps_working(make_buffer, make_tier, bad, message):
     buf = make_buffer(8, 4 * KB)

@@ -1,74 +1,99 @@
-"""mptier as an out-of-tree secondary tier of the real vLLM 0.33 (``-m vllm``).
+"""mptier as an out-of-tree secondary tier of the real vLLM 0.33.
 
-Runs in the environment made by ``scripts/vllm-env.sh`` (``make vllm-test``); elsewhere
-the whole module is skipped. No GPU and no model: the offloading spec is vLLM's own
+Tests marked ``vllm`` run in the environment made by ``scripts/vllm-env.sh``
+(``make vllm-test``, or ``.venv-vllm/bin/python -m pytest -m vllm``) and skip, saying
+so, where vLLM is not installed. No GPU and no model: the offloading spec is vLLM's own
 ``TieringOffloadingSpec`` built from an ``OffloadingConfig``, and the primary buffer is
 vLLM's own scheduler-side ``SharedOffloadRegion`` in /dev/shm, as in a real engine.
+
+The two tests at the end are not marked: they check, in a fresh interpreter, that
+``import mptier`` never imports vLLM and that the integration explains a missing vLLM.
 """
 
 from __future__ import annotations
 
+import errno
 import gc
+import hashlib
+import importlib.util
 import json
 import logging
 import os
+import re
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
+import psutil
 import pytest
 
-pytest.importorskip(
-    "vllm.v1.kv_offload.tiering.base",
-    reason="vLLM is not installed here; run scripts/vllm-env.sh and use .venv-vllm",
-)
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+NO_VLLM = ("vLLM is not installed in this interpreter; make the environment with "
+           "scripts/vllm-env.sh and run .venv-vllm/bin/python -m pytest -m vllm")
 
-from vllm.v1.kv_offload.base import (
-    Locality,
-    LookupResult,
-    Medium,
-    OffloadKey,
-    ReqContext,
-    make_offload_key,
-)
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.tiering.base import (
-    ScheduleEndContext,
-    SecondaryTierManager,
-    TransferJob,
-)
-from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+if HAVE_VLLM:  # an installed but broken vLLM must fail loudly, not skip
+    from vllm.v1.kv_offload.base import (
+        Locality,
+        LookupResult,
+        Medium,
+        OffloadKey,
+        ReqContext,
+        make_offload_key,
+    )
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+    from vllm.v1.kv_offload.file_mapper import FileMapper as VllmFileMapper
+    from vllm.v1.kv_offload.tiering.base import (
+        ScheduleEndContext,
+        SecondaryTierManager,
+        TransferJob,
+    )
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from mptier.integrations.vllm import MPFileSystemTierManager
+    from mptier.integrations.vllm import MPFileSystemTierManager
 
-pytestmark = pytest.mark.vllm
+    STEP_END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+
+
+@pytest.fixture(autouse=True)
+def _skip_without_vllm(request) -> None:
+    if request.node.get_closest_marker("vllm") is not None and not HAVE_VLLM:
+        pytest.skip(NO_VLLM)
+
 
 BLOCK = 64 << 10  # bytes of one primary row (one chunk)
 ROWS = 16
 OUR_TIER = {"type": "MPFileSystemTierManager", "module_path": "mptier.integrations.vllm"}
+VLLM_FS = {"type": "fs", "n_read_threads": 2, "n_write_threads": 2}
 # Small pools start fast; the defaults are for real disks.
 SMALL = {"n_load_workers": 1, "n_store_workers": 1, "prefault": False}
-STEP_END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 _engines = iter(range(1 << 30))
 
 
 def key(n: int, group: int = 0) -> OffloadKey:
-    return make_offload_key(n.to_bytes(32, "big"), group)
+    """A key with a realistic block hash, so keys spread over the folder tree."""
+    return make_offload_key(hashlib.sha256(n.to_bytes(8, "big")).digest(), group)
 
 
 def make_spec(*, root: str | None = None, events: bool = False, agnostic: bool = True,
-              tp_size: int = 1, rank: int = 0, tiers: list | None = None
-              ) -> TieringOffloadingSpec:
-    """vLLM's real tiering spec for a small, made-up model (nothing is downloaded)."""
+              tp_size: int = 1, rank: int = 0, replicated: bool = False,
+              tiers: list | None = None) -> TieringOffloadingSpec:
+    """vLLM's real tiering spec for a small, made-up model (nothing is downloaded).
+
+    Every spec gives primary rows of ``BLOCK`` bytes: one copy per rank, or a single
+    copy with ``replicated``."""
     extra: dict = {"cpu_bytes_to_use": ROWS * BLOCK}
     if tiers is not None:
         extra["secondary_tiers"] = tiers
@@ -76,7 +101,7 @@ def make_spec(*, root: str | None = None, events: bool = False, agnostic: bool =
         groups=(OffloadingGroupConfig(tokens_per_block=16, group_id=0,
                                       layer_names=("model.layers.0.self_attn.attn",
                                                    "model.layers.1.self_attn.attn")),),
-        worker_kv_bytes_per_block=BLOCK // tp_size,
+        worker_kv_bytes_per_block=BLOCK if replicated else BLOCK // tp_size,
         enable_kv_cache_events=events,
         extra_config=extra,
         engine_id=f"mptier-test-{os.getpid()}-{next(_engines)}",
@@ -86,8 +111,17 @@ def make_spec(*, root: str | None = None, events: bool = False, agnostic: bool =
             rank=rank, world_size=tp_size, tp_size=tp_size, pp_size=1, pcp_size=1,
             dcp_size=1, data_parallel_index=0, data_parallel_size=1,
             data_parallel_rank_local=None, is_parallelism_agnostic=agnostic),
+        replicated_layout=replicated,
     )
-    return TieringOffloadingSpec(config)
+    spec = TieringOffloadingSpec(config)
+    assert spec.kv_bytes_per_chunk == BLOCK
+    return spec
+
+
+def vllm_mapper(spec: TieringOffloadingSpec, root: str) -> VllmFileMapper:
+    """vLLM's file mapper, built the way vLLM's fs tier builds it: the reference."""
+    return VllmFileMapper.from_offloading_spec(
+        root, spec, blocks_per_file=spec.blocks_per_chunk, parallel_agnostic=True)
 
 
 @pytest.fixture
@@ -128,6 +162,20 @@ def make_tier() -> Iterator[Callable[..., SecondaryTierManager]]:
         tier.shutdown()
 
 
+@pytest.fixture
+def ours(tmp_path, primary, make_tier):
+    """``ours(**options)`` -> (our tier, its primary view as a numpy array, its spec),
+    on a fresh spec and region; spec options (``events``...) go to :func:`make_spec`."""
+    def factory(*, spec_options: dict | None = None, **options):
+        spec = make_spec(**(spec_options or {}))
+        view = primary(spec)
+        options.setdefault("root_dir", str(tmp_path / "kv"))
+        tier = make_tier(view, spec, **{**SMALL, **options})
+        return tier, np.asarray(view), spec
+
+    return factory
+
+
 def finish(tier: SecondaryTierManager, job_ids) -> dict:
     """Wait for the jobs; each must be reported exactly once."""
     tier.drain_jobs()
@@ -136,6 +184,7 @@ def finish(tier: SecondaryTierManager, job_ids) -> dict:
         assert result.job_id not in results, f"job {result.job_id} reported twice"
         results[result.job_id] = result
     assert set(results) == set(job_ids)
+    assert list(tier.get_finished_jobs()) == []
     return results
 
 
@@ -145,11 +194,10 @@ def resolve(tier: SecondaryTierManager, keys, ctx: ReqContext, timeout: float = 
     deadline = time.monotonic() + timeout
     while True:
         results = [tier.lookup(k, ctx) for k in keys]
-        if LookupResult.RETRY not in results:
+        if RETRY not in results:
             return results
         assert time.monotonic() < deadline, f"lookups still RETRY: {results}"
         tier.on_schedule_end(STEP_END)
-        tier.get_finished_jobs()
         time.sleep(0.005)
 
 
@@ -160,16 +208,30 @@ def job(job_id: int, keys, rows, *, load: bool, ctx: ReqContext | None = None
                        req_context=ctx or ReqContext(req_id="jobs"))
 
 
-def fill(view: memoryview, rows, seed: int) -> None:
+def fill(rows_array: np.ndarray, rows, seed: int) -> None:
     rng = np.random.default_rng(seed)
-    array = np.asarray(view)
     for row in rows:
-        array[row] = rng.integers(-128, 128, size=array.shape[1], dtype=np.int8)
+        rows_array[row] = rng.integers(-128, 128, size=rows_array.shape[1], dtype=np.int8)
+
+
+def store(tier, keys, rows, job_id: int = 1) -> None:
+    tier.submit_store(job(job_id, keys, rows, load=False))
+    assert finish(tier, [job_id])[job_id].success
+
+
+def assert_no_new_probe(tier: MPFileSystemTierManager, checked_before: int) -> None:
+    """No existence check ran or is waiting: the answers came from the request's memory."""
+    stats = tier.tier.stats()
+    assert stats["keys_checked"] == checked_before
+    assert stats["lookup_keys_pending"] == 0
+    tier.on_schedule_end(STEP_END)
+    assert tier.tier.stats()["tasks_in_flight"] == 0
 
 
 # -- construction ------------------------------------------------------------------------
 
 
+@pytest.mark.vllm
 def test_factory_builds_the_tier_from_module_path(tmp_path, primary, make_tier):
     spec = make_spec()
     tier = make_tier(primary(spec), spec, root_dir=str(tmp_path), locality="REMOTE",
@@ -187,23 +249,45 @@ def test_factory_builds_the_tier_from_module_path(tmp_path, primary, make_tier):
     assert len(tier.tier.worker_pids()) == 2
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize(("options", "message"), [
-    ({"locality": "local"}, "Locality"),
-    ({"locality": ""}, "Locality"),
     ({"n_read_threads": 16}, "n_load_workers"),
     ({"enable_events": True}, "enable_kv_events"),
+    ({"enable_kv_events": "yes"}, "enable_kv_events"),
     ({"model_name": "other"}, "layout follows vLLM"),
     ({"bogus_option": 1}, "bogus_option"),
     ({"n_load_workers": -1}, "n_load_workers"),
+    ({"root_dir": None}, "root_dir is required"),
+    ({"config": "/nonexistent/mptier.toml"}, "does not exist"),
 ])
 def test_bad_options_fail_before_any_worker_starts(tmp_path, primary, options, message):
     spec = make_spec()
     view = primary(spec)
+    tier_config = {**OUR_TIER, "root_dir": str(tmp_path), **options}
+    tier_config = {k: v for k, v in tier_config.items() if v is not None}
     with pytest.raises(ValueError, match=message):
+        SecondaryTierFactory.create_secondary_tier(tier_config, view, spec)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("locality", ["LOCAL", "REMOTE", None])
+def test_locality_accepts_the_exact_enum_values(ours, locality):
+    options = {} if locality is None else {"locality": locality}
+    tier, _, _ = ours(**options)  # through the factory, which reads locality too
+    assert tier.locality is (None if locality is None else Locality(locality))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("locality", ["local", "Remote", "", "NETWORK", "LOCAL "])
+def test_locality_refuses_anything_else(tmp_path, primary, locality):
+    spec = make_spec()
+    view = primary(spec)
+    with pytest.raises(ValueError, match="Locality"):
         SecondaryTierFactory.create_secondary_tier(
-            {**OUR_TIER, "root_dir": str(tmp_path), **options}, view, spec)
+            {**OUR_TIER, "root_dir": str(tmp_path), "locality": locality}, view, spec)
 
 
+@pytest.mark.vllm
 def test_unusable_root_dir_raises_oserror(primary):
     spec = make_spec()
     with pytest.raises(OSError):
@@ -211,16 +295,137 @@ def test_unusable_root_dir_raises_oserror(primary):
             {**OUR_TIER, "root_dir": "/dev/null/kv", **SMALL}, primary(spec), spec)
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("table", [False, True], ids=["flat", "tier-table"])
+def test_config_file_sets_fields_and_explicit_options_win(tmp_path, primary, make_tier,
+                                                          caplog, table):
+    file_root = tmp_path / "from-file"
+    path = tmp_path / "mptier.toml"
+    path.write_text(textwrap.dedent(f"""\
+        {"[tier]" if table else ""}
+        root_dir = "{file_root}"
+        n_load_workers = 1
+        n_store_workers = 2
+        task_bytes = "1M"
+        io_timeout_s = 7.5
+        prefault = false
+        use_o_direct = false
+        model_name = "model"
+        """))
+    spec = make_spec()
+    view = primary(spec)
+    rows = np.asarray(view)
+    with caplog.at_level(logging.INFO, logger="mptier.integrations.vllm"):
+        tier = make_tier(view, spec, config=str(path), n_store_workers=1)
+    config = tier.tier.config
+    assert config.n_load_workers == 1  # from the file
+    assert config.n_store_workers == 1  # the tier config wins over the file's 2
+    assert (config.task_bytes, config.io_timeout_s) == (1 << 20, 7.5)
+    assert tier.tier.stats()["o_direct"] is False
+    assert config.root_dir == str(file_root)  # no root_dir in the tier config
+    # Layout fields in the file give way to vLLM's configuration.
+    assert config.model_name == "org/test-model"
+    assert tier.tier.mapper.base_path == vllm_mapper(spec, str(file_root)).base_path
+    assert "model_name" in caplog.text
+
+    fill(rows, [0], seed=3)
+    store(tier, [key(1)], [0])
+    tier.submit_load(job(2, [key(1)], [1], load=True))
+    assert finish(tier, [2])[2].success
+    assert np.array_equal(rows[1], rows[0])
+
+
+@pytest.mark.vllm
+def test_root_dir_in_the_tier_config_wins_over_the_file(tmp_path, ours):
+    path = tmp_path / "mptier.toml"
+    path.write_text(f'root_dir = "{tmp_path / "from-file"}"\nn_load_workers = 1\n')
+    tier, _, _ = ours(config=path, root_dir=str(tmp_path / "explicit"))
+    assert tier.tier.config.root_dir == str(tmp_path / "explicit")
+    assert not (tmp_path / "from-file").exists()
+
+
+# -- the primary buffer ------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_view_that_is_not_a_shared_file_falls_back_to_threads(tmp_path, make_tier, caplog):
+    spec = make_spec()
+    rows = np.zeros((ROWS, BLOCK), dtype=np.int8)  # anonymous memory
+    with caplog.at_level(logging.WARNING, logger="mptier.integrations.vllm"):
+        tier = make_tier(memoryview(rows), spec, root_dir=str(tmp_path), **SMALL)
+    assert tier.tier.stats()["mode"] == "threads"
+    assert tier.tier.worker_pids() == []
+    assert "not a shared file" in caplog.text
+    fill(rows, [2], seed=5)
+    store(tier, [key(1)], [2])
+    tier.submit_load(job(2, [key(1)], [9], load=True))
+    assert finish(tier, [2])[2].success
+    assert np.array_equal(rows[9], rows[2])
+
+
 # -- transfers ---------------------------------------------------------------------------
 
 
-def test_store_lookup_load_round_trip(tmp_path, primary, make_tier):
-    spec = make_spec()
-    view = primary(spec)
-    tier = make_tier(view, spec, root_dir=str(tmp_path), **SMALL)
+@pytest.mark.vllm
+@pytest.mark.parametrize("load", [False, True], ids=["store", "load"])
+def test_empty_job_succeeds(ours, load):
+    tier, _, _ = ours()
+    submit = tier.submit_load if load else tier.submit_store
+    submit(job(1, [], [], load=load))
+    result = finish(tier, [1])[1]
+    assert result.success and result.successful_keys is None
+
+
+@pytest.mark.vllm
+def test_store_then_lookup_hits_and_the_file_is_at_the_mapped_path(tmp_path, ours):
+    tier, rows, spec = ours(root_dir=str(tmp_path))
+    keys = [key(1), key(2, group=1)]
+    assert resolve(tier, keys, ReqContext(req_id="before")) == [MISS, MISS]
+    fill(rows, [4, 5], seed=2)
+    store(tier, keys, [4, 5])
+    reference = vllm_mapper(spec, str(tmp_path))
+    for k, row in zip(keys, [4, 5]):
+        path = reference.get_file_name(k)
+        assert tier.tier.mapper.path_for(k) == path
+        with open(path, "rb") as f:
+            assert f.read() == rows[row].tobytes()
+    assert resolve(tier, keys, ReqContext(req_id="after")) == [HIT, HIT]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("io", ["native", "buffered", "python"])
+@pytest.mark.parametrize("n", [0, 1, 2, 5])
+def test_load_into_other_rows_returns_the_same_bytes(ours, n, io):
+    """Store from rows 0.., load into rows counted down from the last one."""
+    options = {"buffered": {"use_o_direct": False}, "python": {"native": False}}
+    tier, rows, _ = ours(**options.get(io, {}))
+    if io == "buffered":
+        assert tier.tier.stats()["o_direct"] is False
+    if io == "python":
+        assert tier.tier.stats()["native"] is False
+    keys = [key(i) for i in range(n)]
+    fill(rows, range(n), seed=n)
+    expected = rows[:n].copy()
+    store(tier, keys, range(n))
+
+    rows[:] = 0
+    targets = [ROWS - 1 - i for i in range(n)]
+    tier.submit_load(job(2, keys, targets, load=True))
+    result = finish(tier, [2])[2]
+    assert result.success and result.successful_keys is None
+    assert np.array_equal(rows[targets], expected)
+    assert not rows[:n].any()  # nothing landed where it came from
+    for k in keys:  # a load leaves the files in place
+        assert os.path.getsize(tier.tier.mapper.path_for(k)) == BLOCK
+    assert resolve(tier, keys, ReqContext(req_id="again")) == [HIT] * n
+
+
+@pytest.mark.vllm
+def test_store_lookup_load_round_trip(ours):
+    tier, rows, _ = ours()
     keys = [key(1), key(2), key(3, group=1)]
-    fill(view, [0, 1, 2], seed=1)
-    expected = np.asarray(view)[0:3].copy()
+    fill(rows, [0, 1, 2], seed=1)
+    expected = rows[0:3].copy()
 
     tier.submit_store(job(1, keys, [0, 1, 2], load=False))
     (stored,) = finish(tier, [1]).values()
@@ -228,37 +433,79 @@ def test_store_lookup_load_round_trip(tmp_path, primary, make_tier):
     assert stored.transfer_bytes == 3 * BLOCK
 
     ctx = ReqContext(req_id="r1")
-    assert tier.lookup(key(9), ctx) is LookupResult.RETRY  # nothing checked yet
-    assert resolve(tier, [*keys, key(9)], ctx) == [LookupResult.HIT] * 3 + [LookupResult.MISS]
-
-    np.asarray(view)[:] = 0
+    assert resolve(tier, [*keys, key(9)], ctx) == [HIT, HIT, HIT, MISS]
+    rows[:] = 0
     tier.submit_load(job(2, keys, [7, 8, 9], load=True, ctx=ctx))
     (loaded,) = finish(tier, [2]).values()
-    assert loaded.success
-    assert np.array_equal(np.asarray(view)[7:10], expected)
+    assert loaded.success and loaded.transfer_bytes == 3 * BLOCK
+    assert np.array_equal(rows[7:10], expected)
     tier.on_request_finished(ctx)
 
 
-def test_chunk_id_outside_the_buffer_is_refused_at_submit(tmp_path, primary, make_tier):
-    spec = make_spec()
-    tier = make_tier(primary(spec), spec, root_dir=str(tmp_path), **SMALL)
-    with pytest.raises(ValueError, match="outside the primary buffer"):
-        tier.submit_store(job(1, [key(1)], [ROWS], load=False))
-    tier.drain_jobs()
-    assert list(tier.get_finished_jobs()) == []
+@pytest.mark.vllm
+def test_lookup_answers_retry_then_hit_across_step_ends(ours):
+    tier, _, _ = ours()
+    store(tier, [key(1)], [0])
+    ctx = ReqContext(req_id="r")
+    # Not checked yet: RETRY, however often it is asked, and only one check is queued.
+    assert [tier.lookup(key(1), ctx) for _ in range(3)] == [RETRY] * 3
+    assert tier.tier.stats()["lookup_keys_pending"] == 1
+    deadline = time.monotonic() + 10
+    while (answer := tier.lookup(key(1), ctx)) is RETRY:
+        assert time.monotonic() < deadline, "the check never answered"
+        tier.on_schedule_end(STEP_END)  # sends the batch, then collects its answer
+        time.sleep(0.005)
+    assert answer is HIT
+    assert tier.tier.stats()["keys_checked"] == 1
+    assert tier.lookup(key(1), ctx) is HIT  # kept for the request
+    tier.on_request_finished(ctx)
+    assert tier.tier.stats()["lookup_requests"] == 0
 
 
-def test_partial_load_failure_keeps_the_loaded_keys(tmp_path, primary, make_tier):
-    spec = make_spec(events=True)
-    view = primary(spec)
-    tier = make_tier(view, spec, root_dir=str(tmp_path), enable_kv_events=True, **SMALL)
+@pytest.mark.vllm
+@pytest.mark.parametrize("load", [False, True], ids=["store", "load"])
+def test_chunk_id_outside_the_buffer_fails_the_job_without_raising(ours, caplog, load):
+    tier, rows, _ = ours(enable_kv_events=True, spec_options={"events": True})
+    keys = [key(1), key(2)]
+    fill(rows, [0, 1], seed=4)
+    store(tier, keys, [0, 1], job_id=10)
+    list(tier.take_events())
+    ctx = ReqContext(req_id="r")
+    assert resolve(tier, keys, ctx) == [HIT, HIT]
+    checked = tier.tier.stats()["keys_checked"]
+
+    with caplog.at_level(logging.WARNING, logger="mptier.integrations.vllm"):
+        submit = tier.submit_load if load else tier.submit_store
+        submit(job(11, keys, [2, ROWS], load=load, ctx=ctx))  # one past the last row
+    assert "job 11" in caplog.text and "outside the primary buffer" in caplog.text
+    result = finish(tier, [11])[11]  # reported once, through get_finished_jobs
+    assert not result.success and result.successful_keys is None
+    assert list(tier.take_events()) == []  # a failed store announces nothing
+    if load:
+        # Like any failed load: the request that asked now misses, without a re-check;
+        # the files were never touched, so a fresh request still finds them.
+        assert [tier.lookup(k, ctx) for k in keys] == [MISS, MISS]
+        assert_no_new_probe(tier, checked)
+        assert resolve(tier, keys, ReqContext(req_id="fresh")) == [HIT, HIT]
+    tier.on_request_finished(ctx)
+
+    # The tier keeps working.
+    tier.submit_load(job(12, keys, [5, 6], load=True))
+    assert finish(tier, [12])[12].success
+    assert np.array_equal(rows[5:7], rows[0:2])
+
+
+@pytest.mark.vllm
+def test_last_block_short_keeps_the_keys_before_it(ours):
+    tier, rows, _ = ours(enable_kv_events=True, spec_options={"events": True})
     keys = [key(1), key(2), key(3)]
-    tier.submit_store(job(1, keys, [0, 1, 2], load=False))
-    assert finish(tier, [1])[1].success
+    fill(rows, [0, 1, 2], seed=6)
+    store(tier, keys, [0, 1, 2])
     list(tier.take_events())
 
     ctx = ReqContext(req_id="r")
-    assert resolve(tier, keys, ctx) == [LookupResult.HIT] * 3
+    assert resolve(tier, keys, ctx) == [HIT] * 3
+    checked = tier.tier.stats()["keys_checked"]
     bad = tier.tier.mapper.path_for(key(3))
     with open(bad, "r+b") as f:  # a short file is a corrupt block
         f.truncate(100)
@@ -267,37 +514,66 @@ def test_partial_load_failure_keeps_the_loaded_keys(tmp_path, primary, make_tier
     result = finish(tier, [2])[2]
     assert not result.success
     assert tuple(result.successful_keys) == (key(1), key(2))
+    assert np.array_equal(rows[4:6], rows[0:2])
     assert not os.path.exists(bad)
     # Same request: the failed key is now a miss, the others stay hits, no re-check.
-    assert [tier.lookup(k, ctx) for k in keys] == [LookupResult.HIT, LookupResult.HIT,
-                                                   LookupResult.MISS]
-    removed = [e for e in tier.take_events() if e.removed]
-    assert [e.keys for e in removed] == [[key(3)]]
-    assert removed[0].medium is Medium.STORAGE
+    assert [tier.lookup(k, ctx) for k in keys] == [HIT, HIT, MISS]
+    assert_no_new_probe(tier, checked)
+    tier.on_schedule_end(STEP_END)
+    assert list(tier.take_events()) == []  # vLLM's fs tier publishes nothing for loads
     # A new request checks the disk again.
-    assert resolve(tier, keys, ReqContext(req_id="fresh")) == [
-        LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+    assert resolve(tier, keys, ReqContext(req_id="fresh")) == [HIT, HIT, MISS]
 
 
-def test_first_block_failing_reports_no_successful_keys(tmp_path, primary, make_tier):
-    spec = make_spec()
-    tier = make_tier(primary(spec), spec, root_dir=str(tmp_path), **SMALL)
-    tier.submit_store(job(1, [key(2)], [1], load=False))
-    assert finish(tier, [1])[1].success
+@pytest.mark.vllm
+@pytest.mark.parametrize("first", ["short", "missing"])
+def test_failing_first_block_reports_no_successful_keys(ours, first):
+    tier, _, _ = ours()
+    keys = [key(1), key(2), key(3)]
+    store(tier, keys, [0, 1, 2])
+    path = tier.tier.mapper.path_for(key(1))
+    if first == "short":
+        with open(path, "r+b") as f:
+            f.truncate(BLOCK - 4096)
+    else:
+        os.unlink(path)
     ctx = ReqContext(req_id="r")
-    assert resolve(tier, [key(1), key(2)], ctx) == [LookupResult.MISS, LookupResult.HIT]
+    assert resolve(tier, keys, ctx) == [HIT if first == "short" else MISS, HIT, HIT]
+    checked = tier.tier.stats()["keys_checked"]
 
-    tier.submit_load(job(2, [key(1), key(2)], [3, 4], load=True, ctx=ctx))
+    tier.submit_load(job(2, keys, [4, 5, 6], load=True, ctx=ctx))
     result = finish(tier, [2])[2]
     assert not result.success
     assert result.successful_keys is None  # a batch stops at its first failure
-    # Neither key was loaded, so neither may be promised to this request again.
-    assert [tier.lookup(k, ctx) for k in (key(1), key(2))] == [LookupResult.MISS] * 2
+    # None of them was loaded, so none may be promised to this request again.
+    assert [tier.lookup(k, ctx) for k in keys] == [MISS] * 3
+    assert_no_new_probe(tier, checked)
+    assert not os.path.exists(path)
+    for k in keys[1:]:  # blocks after the failure were not touched
+        assert os.path.getsize(tier.tier.mapper.path_for(k)) == BLOCK
 
 
-def test_shutdown_reports_every_job_once(tmp_path, primary, make_tier):
-    spec = make_spec()
-    tier = make_tier(primary(spec), spec, root_dir=str(tmp_path), **SMALL)
+@pytest.mark.vllm
+def test_open_error_fails_the_job_and_leaves_the_file(ours):
+    tier, _, _ = ours()
+    store(tier, [key(1)], [0])
+    loop = tier.tier.mapper.path_for(key(2))
+    os.makedirs(os.path.dirname(loop), exist_ok=True)
+    os.symlink(os.path.basename(loop), loop)  # points at itself: ELOOP on open
+    with pytest.raises(OSError) as raised:
+        os.stat(loop)
+    assert raised.value.errno == errno.ELOOP
+
+    tier.submit_load(job(2, [key(1), key(2)], [3, 4], load=True))
+    result = finish(tier, [2])[2]
+    assert not result.success
+    assert tuple(result.successful_keys) == (key(1),)
+    assert os.path.islink(loop)  # only a short file is deleted
+
+
+@pytest.mark.vllm
+def test_shutdown_reports_every_job_once(ours):
+    tier, _, _ = ours()
     for i in range(12):
         tier.submit_store(job(i, [key(i)], [i % ROWS], load=False))
     tier.shutdown()
@@ -306,62 +582,138 @@ def test_shutdown_reports_every_job_once(tmp_path, primary, make_tier):
     tier.shutdown()  # idempotent
 
 
+def _ipc_names(owners: set[int]) -> set[str]:
+    """Names in /dev/shm and /dev/mqueue whose first number is one of ``owners``
+    (mptier puts its pid there), so other programs' objects are left out."""
+    names = set()
+    for directory in ("/dev/shm", "/dev/mqueue"):
+        for name in os.listdir(directory) if os.path.isdir(directory) else ():
+            number = re.search(r"\d+", name)
+            if number and int(number.group()) in owners:
+                names.add(f"{directory}/{name}")
+    return names
+
+
+@pytest.mark.vllm
+def test_shutdown_leaves_nothing_behind(tmp_path, primary, make_tier):
+    spec = make_spec()
+    view = primary(spec)
+    region = f"/dev/shm/vllm_offload_{spec.config.engine_id}.mmap"
+    before = _ipc_names({os.getpid()})  # holds vLLM's region: its engine id has our pid
+    tier = make_tier(view, spec, root_dir=str(tmp_path), **SMALL)
+    pids = tier.tier.worker_pids()
+    assert len(pids) == 2
+    store(tier, [key(1)], [0])
+    tier.submit_load(job(2, [key(1)], [1], load=True))
+    finish(tier, [2])
+    tier.shutdown()
+
+    left = _ipc_names({os.getpid(), *pids}) - before
+    assert left == set(), f"left in /dev/shm or /dev/mqueue: {sorted(left)}"
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or \
+            psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert os.path.exists(region)  # vLLM's buffer is vLLM's to remove
+
+
 # -- the shared cache --------------------------------------------------------------------
 
 
-VLLM_FS = {"type": "fs", "n_read_threads": 2, "n_write_threads": 2}
-
-
+@pytest.mark.vllm
 @pytest.mark.parametrize("agnostic", [True, False], ids=["agnostic", "per-rank"])
 @pytest.mark.parametrize("writer", ["mptier", "vllm"])
 def test_cache_is_shared_with_vllms_fs_tier(tmp_path, primary, make_tier, writer,
                                             agnostic):
     spec = make_spec(agnostic=agnostic, tp_size=2, rank=1)
     view = primary(spec)
+    rows = np.asarray(view)
     root = str(tmp_path)
     ours = make_tier(view, spec, root_dir=root, **SMALL)
     theirs = make_tier(view, spec, VLLM_FS, root_dir=root)
     write, read = (ours, theirs) if writer == "mptier" else (theirs, ours)
     keys = [key(10), key(11)]
-    fill(view, [0, 1], seed=7)
-    expected = np.asarray(view)[0:2].copy()
+    fill(rows, [0, 1], seed=7)
+    expected = rows[0:2].copy()
 
-    write.submit_store(job(1, keys, [0, 1], load=False))
-    assert finish(write, [1])[1].success
-    for k in keys:
+    store(write, keys, [0, 1])
+    for k, row in zip(keys, expected):
         path = theirs.file_mapper.get_file_name(k)
-        assert os.path.getsize(path) == BLOCK
+        assert path == ours.tier.mapper.path_for(k)
         assert f"_r{0 if agnostic else 1}/" in path
-    config_path = theirs.file_mapper.get_config_file_path()
-    with open(config_path) as f:
-        assert json.load(f) == theirs.file_mapper.get_run_config()
+        with open(path, "rb") as f:
+            assert f.read() == row.tobytes()
     assert ours.tier.mapper.base_path == theirs.file_mapper.base_path
 
-    assert resolve(read, keys, ReqContext(req_id="reader")) == [LookupResult.HIT] * 2
-    np.asarray(view)[:] = 0
+    assert resolve(read, keys, ReqContext(req_id="reader")) == [HIT] * 2
+    rows[:] = 0
     read.submit_load(job(2, keys, [5, 6], load=True))
     assert finish(read, [2])[2].success
-    assert np.array_equal(np.asarray(view)[5:7], expected)
+    assert np.array_equal(rows[5:7], expected)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("agnostic", [True, False], ids=["agnostic", "per-rank"])
+def test_config_json_is_byte_identical_to_vllms(tmp_path, primary, make_tier, agnostic):
+    spec = make_spec(agnostic=agnostic, tp_size=2, rank=1)
+    view = primary(spec)
+    written = {}
+    for name, type_config in (("mptier", OUR_TIER), ("vllm", VLLM_FS)):
+        root = tmp_path / name
+        tier = make_tier(view, spec, type_config, root_dir=str(root),
+                         **(SMALL if name == "mptier" else {}))
+        tier.shutdown()
+        (path,) = root.glob("*/config.json")
+        written[name] = (path.relative_to(root), path.read_bytes())
+    assert written["mptier"] == written["vllm"]
+    assert json.loads(written["vllm"][1]) == vllm_mapper(spec, "/").get_run_config()
+
+
+@pytest.mark.vllm
+def test_replicated_layout_shares_files_across_tensor_parallel_sizes(tmp_path, primary,
+                                                                      make_tier):
+    root = str(tmp_path)
+    writer_spec = make_spec(replicated=True, agnostic=False, tp_size=2, rank=0)
+    reader_spec = make_spec(replicated=True, agnostic=False, tp_size=4, rank=3)
+    writer_view, reader_view = primary(writer_spec), primary(reader_spec)
+    writer = make_tier(writer_view, writer_spec, root_dir=root, **SMALL)
+    reader = make_tier(reader_view, reader_spec, root_dir=root, **SMALL)
+    assert writer.tier.mapper.base_path == reader.tier.mapper.base_path
+    assert reader.tier.mapper.base_path == vllm_mapper(reader_spec, root).base_path
+
+    keys = [key(1), key(2)]
+    written, read = np.asarray(writer_view), np.asarray(reader_view)
+    fill(written, [0, 1], seed=8)
+    store(writer, keys, [0, 1])
+    for k in keys:
+        path = writer.tier.mapper.path_for(k)
+        assert path == reader.tier.mapper.path_for(k) == \
+            vllm_mapper(reader_spec, root).get_file_name(k)
+        assert "_r0/" in path
+    assert resolve(reader, keys, ReqContext(req_id="tp4")) == [HIT, HIT]
+    reader.submit_load(job(2, keys, [3, 4], load=True))
+    assert finish(reader, [2])[2].success
+    assert np.array_equal(read[3:5], written[0:2])
 
 
 # -- events and metrics ------------------------------------------------------------------
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize(("tier_flag", "global_flag", "emitted"), [
     (True, True, True),
     (True, False, False),
     (False, True, False),
+    (None, True, False),  # not set: off by default
 ])
-def test_stored_events_need_both_flags(tmp_path, primary, make_tier, caplog, tier_flag,
-                                       global_flag, emitted):
-    spec = make_spec(events=global_flag)
+def test_stored_events_need_both_flags(ours, caplog, tier_flag, global_flag, emitted):
+    options = {} if tier_flag is None else {"enable_kv_events": tier_flag}
     with caplog.at_level(logging.WARNING, logger="mptier.integrations.vllm"):
-        tier = make_tier(primary(spec), spec, root_dir=str(tmp_path), locality="LOCAL",
-                         enable_kv_events=tier_flag, **SMALL)
-    assert ("disabled globally" in caplog.text) == (tier_flag and not global_flag)
+        tier, _, _ = ours(locality="LOCAL", spec_options={"events": global_flag},
+                          **options)
+    assert ("enable_kv_events is ignored" in caplog.text) == \
+        (bool(tier_flag) and not global_flag)
     keys = [key(1), key(2)]
-    tier.submit_store(job(1, keys, [0, 1], load=False))
-    assert finish(tier, [1])[1].success
+    store(tier, keys, [0, 1])
     tier.submit_load(job(2, [key(1)], [3], load=True))  # loads never emit events
     assert finish(tier, [2])[2].success
     tier.on_schedule_end(STEP_END)
@@ -376,9 +728,40 @@ def test_stored_events_need_both_flags(tmp_path, primary, make_tier, caplog, tie
     assert tier.tier.take_events() == []  # nothing piles up underneath
 
 
-def test_stats_use_only_declared_metrics(tmp_path, primary, make_tier):
-    spec = make_spec()
-    tier = make_tier(primary(spec), spec, root_dir=str(tmp_path), **SMALL)
+@pytest.mark.vllm
+@pytest.mark.parametrize("locality", ["REMOTE", None])
+def test_one_stored_event_per_successful_store_job(ours, locality):
+    options = {} if locality is None else {"locality": locality}
+    tier, _, _ = ours(enable_kv_events=True, spec_options={"events": True}, **options)
+    # A regular file where key(8)'s folder belongs makes its store fail.
+    blocked = os.path.dirname(tier.tier.mapper.path_for(key(8)))
+    assert os.path.dirname(tier.tier.mapper.path_for(key(7))) != blocked
+    os.makedirs(os.path.dirname(blocked), exist_ok=True)
+    open(blocked, "w").close()
+
+    first, last = [key(5), key(2), key(9)], [key(1)]
+    tier.submit_store(job(1, first, [0, 1, 2], load=False))
+    tier.submit_store(job(2, [key(3)], [ROWS], load=False))  # refused: bad chunk id
+    tier.submit_store(job(3, [key(7), key(8)], [3, 4], load=False))  # partly fails
+    tier.submit_store(job(4, last, [5], load=False))
+    results = finish(tier, [1, 2, 3, 4])
+    assert [results[i].success for i in (1, 2, 3, 4)] == [True, False, False, True]
+    tier.submit_load(job(5, first, [6, 7, 8], load=True))
+    assert finish(tier, [5])[5].success
+
+    events = list(tier.take_events())
+    # In the order the jobs finished; each with its job's keys, in the job's order.
+    assert len(events) == 2
+    assert {tuple(e.keys) for e in events} == {tuple(first), tuple(last)}
+    for event in events:
+        assert event.medium is Medium.STORAGE and event.removed is False
+        assert event.locality is (None if locality is None else Locality(locality))
+    assert list(tier.take_events()) == []
+
+
+@pytest.mark.vllm
+def test_stats_use_only_declared_metrics(ours):
+    tier, _, _ = ours()
     definitions = MPFileSystemTierManager.build_metric_definitions({**OUR_TIER})
     stats = tier.get_stats()
     assert stats is not None
@@ -393,6 +776,7 @@ def test_stats_use_only_declared_metrics(tmp_path, primary, make_tier):
 # -- under vLLM's own tiering manager ----------------------------------------------------
 
 
+@pytest.mark.vllm
 def test_cascade_and_promotion_through_vllms_tiering_manager(tmp_path):
     """vLLM builds the tier from its config, cascades a store to it, and after the
     primary tier forgets the blocks promotes them back through mptier's workers."""
@@ -428,10 +812,9 @@ def test_cascade_and_promotion_through_vllms_tiering_manager(tmp_path):
         reader = ReqContext(req_id="reader")
         manager.on_new_request(reader)
         deadline = time.monotonic() + 10
-        while (results := [manager.lookup(k, reader) for k in keys]) != \
-                [LookupResult.HIT] * 3:
+        while (results := [manager.lookup(k, reader) for k in keys]) != [HIT] * 3:
             assert time.monotonic() < deadline, f"never promoted: {results}"
-            assert LookupResult.MISS not in results
+            assert MISS not in results
             manager.on_schedule_end(STEP_END)
             time.sleep(0.005)
         load_spec = manager.prepare_load(keys, reader)
@@ -443,3 +826,48 @@ def test_cascade_and_promotion_through_vllms_tiering_manager(tmp_path):
         gc.collect()
         manager.shutdown()
     assert not os.path.exists(region_path)
+
+
+# -- importing (no vLLM needed) ----------------------------------------------------------
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter, from the folder that holds this mptier."""
+    import mptier
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(mptier.__file__)))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=here,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_importing_mptier_does_not_import_vllm():
+    run = _python("""
+        import sys
+        import mptier, mptier.integrations
+        mptier.FileSystemTier, mptier.SharedKVBuffer, mptier.TierConfig
+        loaded = sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))
+        assert not loaded, loaded
+        """)
+    assert run.returncode == 0, run.stderr
+
+
+def test_integration_without_vllm_says_what_to_install():
+    run = _python("""
+        import sys
+
+        class NoVllm:  # as if vLLM were not installed
+            def find_spec(self, name, path=None, target=None):
+                if name == "vllm" or name.startswith("vllm."):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+        sys.meta_path.insert(0, NoVllm())
+        try:
+            import mptier.integrations.vllm
+        except ImportError as exc:
+            print(exc)
+        else:
+            raise SystemExit("imported without vLLM")
+        """)
+    assert run.returncode == 0, run.stderr
+    assert "pip install vllm==0.33.0" in run.stdout
+    assert "scripts/vllm-env.sh" in run.stdout

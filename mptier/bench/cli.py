@@ -83,8 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--poll-us", type=int, default=500, metavar="US",
         help="light scheduler: GIL-free sleep between two polls (default 500)")
     add("--busy-work-us", type=int, default=500, metavar="US",
-        help="busy scheduler: pure-Python work between two polls, never sleeping "
-             "(default 500)")
+        help="busy scheduler: pure-Python work between two polls (default 500)")
+    add("--busy-wait-us", type=int, default=500, metavar="US",
+        help="busy scheduler: a GIL-free wait before each work slice, standing for the "
+             "model's forward pass; time to get the interpreter back after it counts as "
+             "lost work (default 500; 0 = a loop that never lets go of the interpreter)")
     add("--busy-fraction", type=float, default=0.5, metavar="F",
         help="share of each phase's jobs run beside the busy scheduler loop, where "
              "interference is measured (default 0.5; 0 = no busy part)")
@@ -100,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--no-verify", action="store_true", help="skip the byte-for-byte check of loads")
     add("--keep-files", action="store_true", help="leave the block files in place")
     add("--no-progress", action="store_true", help="no progress bar")
+    add("--render", metavar="JSON",
+        help="measure nothing: print and write the tables and chart of an earlier run's "
+             "JSON (with --save, --markdown, --plot)")
     add("--inject-corruption", type=int, default=0, help=argparse.SUPPRESS)
     return parser
 
@@ -145,6 +151,7 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
                     single_repeats=args.repeats or (1 if args.quick else 3),
                     idle_seconds=args.idle_seconds or (0.15 if args.quick else 0.3),
                     poll_us=args.poll_us, busy_work_us=args.busy_work_us,
+                    busy_wait_us=args.busy_wait_us,
                     busy_fraction=args.busy_fraction, drop_caches=not args.no_drop_caches,
                     verify=not args.no_verify, region_cap_bytes=args.buffer_bytes // 2,
                     keep_files=args.keep_files, inject_corruption=args.inject_corruption,
@@ -274,6 +281,15 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     0: every design ran and every load verified; 1: something failed (printed).
     """
+    if args.render:
+        try:
+            with open(args.render, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as exc:
+            print(f"mptier bench: cannot read {args.render}: {exc}", file=sys.stderr)
+            return 2
+        _emit(doc, args)
+        return 0
     try:
         specs = parse_designs(args.designs or [DEFAULT_DESIGNS])
         for spec in specs:
@@ -337,7 +353,8 @@ def _emit(doc: dict[str, Any], args: argparse.Namespace) -> None:
         _write(paths["json"], json.dumps(doc, indent=2, default=str) + "\n")
     if paths["markdown"]:
         body = "\n\n".join(rep.markdown_table(c) for c in doc["cases"])
-        _write(paths["markdown"], f"Command: `{doc['command']}`\n\n{body}\n")
+        _write(paths["markdown"], f"Command: `{doc['command']}`\n\n## Summary\n\n"
+               f"{rep.summary_markdown(doc)}\n\n## Every figure\n\n{body}\n")
     if paths["text"]:
         body = "\n\n".join(rep.plain_table(c) for c in doc["cases"])
         _write(paths["text"], f"{doc['command']}\n\n{body}\n")

@@ -9,16 +9,21 @@
     │   get_finished()                        [timed]  │◀── completions
     │   on_schedule_end()                              │
     │   light half: sleep --poll-us (GIL-free)         │
-    │   busy half:  pure-Python counting loop for      │
-    │               --busy-work-us, never sleeping     │
+    │   busy half:  sleep --busy-wait-us (GIL-free),   │
+    │               then a pure-Python counting loop   │
+    │               for --busy-work-us                 │
     └─────────────────────────────────────────────────┘
 
 Every phase runs its first jobs under the *light* scheduler, which only polls -- the
 design at full speed: throughput, job latency -- and the rest (``--busy-fraction``)
-beside the *busy* scheduler, a pure-Python loop that never lets go of the interpreter.
-The loop's rate there, divided by its rate with the design idle, is the scheduler
-interference; the throughput there shows what that loop costs the design. Scheduler
-calls are timed in both halves.
+beside the *busy* scheduler, which alternates a GIL-free wait (the model's forward pass
+in a real engine) with pure-Python work, half and half by default. The work's rate
+there, counted from the moment each wait should have ended, divided by its rate with
+the design idle, is the scheduler interference: it charges both a CPU taken away and
+the time to get the interpreter back from the design's threads. The throughput there
+shows what the busy scheduler costs the design. ``--busy-wait-us 0`` makes a loop that
+never lets go of the interpreter: in-process threads then starve rather than slow the
+loop. Scheduler calls are timed in both halves.
 
 Per case (root x block size x job size) the harness makes one primary buffer of two
 regions -- source slots ``[0, R)`` filled with random bytes, destination slots
@@ -70,6 +75,7 @@ class Workload:
     idle_seconds: float = 0.3
     poll_us: int = 500  # light scheduler: sleep between polls
     busy_work_us: int = 500  # busy scheduler: pure-Python work between polls
+    busy_wait_us: int = 500  # busy scheduler: GIL-free wait before the work (0: none)
     busy_fraction: float = 0.5  # share of each phase's jobs run beside the busy loop
     drop_caches: bool = True
     verify: bool = True
@@ -118,7 +124,8 @@ class Case:
         self.buffer = CaseBuffer(workload.region_blocks, workload.block_bytes)
         self.keys = CaseKeys.make(workload)
         self.light = SchedulerLoad(0, workload.poll_us * 1000)
-        self.busy = SchedulerLoad(workload.busy_work_us * 1000, 0)
+        self.busy = SchedulerLoad(workload.busy_work_us * 1000,
+                                  workload.busy_wait_us * 1000)
         self._next_job_id = 1
 
     def close(self) -> None:

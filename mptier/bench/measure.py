@@ -1,9 +1,9 @@
 """Small measuring tools shared by the harness and the designs.
 
-* :class:`SchedulerLoad` -- what the engine's main thread does between polls: a
-  pure-Python counting loop (:func:`spin`), then a wait that releases the interpreter
-  lock. The loop's iteration rate while a design runs, divided by its rate when idle,
-  is the "scheduler interference" figure (1.0 = the design costs the scheduler nothing).
+* :class:`SchedulerLoad` -- what the engine's main thread does between polls: a wait
+  that releases the interpreter lock and/or a pure-Python counting loop (:func:`spin`).
+  The loop's iteration rate while a design runs, divided by its rate when idle, is the
+  "scheduler interference" figure (1.0 = the design costs the scheduler nothing).
 * :func:`drop_page_cache` -- ``sync`` then ``echo 3 > /proc/sys/vm/drop_caches``, and
   whether it worked (it needs root outside a restricted container).
 * :func:`probe_o_direct` -- the reference design's O_DIRECT probe (an aligned one-page
@@ -81,11 +81,12 @@ def spin(duration_ns: int) -> tuple[int, int]:
 class SchedulerLoad:
     """What the engine's main thread does between two polls of the tier.
 
-    ``work_ns`` of pure-Python work (:func:`spin`), then ``wait_ns`` of a wait that
-    releases the interpreter lock -- in a real engine, the wait for the model's forward
-    pass. :meth:`step` counts the work from the moment the wait *should* have ended, so
-    time spent getting the lock and a CPU back after the wait counts as lost work.
-    ``wait_ns=0`` is a scheduler that never lets go of the interpreter.
+    ``wait_ns`` of a wait that releases the interpreter lock (in a real engine, the wait
+    for the model's forward pass), then ``work_ns`` of pure-Python work (:func:`spin`).
+    :meth:`step` counts the work from the moment the wait *should* have ended, so time
+    spent getting the lock and a CPU back after a wait counts as lost work. The harness
+    uses two: the *light* scheduler (wait only: it just polls) and the *busy* one
+    (wait and work, or work only: a loop that never lets go of the interpreter).
     """
 
     work_ns: int

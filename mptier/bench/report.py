@@ -286,6 +286,37 @@ def markdown_table(case: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def summary_markdown(doc: dict[str, Any]) -> str:
+    """One compact Markdown table of the headline figures of every case and design
+    (the full per-case tables carry the rest)."""
+    def v(r: dict[str, Any], key: str, digits: int = 2) -> str:
+        return fmt(r["figures"].get(key), digits)
+
+    def with_ratios(r: dict[str, Any], key: str) -> str:
+        parts = [f"{letter} {x:.2f}" for letter in ("b", "d")
+                 if (x := (r.get(f"ratio_to_{letter}") or {}).get(key)) is not None]
+        return v(r, key) + (f" ({', '.join(parts)})" if parts and r["letter"] not in "bd"
+                            else "")
+
+    lines = ["| case | design | store GB/s | load GB/s | store / load GB/s beside busy loop "
+             "| loop rate busy/idle | 64-block job alone: store / load ms "
+             "| submit_store p50 / max µs | get_finished (empty) p50 µs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for case in doc["cases"]:
+        w = case["workload"]
+        name = f"{case['root_fs']} {format_size(w['block_bytes'])} x{w['job_blocks']}"
+        for r in case["designs"]:
+            lines.append(
+                f"| {name} | {r['letter']}: {r['label']} | {with_ratios(r, 'store_gbps')} "
+                f"| {with_ratios(r, 'load_gbps')} "
+                f"| {v(r, 'store_gbps_busy')} / {v(r, 'load_gbps_busy')} "
+                f"| {v(r, 'interference')} "
+                f"| {v(r, 'single_store_ms', 1)} / {v(r, 'single_load_ms', 1)} "
+                f"| {v(r, 'submit_store_us_p50', 1)} / {v(r, 'submit_store_us_max', 0)} "
+                f"| {v(r, 'get_finished_empty_us_p50', 1)} |")
+    return "\n".join(lines)
+
+
 def plain_table(case: dict[str, Any]) -> str:
     designs = case["designs"]
     header = ["figure"] + [f"{r['letter']}: {r['label']}" for r in designs]

@@ -13,9 +13,10 @@ vLLM's ``SecondaryTierFactory`` imports ``module_path``, takes the class named b
 ``type``, strips ``type``, ``module_path`` and ``backpressure`` from the dict and calls
 ``MPFileSystemTierManager(offloading_spec=..., primary_kv_view=..., tier_type=...,
 backpressure_detector=..., **rest)``. ``rest`` is ``root_dir``, ``enable_kv_events``,
-``locality`` (as for vLLM's own ``fs`` tier) and any :class:`~mptier.config.TierConfig`
-tunable. The file layout comes from vLLM's configuration, exactly as vLLM's ``fs`` tier
-derives it, so the two tiers read and write the same cache.
+``locality`` (as for vLLM's own ``fs`` tier), ``config`` (a TOML file of
+:class:`~mptier.config.TierConfig` fields) and any ``TierConfig`` tunable. The file
+layout comes from vLLM's configuration, exactly as vLLM's ``fs`` tier derives it, so the
+two tiers read and write the same cache and a user can switch either way.
 
 ::
 
@@ -28,41 +29,52 @@ derives it, so the two tiers read and write the same cache.
     └──────────────────────────────────────────────────────┘    └──────────────────┘
 
 Every method runs on vLLM's scheduler thread under the tiering manager's lock and never
-blocks, except ``drain_jobs`` and ``shutdown``, whose contract is to wait. This module
-imports vLLM: it is only imported where vLLM is installed. It creates nothing when
-imported, because vLLM's metrics front end imports it too, to read
+blocks, except ``drain_jobs`` and ``shutdown``, whose contract is to wait. Importing this
+module imports vLLM (``import mptier`` alone never does) and raises an ``ImportError``
+saying what to install when vLLM is missing. It creates nothing when imported, because
+vLLM's metrics front end imports it too, to read
 :meth:`MPFileSystemTierManager.build_metric_definitions`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-    OffloadingConnectorStats,
-)
-from vllm.v1.kv_offload.base import (
-    Locality,
-    LookupResult,
-    Medium,
-    OffloadingCounterMetadata,
-    OffloadingEvent,
-    OffloadingGaugeMetadata,
-    OffloadingMetricMetadata,
-    OffloadKey,
-    ReqContext,
-    RequestOffloadingContext,
-    ScheduleEndContext,
-)
-from vllm.v1.kv_offload.file_mapper import FileMapper as VllmFileMapper
-from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+    from vllm.v1.kv_offload.base import (
+        Locality,
+        LookupResult,
+        Medium,
+        OffloadingCounterMetadata,
+        OffloadingEvent,
+        OffloadingGaugeMetadata,
+        OffloadingMetricMetadata,
+        OffloadKey,
+        ReqContext,
+        RequestOffloadingContext,
+        ScheduleEndContext,
+    )
+    from vllm.v1.kv_offload.file_mapper import FileMapper as VllmFileMapper
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+    from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+except ImportError as _exc:
+    raise ImportError(
+        "mptier.integrations.vllm is the vLLM plug-in of mptier and needs vLLM 0.33 with "
+        f"tiered KV offloading, which cannot be imported here ({_exc}). Install it with "
+        "'pip install vllm==0.33.0' in the environment that runs vLLM (on a machine "
+        "without a GPU, scripts/vllm-env.sh in the mptier repository makes such an "
+        "environment). The rest of mptier works without vLLM."
+    ) from _exc
 
 from mptier import jobs as mjobs
-from mptier.config import TierConfig
+from mptier.config import TierConfig, tomllib
 from mptier.errors import ConfigError, MptierError
 
 if TYPE_CHECKING:
@@ -117,12 +129,13 @@ def layout_from_spec(offloading_spec: OffloadingSpec, root_dir: str
     and the base folder vLLM's fs tier computes for them.
 
     Built from vLLM's own ``FileMapper.from_offloading_spec`` with the arguments its fs
-    tier passes (one file per chunk, parallel-agnostic where vLLM allows it), so the
-    base folder is the same by construction.
+    tier passes (one file per chunk, and the parallel-agnostic opt-in, which vLLM grants
+    only to parallelism-invariant or replicated layouts), so the base folder is the same
+    by construction.
     """
     mapper = VllmFileMapper.from_offloading_spec(
-        root_dir=root_dir, offloading_spec=offloading_spec,
-        blocks_per_file=offloading_spec.blocks_per_chunk, parallel_agnostic=True)
+        root_dir, offloading_spec, blocks_per_file=offloading_spec.blocks_per_chunk,
+        parallel_agnostic=True)
     fields = mapper.get_run_config()
     return {
         "model_name": fields["model_name"],
@@ -143,22 +156,62 @@ def layout_from_spec(offloading_spec: OffloadingSpec, root_dir: str
     }, mapper.base_path
 
 
+def _toml_fields(path: str) -> dict[str, Any]:
+    """The fields a ``config`` file sets, read the way ``TierConfig.from_toml`` reads it
+    (flat keys, or under a ``[tier]`` table). Call after ``from_toml`` accepted it."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    table = data.get("tier")
+    return table if isinstance(table, dict) else data
+
+
+def _parse_locality(tier_type: str, value: Any) -> Locality | None:
+    if value is None:
+        return None
+    try:
+        return Locality(value)
+    except ValueError:
+        accepted = " or ".join(repr(m.value) for m in Locality)
+        raise ConfigError(f"{tier_type}: locality {value!r} is not a vLLM Locality; "
+                          f"use exactly {accepted}") from None
+
+
 class MPFileSystemTierManager(SecondaryTierManager):
     """vLLM secondary tier backed by :class:`mptier.FileSystemTier` (worker processes).
+
+    Keyword options (the tier's entry in ``secondary_tiers``, minus what the factory
+    strips): ``root_dir`` (required here or in ``config``), ``enable_kv_events``,
+    ``locality`` (``"LOCAL"`` or ``"REMOTE"``, exactly), ``config`` (path to a TOML
+    file of ``TierConfig`` fields; options given here win over it) and any ``TierConfig``
+    tunable (``n_load_workers``, ``n_store_workers``, ``task_bytes``, ``io_timeout_s``,
+    ``use_o_direct``, ``worker_nice``, ``prefault``...). Layout fields are not options:
+    they follow vLLM's configuration (in the file they are overridden, and an INFO line
+    names those that differ; so is ``enable_events``, with a warning if it was on).
 
     Behaves like vLLM's ``fs`` tier (``FileSystemTierManager``), with these differences:
 
     * I/O runs in ``n_load_workers + n_store_workers`` processes that map vLLM's primary
-      buffer, not on threads of the scheduler process;
-    * a lookup answer belongs to the request that asked; another request re-checks;
-    * ``submit_store``/``submit_load`` raise ``ValueError`` for a chunk id outside the
-      primary buffer (vLLM's tier fails the job instead; vLLM never sends one);
-    * ``shutdown`` reports queued jobs as failed instead of dropping them;
-    * with events enabled, blocks found corrupt (and deleted) are announced as removed.
+      buffer (the ``/dev/shm/vllm_offload_<engine_id>.mmap`` file behind
+      ``primary_kv_view``), not on threads of the scheduler process. A view that is not
+      file-backed cannot be shared: the same I/O then runs on threads here, with a
+      warning;
+    * a lookup answer belongs to the request that asked; another request checks again;
+    * ``shutdown`` reports queued jobs as failed instead of dropping them.
+
+    Like vLLM's tier, ``submit_store``/``submit_load`` never raise for a bad job: a job
+    mptier refuses (a chunk id outside the primary buffer, a malformed key, a job id
+    still in flight) is logged as a warning and reported failed, once, by the next
+    :meth:`get_finished_jobs`, with ``successful_keys=None``; a refused load also turns
+    its keys into a miss for the request that submitted it. Events, when
+    ``enable_kv_events`` and vLLM's KV cache events are both on, are exactly vLLM's:
+    one stored event (``removed=False``, ``Medium.STORAGE``, this tier's locality) per
+    successful store job, keys in job order; none for loads, failed stores or the
+    corrupt blocks mptier deletes on load.
 
     Raises ``ValueError`` (a :class:`~mptier.errors.ConfigError`) for an unknown or
-    misplaced option or a bad ``locality``, ``OSError`` if ``root_dir`` is unusable, and
-    :class:`~mptier.errors.MptierError` if the workers cannot start.
+    misplaced option, a bad ``locality`` or ``config`` file, ``OSError`` if
+    ``root_dir`` is unusable, and :class:`~mptier.errors.MptierError` if the workers
+    cannot start. Everything but the last is checked before a worker starts.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -168,16 +221,22 @@ class MPFileSystemTierManager(SecondaryTierManager):
         offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
-        root_dir: str,
         backpressure_detector: BackpressureDetector | None = None,
+        *,
+        root_dir: str | os.PathLike[str] | None = None,
         enable_kv_events: bool = False,
         locality: str | None = None,
+        config: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self._tier: FileSystemTier | None = None
+        # Refused jobs wait here for the next get_finished_jobs().
+        self._refused: list[JobResult] = []
+        # req_id -> keys of its refused loads: a miss for that request from now on.
+        self._refused_misses: dict[str, set[OffloadKey]] = {}
         # Validate everything before any worker starts.
-        self.locality = Locality(locality) if locality is not None else None
+        self.locality = _parse_locality(tier_type, locality)
         for key in options:
             if key in _RENAMED:
                 raise ConfigError(f"{tier_type}: unknown option {key!r}; use "
@@ -185,31 +244,65 @@ class MPFileSystemTierManager(SecondaryTierManager):
             if key in _LAYOUT_KEYS:
                 raise ConfigError(f"{tier_type}: option {key!r} cannot be set here; the "
                                   "file layout follows vLLM's configuration")
-        events = bool(enable_kv_events)
+        if not isinstance(enable_kv_events, bool):
+            raise ConfigError(f"{tier_type}: enable_kv_events must be true or false, not "
+                              f"{enable_kv_events!r}")
+        events = enable_kv_events
         if events and not offloading_spec.kv_events_config.enable_kv_cache_events:
-            log.warning("enable_kv_events is set on secondary tier %r but KV cache events "
-                        "are disabled globally; the tier will not emit events.", tier_type)
+            log.warning("%s: enable_kv_events is ignored because vLLM's KV cache events "
+                        "are off (kv_events_config); this tier publishes no events",
+                        tier_type)
             events = False
         self._events_enabled = events
+
+        file_fields: dict[str, Any] = {}
+        if config is not None:
+            config = os.fspath(config)
+            from_file = TierConfig.from_toml(config)  # ConfigError naming the file or key
+            file_fields = _toml_fields(config)
+            if root_dir is None and from_file.root_dir:
+                root_dir = from_file.root_dir
+        if root_dir is None or not os.fspath(root_dir):
+            raise ConfigError(f"{tier_type}: root_dir is required (the folder the block "
+                              "files go into), in the tier config or in its config file")
+        root_dir = os.fspath(root_dir)
         layout, vllm_base = layout_from_spec(offloading_spec, root_dir)
-        config = TierConfig.from_dict({**options, **layout, "root_dir": root_dir,
-                                       "enable_events": events})
+        fixed = {**layout, "root_dir": root_dir, "enable_events": events}
+        # A copy of configs/default.toml lists every layout field: routine, not alarming.
+        overridden = sorted(k for k in _LAYOUT_KEYS & file_fields.keys()
+                            if file_fields[k] != layout[k])
+        if overridden:
+            log.info("%s: layout fields %s in %s are ignored; the file layout follows "
+                     "vLLM's configuration", tier_type, ", ".join(overridden), config)
+        if file_fields.get("enable_events") and not events:
+            log.warning("%s: enable_events in %s is ignored; events follow the tier's "
+                        "enable_kv_events and vLLM's kv_events_config", tier_type, config)
+        if config is not None:
+            tier_config = TierConfig.from_toml(config, **options, **fixed)
+        else:
+            tier_config = TierConfig.from_dict({**options, **fixed})
 
         from mptier.manager import FileSystemTier
 
-        tier = FileSystemTier(primary_kv_view, config)
+        tier = FileSystemTier(primary_kv_view, tier_config)
         if tier.mapper.base_path != vllm_base:
             tier.shutdown()
             raise MptierError(f"mptier would store blocks under {tier.mapper.base_path!r} "
                               f"but vLLM's fs tier uses {vllm_base!r}: the layouts "
                               "disagree, so the two could not share a cache")
         self._tier = tier
+        if tier.mode == "threads":
+            log.warning("%s: vLLM's primary buffer is not a shared file (expected "
+                        "/dev/shm/vllm_offload_%s.mmap), so mptier cannot hand it to "
+                        "worker processes; its I/O runs on %d threads in this process",
+                        tier_type, offloading_spec.config.engine_id,
+                        tier_config.n_load_workers + tier_config.n_store_workers)
         self._root_label = (root_dir,)
         self._stats_due = 0.0
         self._reported: dict[str, float] = {}
         log.info("mptier tier %r: blocks under %s, %d+%d worker %s, %d-byte blocks",
-                 tier_type, tier.mapper.base_path, config.n_load_workers,
-                 config.n_store_workers, tier.mode, self.block_size_bytes)
+                 tier_type, tier.mapper.base_path, tier_config.n_load_workers,
+                 tier_config.n_store_workers, tier.mode, self.block_size_bytes)
 
     @property
     def tier(self) -> FileSystemTier:
@@ -225,6 +318,10 @@ class MPFileSystemTierManager(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT, MISS, or RETRY until the key's batched check (sent at the step's end)
         has answered. Never blocks."""
+        if self._refused_misses:
+            missed = self._refused_misses.get(req_context.req_id)
+            if missed is not None and key in missed:
+                return LookupResult.MISS
         return _LOOKUP[self.tier.lookup(key, req_context.req_id)]
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -234,37 +331,62 @@ class MPFileSystemTierManager(SecondaryTierManager):
             self.tier.take_events()  # nobody drains them: keep the list from growing
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        self._refused_misses.pop(req_context.req_id, None)
         self.tier.on_request_finished(req_context.req_id)
 
     # -- transfers ----------------------------------------------------------------------
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        """Queue a store of ``keys`` from primary rows ``chunk_ids``. Never blocks."""
-        self.tier.submit_store(_job(job_metadata))
+        """Queue a store of ``keys`` from primary rows ``chunk_ids``. Never blocks or
+        raises for a bad job (see the class docstring)."""
+        try:
+            self.tier.submit_store(_job(job_metadata))
+        except ValueError as exc:
+            self._refuse(job_metadata, "store", exc)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        """Queue a load of ``keys`` into primary rows ``chunk_ids``. Never blocks."""
-        self.tier.submit_load(_job(job_metadata))
+        """Queue a load of ``keys`` into primary rows ``chunk_ids``. Never blocks or
+        raises for a bad job (see the class docstring)."""
+        try:
+            self.tier.submit_load(_job(job_metadata))
+        except ValueError as exc:
+            self._refuse(job_metadata, "load", exc)
+            # Like a load that failed at its first block: the request that asked must
+            # not be promised these keys again (it would retry the load forever).
+            self._refused_misses.setdefault(job_metadata.req_context.req_id, set()) \
+                .update(job_metadata.keys)
+
+    def _refuse(self, job: TransferJob, kind: str, exc: ValueError) -> None:
+        log.warning("%s: %s job %s (%d keys) failed without being queued: %s",
+                    self.tier_type, kind, job.job_id, len(job.keys), exc)
+        self._refused.append(JobResult(job_id=job.job_id, success=False))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        """Jobs finished since the last call, each exactly once. Never blocks."""
-        return [JobResult(job_id=r.job_id, success=r.success,
-                          successful_keys=r.successful_keys, transfer_time=r.transfer_time,
-                          transfer_bytes=r.transfer_bytes)
-                for r in self.tier.get_finished_jobs()]
+        """Every job that finished after the previous call, each reported once. Never
+        blocks."""
+        results = [JobResult(job_id=r.job_id, success=r.success,
+                             successful_keys=r.successful_keys,
+                             transfer_time=r.transfer_time, transfer_bytes=r.transfer_bytes)
+                   for r in self.tier.get_finished_jobs()]
+        if self._refused:
+            results += self._refused
+            self._refused = []
+        return results
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """Stored events of successful stores and removed events of corrupt blocks,
-        when ``enable_kv_events`` and vLLM's KV cache events are both on."""
+        """One stored event per successful store job since the last call, when
+        ``enable_kv_events`` and vLLM's KV cache events are both on."""
         events = self.tier.take_events()
         if not self._events_enabled:
             return []
-        return [OffloadingEvent(keys=list(e.keys), medium=Medium.STORAGE,
-                                removed=e.kind == "removed", locality=self.locality)
-                for e in events]
+        # The engine also reports corrupt blocks it deleted ("removed"); vLLM's fs tier
+        # publishes nothing about loads, so neither does this tier.
+        return [OffloadingEvent(keys=list(e.keys), medium=Medium.STORAGE, removed=False,
+                                locality=self.locality)
+                for e in events if e.kind == "stored"]
 
     def drain_jobs(self) -> None:
-        """Block until every submitted job has finished; results stay queued for
+        """Wait until every submitted job has finished; results stay queued for
         :meth:`get_finished_jobs`. Afterwards no worker touches the primary buffer."""
         self.tier.drain_jobs()
 

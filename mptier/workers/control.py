@@ -5,15 +5,22 @@ the shared mapping), so the moment a task leaves the queue the engine can see wh
 it -- even if the worker is killed the next instant. The supervisor reads a dead or hung
 worker's slot to fail or retry exactly the task it held; ``stats()`` reads the counters.
 
-Slot layout (little-endian)::
+It also carries one *message counter* per slot (and one for the supervisor): whoever
+writes a message to the completion pipe bumps its own counter afterwards, so the engine
+can tell "nothing new" from eight integers in shared memory, without a system call.
 
-    0     header: state, started_ns, tasks_done, bytes_done, busy_ns, errors (u64 each),
-                  pid (u32), role (u32)
-    4096  the task record being worked on (all zero when idle)
+Layout (little-endian)::
+
+    0                      message counters: u64 per slot, then the supervisor's
+    counters_bytes + k*8192  slot k:
+        0     header: state, started_ns, tasks_done, bytes_done, busy_ns, errors (u64
+              each), pid (u32), role (u32)
+        4096  the task record being worked on (all zero when idle)
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import mmap
 import os
@@ -57,31 +64,50 @@ class SlotSnapshot:
         return peek_task(self.record)
 
 
+def counters_bytes(n_slots: int) -> int:
+    return (8 * (n_slots + 1) + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+
+
 class ControlBlock:
     """``n_slots`` slots in a memfd (nothing appears in /dev/shm; freed with the last fd)."""
 
     def __init__(self, n_slots: int, fd: int | None = None) -> None:
         self.n_slots = n_slots
-        size = n_slots * SLOT_BYTES
+        self._base = counters_bytes(n_slots)
+        size = self._base + n_slots * SLOT_BYTES
         if fd is None:
             fd = os.memfd_create("mptier-control", os.MFD_CLOEXEC)
             os.ftruncate(fd, size)
         self.fd = fd
         self._map = mmap.mmap(fd, size)
         self.memory = memoryview(self._map)
+        # counters[slot] for workers, counters[n_slots] for the supervisor
+        self.counters = self.memory[:8 * (n_slots + 1)].cast("Q")
+        self.supervisor_counter = n_slots
+
+    def slot_memory(self, slot: int) -> memoryview:
+        base = self._base + slot * SLOT_BYTES
+        return self.memory[base:base + SLOT_BYTES]
+
+    def counters_snapshot(self) -> bytes:
+        return self.counters.tobytes()
+
+    def bump(self, index: int) -> None:
+        """Count one more message from ``index`` (each index has a single writer)."""
+        self.counters[index] += 1
 
     def reset(self, slot: int, role: str) -> None:
-        base = slot * SLOT_BYTES
+        base = self._base + slot * SLOT_BYTES
         self.memory[base:base + SLOT_BYTES] = bytes(SLOT_BYTES)
         _HEADER.pack_into(self.memory, base, SlotState.BOOTING, 0, 0, 0, 0, 0, 0,
                           ROLES.index(role))
 
     def record_area(self, slot: int) -> memoryview:
-        start = slot * SLOT_BYTES + RECORD_OFFSET
+        start = self._base + slot * SLOT_BYTES + RECORD_OFFSET
         return self.memory[start:start + TASK_RECORD_BYTES]
 
     def snapshot(self, slot: int) -> SlotSnapshot:
-        base = slot * SLOT_BYTES
+        base = self._base + slot * SLOT_BYTES
         state, started, done, nbytes, busy, errors, pid, role = _HEADER.unpack_from(
             self.memory, base)
         record = bytes(self.memory[base + RECORD_OFFSET:base + RECORD_OFFSET + 64])
@@ -92,22 +118,30 @@ class ControlBlock:
         return bytes(self.record_area(slot))
 
     def clear_record(self, slot: int) -> None:
-        start = slot * SLOT_BYTES + RECORD_OFFSET
+        start = self._base + slot * SLOT_BYTES + RECORD_OFFSET
         self.memory[start:start + 16] = bytes(16)
 
     def close(self) -> None:
-        if self._map is not None:
-            self.memory.release()
-            self._map.close()
-            self._map = None
-            os.close(self.fd)
+        """Unmap (once no view of a slot is left; else when the last one goes) and close
+        the memfd: the memory is freed with the last mapping."""
+        if self._map is None:
+            return
+        mapping, self._map = self._map, None
+        self.counters.release()
+        self.memory.release()
+        with contextlib.suppress(BufferError):  # thread workers' slot views linger
+            mapping.close()
+        os.close(self.fd)
 
 
 class SlotWriter:
-    """A worker's handle on its own slot (also used, on private memory, by thread workers)."""
+    """A worker's handle on its own slot and message counter."""
 
-    def __init__(self, memory: memoryview, role: str) -> None:
+    def __init__(self, control: ControlBlock, slot: int, role: str) -> None:
+        memory = control.slot_memory(slot)
         self._mem = memory
+        self._counters = control.counters
+        self._slot = slot
         self.record = memory[RECORD_OFFSET:RECORD_OFFSET + TASK_RECORD_BYTES]
         self.tasks_done = self.bytes_done = self.busy_ns = self.errors = 0
         self._role = ROLES.index(role)
@@ -119,11 +153,18 @@ class SlotWriter:
     def mark_started(self, started_ns: int) -> None:
         struct.pack_into("<QQ", self._mem, 0, SlotState.BUSY, started_ns)
 
-    def finish(self, nbytes: int, elapsed_ns: int, failed: bool) -> None:
-        """Count the task and empty the record area: the task is no longer held."""
+    def message_sent(self) -> None:
+        self._counters[self._slot] += 1
+
+    def account(self, nbytes: int, elapsed_ns: int, failed: bool) -> None:
+        """Count a finished task (before it is reported, so stats agree with results)."""
         self.tasks_done += 1
         self.bytes_done += nbytes
         self.busy_ns += elapsed_ns
         self.errors += failed
+        self.set_state(SlotState.BUSY)
+
+    def release(self) -> None:
+        """Empty the record area: the task is no longer held."""
         self.record[:16] = bytes(16)
         self.set_state(SlotState.IDLE)

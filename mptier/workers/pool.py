@@ -41,7 +41,7 @@ from mptier.channels import TaskQueue
 from mptier.errors import describe_exit
 from mptier.jobs import MessageType, TaskKind, decode_task, encode_message, with_attempt
 from mptier.layout import FileMapper
-from mptier.workers.control import SLOT_BYTES, ControlBlock, SlotState, SlotWriter
+from mptier.workers.control import ControlBlock, SlotState, SlotWriter
 from mptier.workers.launcher import LaunchSpec, launch
 from mptier.workers.worker import WorkerContext, run_worker
 
@@ -322,6 +322,7 @@ class ProcessPool:
             self._handle_held_task(h, self._control.full_record(h.slot), held,
                                    snap.started_ns, description, err)
         self._control.clear_record(h.slot)
+        self._control.bump(self._control.supervisor_counter)
         self._replace(h)
 
     def _replace(self, h: WorkerHandle) -> None:
@@ -352,6 +353,7 @@ class ProcessPool:
             os.write(self._completion_fd, encode_message(
                 MessageType.LOST, 0xFFFF, os.getpid(), errno=err, task_id=task_id,
                 payload=text))
+        self._control.bump(self._control.supervisor_counter)
 
     def _remove_temp_files(self, keys: list[bytes], pid: int) -> None:
         """A killed store leaves ``<final>.<pid>.*.tmp`` files; nothing reads them."""
@@ -384,7 +386,8 @@ class ProcessPool:
 class ThreadPool:
     """The same worker loop on threads in the engine process (unshareable buffer)."""
 
-    def __init__(self, *, roles: list[str], memory: memoryview, lookup_queue: TaskQueue,
+    def __init__(self, *, roles: list[str], control: ControlBlock, memory: memoryview,
+                 lookup_queue: TaskQueue,
                  load_queue: TaskQueue, store_queue: TaskQueue, completion_fd: int,
                  lifeline_fd: int, mapper: FileMapper, backend: Any, use_o_direct: bool,
                  block_bytes: int) -> None:
@@ -393,7 +396,7 @@ class ThreadPool:
         for slot, role in enumerate(roles):
             own, other = ((load_queue.read_fd, store_queue.read_fd) if role == "load"
                           else (store_queue.read_fd, load_queue.read_fd))
-            writer = SlotWriter(memoryview(bytearray(SLOT_BYTES)), role)
+            writer = SlotWriter(control, slot, role)
             ctx = WorkerContext(slot=slot, role=role, lookup_fd=lookup_queue.read_fd,
                                 own_fd=own, other_fd=other,
                                 completion_fd=completion_fd, lifeline_fd=lifeline_fd,
@@ -419,6 +422,7 @@ class ThreadPool:
         with contextlib.suppress(OSError):
             os.write(ctx.completion_fd, encode_message(MessageType.LEAVING, ctx.slot,
                                                        os.getpid(), payload=reason))
+            ctx.slot_writer.message_sent()
 
     def start(self) -> None:
         for thread in self._threads:

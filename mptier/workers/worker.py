@@ -43,10 +43,9 @@ from mptier.jobs import (
     pack_bitmap,
 )
 from mptier.layout import FileMapper
-from mptier.workers.control import SLOT_BYTES, SlotState, SlotWriter
+from mptier.workers.control import SlotState, SlotWriter
 
 _POLL_S = 1.0  # idle wake-up, a backstop for the lifeline's end-of-file event
-_EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 0)
 _PR_SET_PDEATHSIG = 1
 # Fault injection for tests: MPTIER_FAULT_STALL="store:0.5,load:2" makes the worker sleep
 # that long at the start of each task of that kind, as a slow or hung file system would.
@@ -84,11 +83,10 @@ class WorkerContext:
 def run_worker(ctx: WorkerContext) -> str:
     """Serve tasks until the lifeline closes. Returns why the worker left."""
     with select.epoll() as poller:
-        # Every task record is its own pipe write, and each write wakes one exclusive
-        # waiter: idle workers do not all stampede for every task (on 2 cores that herd
-        # cost more CPU than the copy of a small block). The lifeline wakes everyone.
+        # The engine writes all tasks of a job in one write, which wakes every idle
+        # worker: each takes one record, so one job spreads over the pool at once.
         for fd in (ctx.lookup_fd, ctx.own_fd, ctx.other_fd):
-            poller.register(fd, select.EPOLLIN | _EPOLLEXCLUSIVE)
+            poller.register(fd, select.EPOLLIN)
         poller.register(ctx.lifeline_fd, select.EPOLLIN)
         return _serve(ctx, poller)
 
@@ -109,10 +107,11 @@ def _serve(ctx: WorkerContext, poller: select.epoll) -> str:
         started = time.monotonic_ns()
         ctx.slot_writer.mark_started(started)
         message, nbytes, failed = _run_task(ctx, record, started, pid)
+        # Report first, then let go of the task: a death in between leaves the task in
+        # the slot, and the engine ignores the supervisor's second report of it.
+        ctx.slot_writer.account(nbytes, time.monotonic_ns() - started, failed)
         _send(ctx, message)
-        ctx.slot_writer.finish(nbytes, time.monotonic_ns() - started, failed)
-        if _lifeline_closed(ctx.lifeline_fd):
-            return "engine closed the lifeline"
+        ctx.slot_writer.release()
 
 
 def _take(fd: int, record: memoryview) -> bool:
@@ -126,13 +125,10 @@ def _take(fd: int, record: memoryview) -> bool:
     return True
 
 
-def _lifeline_closed(fd: int) -> bool:
-    ready, _, _ = select.select([fd], [], [], 0)
-    return bool(ready)
-
-
 def _send(ctx: WorkerContext, message: bytes) -> None:
+    """Write a message, then count it: the engine reads the pipe only when a count moved."""
     os.write(ctx.completion_fd, message)
+    ctx.slot_writer.message_sent()
 
 
 def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
@@ -188,8 +184,7 @@ def process_main(spec: dict[str, Any]) -> int:
     slot, role = spec["slot"], spec["role"]
     completion_fd = spec["completion_fd"]
     control = ControlBlock(spec["n_slots"], fd=spec["control_fd"])
-    base = slot * SLOT_BYTES
-    writer = SlotWriter(control.memory[base:base + SLOT_BYTES], role)
+    writer = SlotWriter(control, slot, role)
     try:
         if spec.get("nice"):
             os.setpriority(os.PRIO_PROCESS, 0, spec["nice"])
@@ -209,6 +204,7 @@ def process_main(spec: dict[str, Any]) -> int:
         os.write(completion_fd, encode_message(MessageType.BOOT_FAILED, slot, os.getpid(),
                                                errno=getattr(exc, "errno", 0) or 0,
                                                payload=text))
+        writer.message_sent()
         return 3
     ctx = WorkerContext(slot=slot, role=role, lookup_fd=spec["lookup_fd"],
                         own_fd=spec["own_fd"],
@@ -222,8 +218,7 @@ def process_main(spec: dict[str, Any]) -> int:
         return 0  # the engine is gone; nobody to tell
     writer.set_state(SlotState.LEAVING)
     try:
-        os.write(completion_fd, encode_message(MessageType.LEAVING, slot, os.getpid(),
-                                               payload=reason))
+        _send(ctx, encode_message(MessageType.LEAVING, slot, os.getpid(), payload=reason))
     except BrokenPipeError:
         pass
     return 0
