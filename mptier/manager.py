@@ -277,14 +277,11 @@ class FileSystemTier:
         if len(block_ids) != n:
             raise ValueError(f"job {job_id}: {n} keys but {len(block_ids)} block_ids; "
                              "each key needs exactly one block id")
-        key_len = 0
-        for key in keys:
-            if type(key) is not bytes or not 4 < len(key) <= MAX_KEY_BYTES:
-                keys = [check_key(k) for k in keys]  # raises ValueError naming the key
-                key_len = max(map(len, keys))
-                break
-            if len(key) > key_len:
-                key_len = len(key)
+        key_len = max(map(len, keys), default=0) if all(
+            type(k) is bytes for k in keys) else -1
+        if key_len > MAX_KEY_BYTES or key_len < 0 or (n and min(map(len, keys)) <= 4):
+            keys = [check_key(k) for k in keys]  # raises ValueError naming the key
+            key_len = max(map(len, keys))
         if n:
             low, high = min(block_ids), max(block_ids)
             if low < 0 or high >= self._num_blocks:
