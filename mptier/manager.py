@@ -336,6 +336,11 @@ class FileSystemTier:
         self._next_task_id = task_id
         self._lookup_q.put_records(encode_job(TaskKind.EXISTS, first, keys, _NO_IDS, per_task))
 
+    def mark_miss(self, keys: Iterable[bytes]) -> None:
+        """Make every request that holds a HIT for ``keys`` see MISS from now on (a load
+        of them failed outside the tier). Never blocks."""
+        self._lookups.mark_miss(keys)
+
     def on_request_finished(self, req_id: Hashable) -> None:
         """Forget what request ``req_id`` learned from lookups."""
         self._lookups.forget(req_id)

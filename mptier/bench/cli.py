@@ -319,16 +319,46 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                      "better": f.better} for f in rep.FIGURES],
         "cases": [],
     }
+    stamp = _code_stamp()
     try:
         for w in cases:
             doc["cases"].append(run_case(w, specs, progress, rounds))
+            if _code_stamp() != stamp:
+                title = rep.case_title(doc["cases"][-1])
+                doc.setdefault("warnings", []).append(
+                    f"mptier's source files changed during the case {title}; its figures "
+                    "may mix two versions of the code")
+                stamp = _code_stamp()
     finally:
         progress.close()
     _emit(doc, args)
+    for warning in doc.get("warnings", []):
+        print(f"mptier bench: WARNING: {warning}", file=sys.stderr)
     issues = [p for c in doc["cases"] for p in c["problems"]]
     for issue in issues:
         print(f"mptier bench: FAILED: {issue}", file=sys.stderr)
     return 1 if issues else 0
+
+
+def _code_stamp() -> float:
+    """Newest modification time of mptier's own source files (the benchmark aside).
+
+    Worker processes load the code from disk when they start, so code edited during a
+    run mixes two versions: the run reports it.
+    """
+    import mptier
+
+    newest = 0.0
+    for base in getattr(mptier, "__path__", []):
+        for folder, dirs, files in os.walk(base):
+            dirs[:] = [d for d in dirs if d not in ("bench", "__pycache__")]
+            for name in files:
+                if name.endswith((".py", ".so", ".c")):
+                    try:
+                        newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime)
+                    except OSError:
+                        continue
+    return newest
 
 
 def _own_argv(argv: list[str] | None) -> list[str]:
@@ -353,7 +383,8 @@ def _emit(doc: dict[str, Any], args: argparse.Namespace) -> None:
         _write(paths["json"], json.dumps(doc, indent=2, default=str) + "\n")
     if paths["markdown"]:
         body = "\n\n".join(rep.markdown_table(c) for c in doc["cases"])
-        _write(paths["markdown"], f"Command: `{doc['command']}`\n\n## Summary\n\n"
+        warnings = "".join(f"**Warning:** {w}\n\n" for w in doc.get("warnings", []))
+        _write(paths["markdown"], f"Command: `{doc['command']}`\n\n{warnings}## Summary\n\n"
                f"{rep.summary_markdown(doc)}\n\n## Every figure\n\n{body}\n")
     if paths["text"]:
         body = "\n\n".join(rep.plain_table(c) for c in doc["cases"])

@@ -202,7 +202,7 @@ class MPFileSystemTierManager(SecondaryTierManager):
     mptier refuses (a chunk id outside the primary buffer, a malformed key, a job id
     still in flight) is logged as a warning and reported failed, once, by the next
     :meth:`get_finished_jobs`, with ``successful_keys=None``; a refused load also turns
-    its keys into a miss for the request that submitted it. Events, when
+    its keys into a miss for every request holding an answer for them. Events, when
     ``enable_kv_events`` and vLLM's KV cache events are both on, are exactly vLLM's:
     one stored event (``removed=False``, ``Medium.STORAGE``, this tier's locality) per
     successful store job, keys in job order; none for loads, failed stores or the
@@ -233,8 +233,6 @@ class MPFileSystemTierManager(SecondaryTierManager):
         self._tier: FileSystemTier | None = None
         # Refused jobs wait here for the next get_finished_jobs().
         self._refused: list[JobResult] = []
-        # req_id -> keys of its refused loads: a miss for that request from now on.
-        self._refused_misses: dict[str, set[OffloadKey]] = {}
         # Validate everything before any worker starts.
         self.locality = _parse_locality(tier_type, locality)
         for key in options:
@@ -318,10 +316,6 @@ class MPFileSystemTierManager(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT, MISS, or RETRY until the key's batched check (sent at the step's end)
         has answered. Never blocks."""
-        if self._refused_misses:
-            missed = self._refused_misses.get(req_context.req_id)
-            if missed is not None and key in missed:
-                return LookupResult.MISS
         return _LOOKUP[self.tier.lookup(key, req_context.req_id)]
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -331,7 +325,6 @@ class MPFileSystemTierManager(SecondaryTierManager):
             self.tier.take_events()  # nobody drains them: keep the list from growing
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._refused_misses.pop(req_context.req_id, None)
         self.tier.on_request_finished(req_context.req_id)
 
     # -- transfers ----------------------------------------------------------------------
@@ -351,10 +344,9 @@ class MPFileSystemTierManager(SecondaryTierManager):
             self.tier.submit_load(_job(job_metadata))
         except ValueError as exc:
             self._refuse(job_metadata, "load", exc)
-            # Like a load that failed at its first block: the request that asked must
-            # not be promised these keys again (it would retry the load forever).
-            self._refused_misses.setdefault(job_metadata.req_context.req_id, set()) \
-                .update(job_metadata.keys)
+            # Like a load that failed at its first block: requests that were promised
+            # these keys must not be promised them again (they would retry forever).
+            self.tier.mark_miss(job_metadata.keys)
 
     def _refuse(self, job: TransferJob, kind: str, exc: ValueError) -> None:
         log.warning("%s: %s job %s (%d keys) failed without being queued: %s",
