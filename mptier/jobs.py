@@ -150,43 +150,61 @@ def encode_task(kind: TaskKind, task_id: int, keys: Sequence[bytes],
     return record + bytes(pad)
 
 
+_record_structs: dict[tuple[int, int, int], struct.Struct] = {}
+
+
+def _record_struct(kind: int, m: int, key_len: int) -> struct.Struct:
+    """The layout of a record of ``m`` items with ``key_len``-byte keys (cached)."""
+    layout = _record_structs.get((kind, m, key_len))
+    if layout is None:
+        ids = "" if kind == _EXISTS else f"{m}Q"
+        layout = struct.Struct(f"<3sBBBHIQ{ids}{m}H{m * key_len}s")
+        if layout.size > TASK_RECORD_BYTES:
+            raise ValueError(f"{m} items of {key_len}-byte keys do not fit a task record")
+        _record_structs[(kind, m, key_len)] = layout
+    return layout
+
+
 def encode_job(kind: TaskKind, first_task_id: int, keys: Sequence[bytes],
                block_ids: array.array, per_task: int) -> bytearray:
     """All task records of a job, back to back, ids ``first_task_id`` onwards.
 
     The caller guarantees ``per_task`` items of these keys fit a record (see
-    :func:`task_record_capacity`). This is the engine's submit path: one zeroed
-    allocation for the whole job, key lengths and (for equal-length keys, the usual
-    case) key bytes prepared once, then sliced per task.
+    :func:`task_record_capacity`). This is the engine's submit path, so it is built for
+    speed: one zeroed allocation for the whole job, and for equal-length keys (the usual
+    case) one cached ``struct`` packing per record.
     """
     n = len(keys)
     n_tasks = -(-n // per_task)
     out = bytearray(n_tasks * TASK_RECORD_BYTES)
-    pack_header = _TASK_HEADER.pack_into
     kind = int(kind)
-    with_ids = kind != _EXISTS
-    lengths = array.array("H", map(len, keys))
+    lengths = list(map(len, keys))
     key_len = lengths[0] if n else 0
-    same_length = n > 0 and lengths.count(key_len) == n
-    all_keys = b"".join(keys) if same_length else b""
-    for t in range(n_tasks):
-        start = t * per_task
-        stop = min(start + per_task, n)
+    if lengths.count(key_len) != n:
+        return _encode_job_mixed(out, kind, first_task_id, keys, block_ids, per_task)
+    all_keys = b"".join(keys)
+    ids = block_ids.tolist() if kind != _EXISTS else ()
+    pos = 0
+    task_id = first_task_id
+    for start in range(0, n, per_task):
+        stop = start + per_task if start + per_task < n else n
         m = stop - start
-        pos = t * TASK_RECORD_BYTES
-        pack_header(out, pos, _TASK_MAGIC, WIRE_VERSION, kind, 0, 0, m, first_task_id + t)
-        pos += TASK_HEADER_BYTES
-        if with_ids:
-            out[pos:pos + 8 * m] = block_ids[start:stop].tobytes()
-            pos += 8 * m
-        out[pos:pos + 2 * m] = lengths[start:stop].tobytes()
-        pos += 2 * m
-        blob = all_keys[start * key_len:stop * key_len] if same_length \
-            else b"".join(keys[start:stop])
-        end = pos + len(blob)
-        if end > (t + 1) * TASK_RECORD_BYTES:
-            raise ValueError(f"task {first_task_id + t} does not fit a task record")
-        out[pos:end] = blob
+        _record_struct(kind, m, key_len).pack_into(
+            out, pos, _TASK_MAGIC, WIRE_VERSION, kind, 0, 0, m, task_id,
+            *ids[start:stop], *lengths[start:stop],
+            all_keys[start * key_len:stop * key_len])
+        pos += TASK_RECORD_BYTES
+        task_id += 1
+    return out
+
+
+def _encode_job_mixed(out: bytearray, kind: int, first_task_id: int,
+                      keys: Sequence[bytes], block_ids: array.array,
+                      per_task: int) -> bytearray:
+    for t, start in enumerate(range(0, len(keys), per_task)):
+        record = encode_task(TaskKind(kind), first_task_id + t, keys[start:start + per_task],
+                             block_ids[start:start + per_task] if kind != _EXISTS else ())
+        out[t * TASK_RECORD_BYTES:(t + 1) * TASK_RECORD_BYTES] = record
     return out
 
 

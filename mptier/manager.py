@@ -44,7 +44,7 @@ import time
 import weakref
 from collections.abc import Hashable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from mptier import native
 from mptier.channels import CompletionReader, TaskQueue, make_pipe
@@ -85,6 +85,7 @@ def _shutdown_live_tiers() -> None:
         with contextlib.suppress(Exception):
             tier.shutdown()
 _NO_IDS = array.array("q")
+_BYTES_ONLY = {bytes}
 # Recent job latencies kept for stats() percentiles.
 LATENCY_WINDOW = 4096
 
@@ -103,10 +104,9 @@ class _Job:
     last_end_ns: int = 0
 
 
-@dataclass(slots=True)
-class _TaskRef:
+class _TaskRef(NamedTuple):
     job: _Job | None  # None: an existence check for lookups
-    start: int
+    start: int  # index of the task's first key in the job
     keys: list[bytes]
 
 
@@ -175,6 +175,9 @@ class FileSystemTier:
         self._lookup_q, self._load_q, self._store_q = self._queues.values()
         self._completions = CompletionReader()
         self._lifeline_r, self._lifeline_w = make_pipe(4096)
+        self._doorbell = make_pipe(4096)  # workers wake each other for queued tasks
+        for fd in self._doorbell:
+            os.set_blocking(fd, False)
         self._segment_fds: list[int] = []
         roles = ["load"] * cfg.n_load_workers + ["store"] * cfg.n_store_workers
         # Two slots per worker: a hung worker keeps its slot until it is reaped.
@@ -208,7 +211,7 @@ class FileSystemTier:
                 memory=memoryview(self._buffer.view).cast("B"),
                 lookup_queue=q[TaskKind.EXISTS], load_queue=q[TaskKind.LOAD],
                 store_queue=q[TaskKind.STORE], completion_fd=self._completions.write_fd,
-                lifeline_fd=self._lifeline_r, mapper=self.mapper,
+                lifeline_fd=self._lifeline_r, doorbell=self._doorbell, mapper=self.mapper,
                 backend=native.get_backend("native" if self.native else "python"),
                 use_o_direct=self.use_o_direct, block_bytes=self._block_bytes)
         self.mode = "processes"
@@ -219,6 +222,7 @@ class FileSystemTier:
             lookup_queue_fd=q[TaskKind.EXISTS].read_fd, load_queue_fd=q[TaskKind.LOAD].read_fd,
             store_queue_fd=q[TaskKind.STORE].read_fd,
             completion_fd=self._completions.write_fd, lifeline_fd=self._lifeline_r,
+            doorbell_fd=self._doorbell[0], doorbell_write_fd=self._doorbell[1],
             segments=segments, nbytes=self._buffer.nbytes, block_bytes=self._block_bytes,
             layout={"root_dir": cfg.root_dir, **cfg.layout_kwargs()},
             use_o_direct=self.use_o_direct, native=self.native, nice=cfg.worker_nice,
@@ -277,11 +281,14 @@ class FileSystemTier:
         if len(block_ids) != n:
             raise ValueError(f"job {job_id}: {n} keys but {len(block_ids)} block_ids; "
                              "each key needs exactly one block id")
-        key_len = max(map(len, keys), default=0) if all(
-            type(k) is bytes for k in keys) else -1
-        if key_len > MAX_KEY_BYTES or key_len < 0 or (n and min(map(len, keys)) <= 4):
-            keys = [check_key(k) for k in keys]  # raises ValueError naming the key
-            key_len = max(map(len, keys))
+        if n:
+            lengths = list(map(len, keys)) if set(map(type, keys)) == _BYTES_ONLY else ()
+            key_len = max(lengths) if lengths else 0
+            if not lengths or key_len > MAX_KEY_BYTES or min(lengths) <= 4:
+                keys = [check_key(k) for k in keys]  # raises ValueError naming the key
+                key_len = max(map(len, keys))
+        else:
+            key_len = 0
         if n:
             low, high = min(block_ids), max(block_ids)
             if low < 0 or high >= self._num_blocks:
@@ -533,9 +540,9 @@ class FileSystemTier:
             queue.close()
         if hasattr(self, "_completions"):
             self._completions.close()
-        if hasattr(self, "_lifeline_r"):
+        for fd in (getattr(self, "_lifeline_r", -1), *getattr(self, "_doorbell", ())):
             with contextlib.suppress(OSError):
-                os.close(self._lifeline_r)
+                os.close(fd)
         for fd in getattr(self, "_segment_fds", []):
             with contextlib.suppress(OSError):
                 os.close(fd)

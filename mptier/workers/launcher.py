@@ -24,6 +24,8 @@ class LaunchSpec:
     store_queue_fd: int
     completion_fd: int
     lifeline_fd: int
+    doorbell_fd: int
+    doorbell_write_fd: int
     segments: list[Segment]
     nbytes: int
     block_bytes: int
@@ -37,7 +39,8 @@ class LaunchSpec:
     def descriptors(self) -> tuple[int, ...]:
         return (self.control_fd, self.lookup_queue_fd, self.load_queue_fd,
                 self.store_queue_fd,
-                self.completion_fd, self.lifeline_fd, *(s.fd for s in self.segments))
+                self.completion_fd, self.lifeline_fd, self.doorbell_fd,
+                self.doorbell_write_fd, *(s.fd for s in self.segments))
 
 
 def launch(spec: LaunchSpec, slot: int, role: str) -> subprocess.Popen:
@@ -48,7 +51,8 @@ def launch(spec: LaunchSpec, slot: int, role: str) -> subprocess.Popen:
         "slot": slot, "role": role, "n_slots": spec.n_slots, "control_fd": spec.control_fd,
         "lookup_fd": spec.lookup_queue_fd, "own_fd": own, "other_fd": other,
         "completion_fd": spec.completion_fd,
-        "lifeline_fd": spec.lifeline_fd, "segments": [asdict(s) for s in spec.segments],
+        "lifeline_fd": spec.lifeline_fd, "doorbell_fd": spec.doorbell_fd,
+        "doorbell_write_fd": spec.doorbell_write_fd, "segments": [asdict(s) for s in spec.segments],
         "nbytes": spec.nbytes, "block_bytes": spec.block_bytes, "layout": spec.layout,
         "use_o_direct": spec.use_o_direct, "native": spec.native, "nice": spec.nice,
         "cpus": spec.cpus, "prefault": spec.prefault, "parent_pid": os.getpid(),

@@ -389,8 +389,8 @@ class ThreadPool:
     def __init__(self, *, roles: list[str], control: ControlBlock, memory: memoryview,
                  lookup_queue: TaskQueue,
                  load_queue: TaskQueue, store_queue: TaskQueue, completion_fd: int,
-                 lifeline_fd: int, mapper: FileMapper, backend: Any, use_o_direct: bool,
-                 block_bytes: int) -> None:
+                 lifeline_fd: int, doorbell: tuple[int, int], mapper: FileMapper,
+                 backend: Any, use_o_direct: bool, block_bytes: int) -> None:
         self._contexts = []
         self._threads = []
         for slot, role in enumerate(roles):
@@ -400,6 +400,7 @@ class ThreadPool:
             ctx = WorkerContext(slot=slot, role=role, lookup_fd=lookup_queue.read_fd,
                                 own_fd=own, other_fd=other,
                                 completion_fd=completion_fd, lifeline_fd=lifeline_fd,
+                                doorbell_fd=doorbell[0], doorbell_write_fd=doorbell[1],
                                 memory=memory, slot_writer=writer, mapper=mapper,
                                 backend=backend, use_o_direct=use_o_direct,
                                 block_bytes=block_bytes)

@@ -21,16 +21,20 @@ Run as a process: ``python -m mptier.workers.worker '<json spec>'`` (see
 
 from __future__ import annotations
 
+import array
+import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import select
 import signal
 import sys
+import termios
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mptier.errors import BatchIOError
@@ -46,6 +50,7 @@ from mptier.layout import FileMapper
 from mptier.workers.control import SlotState, SlotWriter
 
 _POLL_S = 1.0  # idle wake-up, a backstop for the lifeline's end-of-file event
+_EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 0)
 _PR_SET_PDEATHSIG = 1
 # Fault injection for tests: MPTIER_FAULT_STALL="store:0.5,load:2" makes the worker sleep
 # that long at the start of each task of that kind, as a slow or hung file system would.
@@ -72,21 +77,27 @@ class WorkerContext:
     other_fd: int
     completion_fd: int
     lifeline_fd: int
+    doorbell_fd: int
+    doorbell_write_fd: int
     memory: memoryview
     slot_writer: SlotWriter
     mapper: FileMapper
     backend: Any
     use_o_direct: bool
     block_bytes: int
+    fionread: array.array = field(default_factory=lambda: array.array("i", [0]))
 
 
 def run_worker(ctx: WorkerContext) -> str:
     """Serve tasks until the lifeline closes. Returns why the worker left."""
     with select.epoll() as poller:
-        # The engine writes all tasks of a job in one write, which wakes every idle
-        # worker: each takes one record, so one job spreads over the pool at once.
-        for fd in (ctx.lookup_fd, ctx.own_fd, ctx.other_fd):
-            poller.register(fd, select.EPOLLIN)
+        # Wake-ups are exclusive: the engine's one write of a job's tasks wakes one idle
+        # worker, not the whole pool, so the engine's thread pays for one wake-up. A
+        # worker that takes a task and sees more waiting rings the doorbell, which wakes
+        # one more idle worker: the job fans out over the pool in a chain, paid for by
+        # the workers. The lifeline wakes everyone.
+        for fd in (ctx.lookup_fd, ctx.own_fd, ctx.other_fd, ctx.doorbell_fd):
+            poller.register(fd, select.EPOLLIN | _EPOLLEXCLUSIVE)
         poller.register(ctx.lifeline_fd, select.EPOLLIN)
         return _serve(ctx, poller)
 
@@ -100,10 +111,16 @@ def _serve(ctx: WorkerContext, poller: select.epoll) -> str:
         took = (_take(ctx.lookup_fd, record) or _take(ctx.own_fd, record)
                 or _take(ctx.other_fd, record))
         if not took:
-            events = poller.poll(_POLL_S)
-            if any(fd == ctx.lifeline_fd for fd, _ in events):
-                return "engine closed the lifeline"
+            for fd, _ in poller.poll(_POLL_S):
+                if fd == ctx.lifeline_fd:
+                    return "engine closed the lifeline"
+                if fd == ctx.doorbell_fd:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(ctx.doorbell_fd, 4096)
             continue
+        if _more_waiting(ctx):
+            with contextlib.suppress(BlockingIOError):
+                os.write(ctx.doorbell_write_fd, b"!")
         started = time.monotonic_ns()
         ctx.slot_writer.mark_started(started)
         message, nbytes, failed = _run_task(ctx, record, started, pid)
@@ -123,6 +140,15 @@ def _take(fd: int, record: memoryview) -> bool:
         record[:16] = bytes(16)
         return False
     return True
+
+
+def _more_waiting(ctx: WorkerContext) -> bool:
+    fionread = ctx.fionread
+    for fd in (ctx.lookup_fd, ctx.own_fd, ctx.other_fd):
+        fcntl.ioctl(fd, termios.FIONREAD, fionread)
+        if fionread[0] >= TASK_RECORD_BYTES:
+            return True
+    return False
 
 
 def _send(ctx: WorkerContext, message: bytes) -> None:
@@ -209,7 +235,8 @@ def process_main(spec: dict[str, Any]) -> int:
     ctx = WorkerContext(slot=slot, role=role, lookup_fd=spec["lookup_fd"],
                         own_fd=spec["own_fd"],
                         other_fd=spec["other_fd"], completion_fd=completion_fd,
-                        lifeline_fd=spec["lifeline_fd"], memory=buffer.memory,
+                        lifeline_fd=spec["lifeline_fd"], doorbell_fd=spec["doorbell_fd"],
+                        doorbell_write_fd=spec["doorbell_write_fd"], memory=buffer.memory,
                         slot_writer=writer, mapper=mapper, backend=backend,
                         use_o_direct=spec["use_o_direct"], block_bytes=spec["block_bytes"])
     try:
