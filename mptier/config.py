@@ -51,7 +51,7 @@ class TierConfig:
     # Emit "stored" events from take_events() for keys of successful stores.
     enable_events: bool = False
     # CPU priority of worker processes (0 = same as the engine, 19 = lowest).
-    worker_nice: int = 0
+    worker_nice: int = 10
     # CPUs the workers may run on (empty: all). e.g. [1] keeps them off core 0.
     worker_cpus: list[int] = field(default_factory=list)
     # Fault in every page of the primary buffer when a worker starts, so the first

@@ -48,9 +48,10 @@ from mptier.workers.worker import WorkerContext, run_worker
 log = logging.getLogger(__name__)
 
 # Supervisor tick: bounds how late a hung task is noticed past io_timeout_s and how long
-# overflowed tasks wait when the engine is not calling in. Each tick costs a few
-# microseconds of a thread that holds the GIL only briefly.
-TICK_S = 0.1
+# overflowed tasks wait when the engine is not calling in (deaths wake it at once, through
+# the pidfds). Every tick takes the GIL from the scheduler thread for a moment -- and on a
+# busy machine getting it back can cost the scheduler milliseconds -- so ticks are rare.
+TICK_S = 0.5
 # Consecutive workers that die before reporting ready before we stop respawning.
 MAX_BOOT_FAILURES = 3
 # How long stop() waits at each step of ask -> terminate -> kill.
