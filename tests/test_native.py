@@ -90,6 +90,7 @@ def run_python(code: str, *args: str, env: dict[str, str] | None = None,
                check: bool = True) -> subprocess.CompletedProcess:
     full_env = dict(os.environ)
     full_env.pop(native.FAULT_ENV, None)
+    full_env.pop(native.NATIVE_ENV, None)  # CI runs the suite again with MPTIER_NATIVE=0
     full_env["PYTHONPATH"] = os.pathsep.join(
         [SRC_ROOT, *filter(None, [full_env.get("PYTHONPATH")])])
     full_env.update(env or {})
