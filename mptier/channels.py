@@ -23,7 +23,9 @@ import array
 import collections
 import contextlib
 import fcntl
+import mmap
 import os
+import select
 import termios
 import threading
 
@@ -75,20 +77,28 @@ class TaskQueue:
     def put_records(self, blob: bytes | bytearray) -> None:
         """Enqueue consecutive records (a job's tasks); never blocks.
 
-        When the pipe has room for all of them they go in one ``write``: one system call
-        for the engine, and one wake-up that sends every idle worker for a record. A
-        write larger than ``PIPE_BUF`` is not atomic against other writers, but every
-        writer holds the lock, and with enough room a pipe write never stops half-way.
+        They go into the pipe in one ``write``: one system call for the engine and one
+        wake-up. Records are exactly one page and pipe buffers are pages, so a pipe with
+        too little room takes a whole number of records and the rest waits in the
+        overflow list. (A write larger than ``PIPE_BUF`` is not atomic against other
+        writers, but every writer holds the lock.)
         """
         with self._lock:
-            if not self.overflow and len(blob) <= self.pipe_bytes - self._queued_bytes():
-                os.write(self.write_fd, blob)
+            if self.overflow:
+                self.overflow.extend(_split(blob))
                 return
-            view = memoryview(blob)
-            for pos in range(0, len(blob), TASK_RECORD_BYTES):
-                record = bytes(view[pos:pos + TASK_RECORD_BYTES])
-                if self.overflow or not self._write(record):
-                    self.overflow.append(record)
+            if not _RECORD_IS_PAGE and len(blob) > self.pipe_bytes - self._queued_bytes():
+                self.overflow.extend(_split(blob))  # partial writes could split a record
+                return
+            try:
+                written = os.write(self.write_fd, blob)
+            except BlockingIOError:
+                written = 0
+            if written % TASK_RECORD_BYTES:  # never seen; finish the torn record anyway
+                written += _write_fully(self.write_fd, memoryview(blob)[
+                    written:written + TASK_RECORD_BYTES - written % TASK_RECORD_BYTES])
+            if written < len(blob):
+                self.overflow.extend(_split(memoryview(blob)[written:]))
 
     def flush(self) -> int:
         """Move overflow into the pipe while it has room. Returns records still waiting."""
@@ -139,6 +149,28 @@ class TaskQueue:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.read_fd = self.write_fd = -1
+
+
+# Pipe buffers are pages: when a record is exactly a page, a short write of a run of
+# records always ends on a record boundary.
+_RECORD_IS_PAGE = mmap.PAGESIZE == TASK_RECORD_BYTES
+
+
+def _write_fully(fd: int, data: memoryview) -> int:
+    done = 0
+    while done < len(data):
+        select.select([], [fd], [], 1.0)
+        try:
+            done += os.write(fd, data[done:])
+        except BlockingIOError:
+            continue
+    return done
+
+
+def _split(blob: bytes | bytearray | memoryview) -> list[bytes]:
+    view = memoryview(blob)
+    return [bytes(view[pos:pos + TASK_RECORD_BYTES])
+            for pos in range(0, len(view), TASK_RECORD_BYTES)]
 
 
 class CompletionReader:
