@@ -44,7 +44,7 @@ import time
 import weakref
 from collections.abc import Hashable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from mptier import native
 from mptier.channels import CompletionReader, TaskQueue, make_pipe
@@ -104,10 +104,21 @@ class _Job:
     last_end_ns: int = 0
 
 
-class _TaskRef(NamedTuple):
-    job: _Job | None  # None: an existence check for lookups
-    start: int  # index of the task's first key in the job
+# A task's id is (group << TASK_INDEX_BITS) | index: one table entry per job (or lookup
+# batch) instead of one per task keeps submit short.
+TASK_INDEX_BITS = 20
+_TASK_INDEX_MASK = (1 << TASK_INDEX_BITS) - 1
+
+
+@dataclass(slots=True)
+class _Group:
+    """The tasks of one job, or of one batch of existence checks (``job`` None)."""
+
+    job: _Job | None
     keys: list[bytes]
+    per_task: int
+    done: bytearray  # per task: 1 once its first report arrived
+    left: int
 
 
 @dataclass
@@ -155,8 +166,8 @@ class FileSystemTier:
         cleanup_stale()
 
         self._jobs: dict[int, _Job] = {}
-        self._tasks: dict[int, _TaskRef] = {}
-        self._next_task_id = 1
+        self._groups: dict[int, _Group] = {}
+        self._next_group = 1
         self._finished: list[JobResult] = []
         self._events: list[TierEvent] = []
         self._lookups = LookupTable()
@@ -305,15 +316,17 @@ class FileSystemTier:
         if n == 0:
             self._finish(state)
             return
-        first = task_id = self._next_task_id
-        tasks = self._tasks
-        for start in range(0, n, per_task):
-            tasks[task_id] = _TaskRef(state, start, keys[start:start + per_task])
-            task_id += 1
-        self._next_task_id = task_id
-        state.tasks_left = task_id - first
+        n_tasks = -(-n // per_task)
+        if n_tasks > _TASK_INDEX_MASK:
+            raise ValueError(f"job {job_id}: {n} blocks make {n_tasks} tasks, more than "
+                             f"{_TASK_INDEX_MASK}; raise task_bytes or split the job")
+        group = self._next_group
+        self._next_group = group + 1
+        self._groups[group] = _Group(state, keys, per_task, bytearray(n_tasks), n_tasks)
+        state.tasks_left = n_tasks
         self._jobs[job_id] = state
-        self._queues[kind].put_records(encode_job(kind, first, keys, block_ids, per_task))
+        self._queues[kind].put_records(
+            encode_job(kind, group << TASK_INDEX_BITS, keys, block_ids, per_task))
 
     # -- lookups -----------------------------------------------------------------------
 
@@ -336,12 +349,12 @@ class FileSystemTier:
             return
         per_task = min(self.config.lookup_batch_keys,
                        task_record_capacity(TaskKind.EXISTS, max(map(len, keys))))
-        first = task_id = self._next_task_id
-        for start in range(0, len(keys), per_task):
-            self._tasks[task_id] = _TaskRef(None, 0, keys[start:start + per_task])
-            task_id += 1
-        self._next_task_id = task_id
-        self._lookup_q.put_records(encode_job(TaskKind.EXISTS, first, keys, _NO_IDS, per_task))
+        n_tasks = -(-len(keys) // per_task)
+        group = self._next_group
+        self._next_group = group + 1
+        self._groups[group] = _Group(None, keys, per_task, bytearray(n_tasks), n_tasks)
+        self._lookup_q.put_records(
+            encode_job(TaskKind.EXISTS, group << TASK_INDEX_BITS, keys, _NO_IDS, per_task))
 
     def mark_miss(self, keys: Iterable[bytes]) -> None:
         """Make every request that holds a HIT for ``keys`` see MISS from now on (a load
@@ -413,26 +426,34 @@ class FileSystemTier:
                           message.text)
 
     def _task_finished(self, m: Message) -> None:
-        ref = self._tasks.pop(m.task_id, None)
-        if ref is None:
+        group_id = m.task_id >> TASK_INDEX_BITS
+        index = m.task_id & _TASK_INDEX_MASK
+        group = self._groups.get(group_id)
+        if group is None or index >= len(group.done) or group.done[index]:
             return  # a second report of a task (its retry's twin): the first one counted
-        job = ref.job
+        group.done[index] = 1
+        group.left -= 1
+        if not group.left:
+            del self._groups[group_id]
+        start = index * group.per_task
+        keys = group.keys[start:start + group.per_task]
+        job = group.job
         if job is None:
-            exists = unpack_bitmap(m.payload, len(ref.keys)) if m.type == MessageType.DONE \
-                and not m.errno else [False] * len(ref.keys)
-            self._counters.keys_checked += len(ref.keys)
+            exists = unpack_bitmap(m.payload, len(keys)) if m.type == MessageType.DONE \
+                and not m.errno else [False] * len(keys)
+            self._counters.keys_checked += len(keys)
             self._counters.keys_found += sum(exists)
-            self._lookups.answer(ref.keys, exists)
+            self._lookups.answer(keys, exists)
             return
         n_ok = m.n_done if m.type == MessageType.DONE else 0
         if n_ok:
-            job.ok[ref.start:ref.start + n_ok] = b"\1" * n_ok
+            job.ok[start:start + n_ok] = b"\1" * n_ok
         if m.errno:
             if not job.errno:
                 job.errno, job.error = m.errno, m.text or os.strerror(m.errno)
             if m.errno == errno.ENODATA and job.kind == TaskKind.LOAD:
                 self._counters.corrupt_removed += 1
-                self._events.append(TierEvent("removed", (ref.keys[n_ok],),
+                self._events.append(TierEvent("removed", (keys[n_ok],),
                                               {"reason": "corrupt"}))
         if m.started_ns:
             end = m.started_ns + m.elapsed_ns
@@ -493,7 +514,7 @@ class FileSystemTier:
             "block_bytes": self._block_bytes,
             "blocks_per_task": self._per_task,
             "jobs_in_flight": len(self._jobs),
-            "tasks_in_flight": len(self._tasks),
+            "tasks_in_flight": sum(g.left for g in self._groups.values()),
             "queued_tasks": queues,
             "lookup_requests": self._lookups.requests,
             "lookup_keys_pending": self._lookups.pending_keys,
@@ -533,9 +554,11 @@ class FileSystemTier:
             log.warning("mptier shutdown: %s", "; ".join(forced))
         if hasattr(self, "_completions"):
             self._read_completions()
-        for task_id in list(getattr(self, "_tasks", ())):
-            self._fail_task(task_id, errno.ECANCELED,
-                            "the tier shut down while the task was running")
+        for group_id, group in list(getattr(self, "_groups", {}).items()):
+            for index, done in enumerate(group.done):
+                if not done:
+                    self._fail_task((group_id << TASK_INDEX_BITS) | index, errno.ECANCELED,
+                                    "the tier shut down while the task was running")
         for queue in getattr(self, "_queues", {}).values():
             queue.close()
         if hasattr(self, "_completions"):
