@@ -33,7 +33,6 @@ _EXPORTS = {
     "ConfigError": "mptier.errors",
     "BatchIOError": "mptier.errors",
     "TierClosedError": "mptier.errors",
-    "WorkerDiedError": "mptier.errors",
 }
 
 __all__ = [
@@ -49,7 +48,6 @@ __all__ = [
     "TierConfig",
     "TierEvent",
     "TransferJob",
-    "WorkerDiedError",
     "key_block_hash",
     "key_group_idx",
     "make_key",
@@ -77,7 +75,6 @@ if TYPE_CHECKING:
         ConfigError,
         MptierError,
         TierClosedError,
-        WorkerDiedError,
     )
     from mptier.jobs import JobResult, LookupResult, TierEvent, TransferJob
     from mptier.keys import key_block_hash, key_group_idx, make_key, split_key

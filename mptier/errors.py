@@ -55,20 +55,6 @@ def _rebuild_batch_io_error(err, message, n_succeeded, index, path):
     return BatchIOError(err, message, n_succeeded=n_succeeded, index=index, path=path)
 
 
-class WorkerDiedError(MptierError):
-    """A worker process exited while it held a task."""
-
-    def __init__(self, pid: int, exitcode: int | None, reason: str = "") -> None:
-        super().__init__(pid, exitcode, reason)
-        self.pid = pid
-        self.exitcode = exitcode
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"worker pid {self.pid} {describe_exit(self.exitcode)}" + (
-            f" ({self.reason})" if self.reason else "")
-
-
 def describe_exit(exitcode: int | None) -> str:
     """Say how a child ended, from a ``Popen.returncode``-style code.
 

@@ -592,7 +592,3 @@ class FileSystemTier:
             with contextlib.suppress(Exception):
                 self.shutdown()
 
-
-def iter_results(results: Iterable[JobResult]) -> dict[int, JobResult]:
-    """Index results by job id (a convenience for tests and tools)."""
-    return {r.job_id: r for r in results}

@@ -192,3 +192,16 @@ def test_engine_exiting_without_shutdown_stops_workers(root):
     info = json.loads(engine.stdout.splitlines()[0])
     wait_for(lambda: all(gone(p) for p in info["pids"]), timeout=5, what="workers to exit")
     assert "Traceback" not in engine.stderr and "SIGKILL" not in engine.stderr
+
+
+def test_store_fails_once_its_retries_are_used_up(make_buffer, make_tier, monkeypatch):
+    monkeypatch.setenv("MPTIER_FAULT_STALL", "store:5")
+    buf = make_buffer(4, 4 * KB)
+    tier = make_tier(buf, n_load_workers=0, n_store_workers=1, max_task_retries=0)
+    tier.submit_store(TransferJob(1, keys_for(1), [0]))
+    victim = busy_worker(tier)
+    os.kill(victim["pid"], signal.SIGKILL)
+    result = wait_results(tier, [1])[1]
+    assert not result.success and result.errno == errno.EOWNERDEAD
+    assert tier.stats()["pool"]["tasks_retried"] == 0
+    assert tier.stats()["pool"]["tasks_lost"] == 1
