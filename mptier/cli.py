@@ -57,16 +57,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from mptier import native
-    from mptier.layout import FileMapper
 
     info = {"native_core": native.HAS_NATIVE, "backend": native.BACKEND,
             "native_import_error": native.NATIVE_IMPORT_ERROR,
             "defaults": TierConfig().__dict__}
     if args.root:
-        mapper = FileMapper(args.root, "probe")
         info["root"] = args.root
         info["o_direct"] = native.probe_o_direct(args.root)
-        del mapper
     print(json.dumps(info, indent=2, default=str))
     return 0
 
