@@ -43,7 +43,7 @@ import select
 import time
 import weakref
 from collections.abc import Hashable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from mptier import native
@@ -53,7 +53,6 @@ from mptier.errors import ConfigError, MptierError, TierClosedError
 from mptier.jobs import (
     JobResult,
     LookupResult,
-    Message,
     MessageType,
     TaskKind,
     TierEvent,
@@ -61,10 +60,10 @@ from mptier.jobs import (
     decode_task,
     encode_job,
     task_record_capacity,
-    unpack_bitmap,
 )
 from mptier.keys import MAX_KEY_BYTES, check_key
 from mptier.layout import FileMapper
+from mptier.ledger import JobLedger
 from mptier.lookup import LookupTable
 from mptier.shm import SharedKVBuffer, cleanup_stale
 from mptier.workers.control import ControlBlock
@@ -86,51 +85,6 @@ def _shutdown_live_tiers() -> None:
             tier.shutdown()
 _NO_IDS = array.array("q")
 _BYTES_ONLY = {bytes}
-# Recent job latencies kept for stats() percentiles.
-LATENCY_WINDOW = 4096
-
-
-@dataclass(slots=True)
-class _Job:
-    job_id: int
-    kind: TaskKind
-    keys: list[bytes]
-    submitted_ns: int
-    tasks_left: int
-    ok: bytearray  # per key: 1 when it succeeded
-    errno: int = 0
-    error: str | None = None
-    first_start_ns: int = 0
-    last_end_ns: int = 0
-
-
-# A task's id is (group << TASK_INDEX_BITS) | index: one table entry per job (or lookup
-# batch) instead of one per task keeps submit short.
-TASK_INDEX_BITS = 20
-_TASK_INDEX_MASK = (1 << TASK_INDEX_BITS) - 1
-
-
-@dataclass(slots=True)
-class _Group:
-    """The tasks of one job, or of one batch of existence checks (``job`` None)."""
-
-    job: _Job | None
-    keys: list[bytes]
-    per_task: int
-    done: bytearray  # per task: 1 once its first report arrived
-    left: int
-
-
-@dataclass
-class _Counters:
-    jobs_submitted: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
-    jobs_failed: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
-    bytes_done: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
-    keys_checked: int = 0
-    keys_found: int = 0
-    corrupt_removed: int = 0
-
-
 class FileSystemTier:
     """A secondary KV tier on a file system, served by worker processes.
 
@@ -165,16 +119,8 @@ class FileSystemTier:
         self.native = cfg.native and native.HAS_NATIVE
         cleanup_stale()
 
-        self._jobs: dict[int, _Job] = {}
-        self._groups: dict[int, _Group] = {}
-        self._next_group = 1
-        self._finished: list[JobResult] = []
-        self._events: list[TierEvent] = []
         self._lookups = LookupTable()
-        self._counters = _Counters()
-        self._latency: dict[str, collections.deque[float]] = {
-            "store": collections.deque(maxlen=LATENCY_WINDOW),
-            "load": collections.deque(maxlen=LATENCY_WINDOW)}
+        self._ledger = JobLedger(self._block_bytes, self._lookups, cfg.enable_events)
         self._boot_errors: list[str] = []
         self._ready = 0
         self._per_task = max(1, cfg.task_bytes // self._block_bytes)
@@ -279,7 +225,7 @@ class FileSystemTier:
         if self._closed:
             raise TierClosedError("the tier was shut down; no more jobs can be submitted")
         job_id = job.job_id
-        if job_id in self._jobs:
+        if job_id in self._ledger.jobs:
             raise ValueError(f"job_id {job_id!r} is already in flight; job ids must be "
                              "unique among unfinished jobs")
         keys = job.keys if type(job.keys) is list else list(job.keys)
@@ -310,23 +256,10 @@ class FileSystemTier:
             min(self._per_task, task_record_capacity(kind, key_len))
         if per_task < 1:
             raise ValueError(f"job {job_id}: a {key_len}-byte key is too long for a task")
-        name = "store" if kind == TaskKind.STORE else "load"
-        self._counters.jobs_submitted[name] += 1
-        state = _Job(job_id, kind, keys, time.monotonic_ns(), 0, bytearray(n))
-        if n == 0:
-            self._finish(state)
-            return
-        n_tasks = -(-n // per_task)
-        if n_tasks > _TASK_INDEX_MASK:
-            raise ValueError(f"job {job_id}: {n} blocks make {n_tasks} tasks, more than "
-                             f"{_TASK_INDEX_MASK}; raise task_bytes or split the job")
-        group = self._next_group
-        self._next_group = group + 1
-        self._groups[group] = _Group(state, keys, per_task, bytearray(n_tasks), n_tasks)
-        state.tasks_left = n_tasks
-        self._jobs[job_id] = state
-        self._queues[kind].put_records(
-            encode_job(kind, group << TASK_INDEX_BITS, keys, block_ids, per_task))
+        first_task = self._ledger.add_job(job_id, kind, keys, per_task)
+        if first_task:
+            self._queues[kind].put_records(
+                encode_job(kind, first_task, keys, block_ids, per_task))
 
     # -- lookups -----------------------------------------------------------------------
 
@@ -349,12 +282,9 @@ class FileSystemTier:
             return
         per_task = min(self.config.lookup_batch_keys,
                        task_record_capacity(TaskKind.EXISTS, max(map(len, keys))))
-        n_tasks = -(-len(keys) // per_task)
-        group = self._next_group
-        self._next_group = group + 1
-        self._groups[group] = _Group(None, keys, per_task, bytearray(n_tasks), n_tasks)
+        first_task = self._ledger.add_lookups(keys, per_task)
         self._lookup_q.put_records(
-            encode_job(TaskKind.EXISTS, group << TASK_INDEX_BITS, keys, _NO_IDS, per_task))
+            encode_job(TaskKind.EXISTS, first_task, keys, _NO_IDS, per_task))
 
     def mark_miss(self, keys: Iterable[bytes]) -> None:
         """Make every request that holds a HIT for ``keys`` see MISS from now on (a load
@@ -374,14 +304,15 @@ class FileSystemTier:
         """
         if not self._closed:
             self._poll()
-        if not self._finished:
+        ledger = self._ledger
+        if not ledger.finished:
             return []
-        out, self._finished = self._finished, []
+        out, ledger.finished = ledger.finished, []
         return out
 
     def take_events(self) -> list[TierEvent]:
         """"stored" events (when ``enable_events``) and "removed" events since last call."""
-        out, self._events = self._events, []
+        out, self._ledger.events = self._ledger.events, []
         return out
 
     def fileno(self) -> int:
@@ -393,7 +324,7 @@ class FileSystemTier:
         touches the buffer. Results stay queued for :meth:`get_finished_jobs`."""
         if self._closed:
             raise TierClosedError("the tier was shut down")
-        while self._jobs:
+        while self._ledger.jobs:
             select.select([self._completions.read_fd], [], [], 0.05)
             self._pump()
 
@@ -416,7 +347,7 @@ class FileSystemTier:
         messages = self._completions.read_available()
         for message in messages:
             if message.type == MessageType.DONE or message.type == MessageType.LOST:
-                self._task_finished(message)
+                self._ledger.task_finished(message)
             elif message.type == MessageType.READY:
                 self._ready += 1
                 self._pool.mark_ready(message.slot, message.pid)
@@ -424,69 +355,6 @@ class FileSystemTier:
                 self._boot_errors.append(f"pid {message.pid}: {message.text}")
                 log.error("mptier worker pid %d failed to start: %s", message.pid,
                           message.text)
-
-    def _task_finished(self, m: Message) -> None:
-        group_id = m.task_id >> TASK_INDEX_BITS
-        index = m.task_id & _TASK_INDEX_MASK
-        group = self._groups.get(group_id)
-        if group is None or index >= len(group.done) or group.done[index]:
-            return  # a second report of a task (its retry's twin): the first one counted
-        group.done[index] = 1
-        group.left -= 1
-        if not group.left:
-            del self._groups[group_id]
-        start = index * group.per_task
-        keys = group.keys[start:start + group.per_task]
-        job = group.job
-        if job is None:
-            exists = unpack_bitmap(m.payload, len(keys)) if m.type == MessageType.DONE \
-                and not m.errno else [False] * len(keys)
-            self._counters.keys_checked += len(keys)
-            self._counters.keys_found += sum(exists)
-            self._lookups.answer(keys, exists)
-            return
-        n_ok = m.n_done if m.type == MessageType.DONE else 0
-        if n_ok:
-            job.ok[start:start + n_ok] = b"\1" * n_ok
-        if m.errno:
-            if not job.errno:
-                job.errno, job.error = m.errno, m.text or os.strerror(m.errno)
-            if m.errno == errno.ENODATA and job.kind == TaskKind.LOAD:
-                self._counters.corrupt_removed += 1
-                self._events.append(TierEvent("removed", (keys[n_ok],),
-                                              {"reason": "corrupt"}))
-        if m.started_ns:
-            end = m.started_ns + m.elapsed_ns
-            if not job.first_start_ns or m.started_ns < job.first_start_ns:
-                job.first_start_ns = m.started_ns
-            if end > job.last_end_ns:
-                job.last_end_ns = end
-        job.tasks_left -= 1
-        if job.tasks_left == 0:
-            del self._jobs[job.job_id]
-            self._finish(job)
-
-    def _finish(self, job: _Job) -> None:
-        n_ok = job.ok.count(1)
-        n = len(job.keys)
-        success = n_ok == n
-        name = "store" if job.kind == TaskKind.STORE else "load"
-        successful_keys = None
-        if not success:
-            self._counters.jobs_failed[name] += 1
-            if job.kind == TaskKind.LOAD:
-                self._lookups.mark_miss(k for k, ok in zip(job.keys, job.ok) if not ok)
-                if n_ok:
-                    successful_keys = tuple(k for k, ok in zip(job.keys, job.ok) if ok)
-        elif job.kind == TaskKind.STORE and self.config.enable_events and n:
-            self._events.append(TierEvent("stored", tuple(job.keys)))
-        nbytes = n_ok * self._block_bytes
-        self._counters.bytes_done[name] += nbytes
-        now = time.monotonic_ns()
-        self._latency[name].append((now - job.submitted_ns) / 1e9)
-        elapsed = (job.last_end_ns - job.first_start_ns) / 1e9 if job.first_start_ns else 0.0
-        self._finished.append(JobResult(job.job_id, success, successful_keys, elapsed, nbytes,
-                                        job.errno, job.error))
 
     # -- introspection -------------------------------------------------------------------
 
@@ -513,13 +381,13 @@ class FileSystemTier:
             "native": self.native,
             "block_bytes": self._block_bytes,
             "blocks_per_task": self._per_task,
-            "jobs_in_flight": len(self._jobs),
-            "tasks_in_flight": sum(g.left for g in self._groups.values()),
+            "jobs_in_flight": len(self._ledger.jobs),
+            "tasks_in_flight": self._ledger.tasks_in_flight,
             "queued_tasks": queues,
             "lookup_requests": self._lookups.requests,
             "lookup_keys_pending": self._lookups.pending_keys,
-            **asdict(self._counters),
-            "latency": {k: percentiles(v) for k, v in self._latency.items()},
+            **asdict(self._ledger.counters),
+            "latency": {k: percentiles(v) for k, v in self._ledger.latency.items()},
             "pool": asdict(self._pool.counters) if hasattr(self, "_pool") else {},
             "workers": self._pool.worker_stats() if hasattr(self, "_pool") else [],
         }
@@ -545,7 +413,7 @@ class FileSystemTier:
             pool.begin_stop()
         for queue in getattr(self, "_queues", {}).values():
             for record in queue.take_all():
-                self._fail_task(decode_task(record).task_id, errno.ECANCELED,
+                self._ledger.fail_task(decode_task(record).task_id, errno.ECANCELED,
                                 "cancelled: the tier shut down before the task ran")
         if hasattr(self, "_lifeline_w"):
             os.close(self._lifeline_w)
@@ -554,11 +422,10 @@ class FileSystemTier:
             log.warning("mptier shutdown: %s", "; ".join(forced))
         if hasattr(self, "_completions"):
             self._read_completions()
-        for group_id, group in list(getattr(self, "_groups", {}).items()):
-            for index, done in enumerate(group.done):
-                if not done:
-                    self._fail_task((group_id << TASK_INDEX_BITS) | index, errno.ECANCELED,
-                                    "the tier shut down while the task was running")
+        ledger = getattr(self, "_ledger", None)
+        for task_id in ledger.unfinished_task_ids() if ledger else ():
+            ledger.fail_task(task_id, errno.ECANCELED,
+                             "the tier shut down while the task was running")
         for queue in getattr(self, "_queues", {}).values():
             queue.close()
         if hasattr(self, "_completions"):
@@ -575,11 +442,7 @@ class FileSystemTier:
     def _read_completions(self) -> None:
         for message in self._completions.read_available():
             if message.type in (MessageType.DONE, MessageType.LOST):
-                self._task_finished(message)
-
-    def _fail_task(self, task_id: int, err: int, text: str) -> None:
-        self._task_finished(Message(MessageType.LOST, 0, 0, errno=err, task_id=task_id,
-                                    payload=text.encode()))
+                self._ledger.task_finished(message)
 
     def __enter__(self) -> FileSystemTier:
         return self

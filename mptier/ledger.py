@@ -1,0 +1,187 @@
+"""The job ledger: which tasks each job is waiting for, and what became of them.
+
+Pure bookkeeping on the engine's scheduler thread, no I/O. A task's id is
+``(group << TASK_INDEX_BITS) | index``: a job (or a batch of existence checks) is one
+*group* of consecutive tasks, so submitting a job adds one entry however many tasks it
+has. The first report of a task counts; any later one (the twin of a retried store, a
+hung worker that finished after all) is ignored, which is what makes "every job exactly
+once" hold.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import time
+from dataclasses import dataclass, field
+
+from mptier.jobs import JobResult, Message, MessageType, TaskKind, TierEvent, unpack_bitmap
+from mptier.lookup import LookupTable
+
+# Recent job latencies kept for stats() percentiles.
+LATENCY_WINDOW = 4096
+
+
+@dataclass(slots=True)
+class Job:
+    job_id: int
+    kind: TaskKind
+    keys: list[bytes]
+    submitted_ns: int
+    tasks_left: int
+    ok: bytearray  # per key: 1 when it succeeded
+    errno: int = 0
+    error: str | None = None
+    first_start_ns: int = 0
+    last_end_ns: int = 0
+
+
+# A task's id is (group << TASK_INDEX_BITS) | index: one table entry per job (or lookup
+# batch) instead of one per task keeps submit short.
+TASK_INDEX_BITS = 20
+TASK_INDEX_MASK = (1 << TASK_INDEX_BITS) - 1
+
+
+@dataclass(slots=True)
+class Group:
+    """The tasks of one job, or of one batch of existence checks (``job`` None)."""
+
+    job: Job | None
+    keys: list[bytes]
+    per_task: int
+    done: bytearray  # per task: 1 once its first report arrived
+    left: int
+
+
+@dataclass
+class Counters:
+    jobs_submitted: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
+    jobs_failed: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
+    bytes_done: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
+    keys_checked: int = 0
+    keys_found: int = 0
+    corrupt_removed: int = 0
+
+
+class JobLedger:
+    """Jobs in flight, their task groups, and the results and events they produced."""
+
+    def __init__(self, block_bytes: int, lookups: LookupTable, stored_events: bool) -> None:
+        self.jobs: dict[int, Job] = {}
+        self.groups: dict[int, Group] = {}
+        self._next_group = 1
+        self.finished: list[JobResult] = []
+        self.events: list[TierEvent] = []
+        self.counters = Counters()
+        self.latency: dict[str, collections.deque[float]] = {
+            "store": collections.deque(maxlen=LATENCY_WINDOW),
+            "load": collections.deque(maxlen=LATENCY_WINDOW)}
+        self._block_bytes = block_bytes
+        self._lookups = lookups
+        self._stored_events = stored_events
+
+    def add_job(self, job_id: int, kind: TaskKind, keys: list[bytes], per_task: int) -> int:
+        """Record a job; returns the id of its first task (0 for an empty job, which is
+        finished at once). Raises ``ValueError`` if it would need too many tasks."""
+        n = len(keys)
+        job = Job(job_id, kind, keys, time.monotonic_ns(), 0, bytearray(n))
+        self.counters.jobs_submitted["store" if kind == TaskKind.STORE else "load"] += 1
+        if not n:
+            self._finish(job)
+            return 0
+        n_tasks = -(-n // per_task)
+        if n_tasks > TASK_INDEX_MASK:
+            raise ValueError(f"job {job_id}: {n} blocks make {n_tasks} tasks, more than "
+                             f"{TASK_INDEX_MASK}; raise task_bytes or split the job")
+        job.tasks_left = n_tasks
+        self.jobs[job_id] = job
+        return self._add_group(job, keys, per_task, n_tasks)
+
+    def add_lookups(self, keys: list[bytes], per_task: int) -> int:
+        """Record a batch of existence checks; returns its first task id."""
+        return self._add_group(None, keys, per_task, -(-len(keys) // per_task))
+
+    def _add_group(self, job: Job | None, keys: list[bytes], per_task: int,
+                   n_tasks: int) -> int:
+        group = self._next_group
+        self._next_group = group + 1
+        self.groups[group] = Group(job, keys, per_task, bytearray(n_tasks), n_tasks)
+        return group << TASK_INDEX_BITS
+
+    def fail_task(self, task_id: int, err: int, text: str) -> None:
+        self.task_finished(Message(MessageType.LOST, 0, 0, errno=err, task_id=task_id,
+                                   payload=text.encode()))
+
+    def unfinished_task_ids(self) -> list[int]:
+        return [(group_id << TASK_INDEX_BITS) | index
+                for group_id, group in self.groups.items()
+                for index, done in enumerate(group.done) if not done]
+
+    @property
+    def tasks_in_flight(self) -> int:
+        return sum(g.left for g in self.groups.values())
+
+    def task_finished(self, m: Message) -> None:
+        """Apply a DONE or LOST report; a job whose last task reported is finished."""
+        group_id = m.task_id >> TASK_INDEX_BITS
+        index = m.task_id & TASK_INDEX_MASK
+        group = self.groups.get(group_id)
+        if group is None or index >= len(group.done) or group.done[index]:
+            return  # a second report of a task (its retry's twin): the first one counted
+        group.done[index] = 1
+        group.left -= 1
+        if not group.left:
+            del self.groups[group_id]
+        start = index * group.per_task
+        keys = group.keys[start:start + group.per_task]
+        job = group.job
+        if job is None:
+            exists = unpack_bitmap(m.payload, len(keys)) if m.type == MessageType.DONE \
+                and not m.errno else [False] * len(keys)
+            self.counters.keys_checked += len(keys)
+            self.counters.keys_found += sum(exists)
+            self._lookups.answer(keys, exists)
+            return
+        n_ok = m.n_done if m.type == MessageType.DONE else 0
+        if n_ok:
+            job.ok[start:start + n_ok] = b"\1" * n_ok
+        if m.errno:
+            if not job.errno:
+                job.errno, job.error = m.errno, m.text or os.strerror(m.errno)
+            if m.errno == errno.ENODATA and job.kind == TaskKind.LOAD:
+                self.counters.corrupt_removed += 1
+                self.events.append(TierEvent("removed", (keys[n_ok],),
+                                              {"reason": "corrupt"}))
+        if m.started_ns:
+            end = m.started_ns + m.elapsed_ns
+            if not job.first_start_ns or m.started_ns < job.first_start_ns:
+                job.first_start_ns = m.started_ns
+            if end > job.last_end_ns:
+                job.last_end_ns = end
+        job.tasks_left -= 1
+        if job.tasks_left == 0:
+            del self.jobs[job.job_id]
+            self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        n_ok = job.ok.count(1)
+        n = len(job.keys)
+        success = n_ok == n
+        name = "store" if job.kind == TaskKind.STORE else "load"
+        successful_keys = None
+        if not success:
+            self.counters.jobs_failed[name] += 1
+            if job.kind == TaskKind.LOAD:
+                self._lookups.mark_miss(k for k, ok in zip(job.keys, job.ok) if not ok)
+                if n_ok:
+                    successful_keys = tuple(k for k, ok in zip(job.keys, job.ok) if ok)
+        elif job.kind == TaskKind.STORE and self._stored_events and n:
+            self.events.append(TierEvent("stored", tuple(job.keys)))
+        nbytes = n_ok * self._block_bytes
+        self.counters.bytes_done[name] += nbytes
+        now = time.monotonic_ns()
+        self.latency[name].append((now - job.submitted_ns) / 1e9)
+        elapsed = (job.last_end_ns - job.first_start_ns) / 1e9 if job.first_start_ns else 0.0
+        self.finished.append(JobResult(job.job_id, success, successful_keys, elapsed, nbytes,
+                                        job.errno, job.error))
