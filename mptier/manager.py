@@ -65,6 +65,7 @@ from mptier.keys import MAX_KEY_BYTES, check_key
 from mptier.layout import FileMapper
 from mptier.ledger import JobLedger
 from mptier.lookup import LookupTable
+from mptier.monitor.tier import attach_tier
 from mptier.shm import SharedKVBuffer, cleanup_stale
 from mptier.workers.control import ControlBlock
 from mptier.workers.launcher import LaunchSpec
@@ -147,6 +148,9 @@ class FileSystemTier:
             self._pool = self._make_pool(roles)
             self._pool.start()
             self._wait_ready(len(roles))
+            # Status socket / metrics (config status_socket, metrics_port): a thread that
+            # sleeps until an operator asks; see mptier.monitor.
+            self._monitoring = attach_tier(self)
         except BaseException:
             self.shutdown()
             raise
@@ -392,6 +396,13 @@ class FileSystemTier:
             "workers": self._pool.worker_stats() if hasattr(self, "_pool") else [],
         }
 
+    @property
+    def status_name(self) -> str | None:
+        """Name of this tier's status endpoint (``mptier status --name``), or ``None``."""
+        monitoring = getattr(self, "_monitoring", None)
+        endpoint = monitoring.endpoint if monitoring is not None else None
+        return endpoint.name if endpoint is not None else None
+
     def worker_pids(self) -> list[int]:
         return self._pool.pids() if hasattr(self, "_pool") else []
 
@@ -408,6 +419,9 @@ class FileSystemTier:
         self._shut_down = True
         self._closed = True
         _live_tiers.discard(self)
+        monitoring = getattr(self, "_monitoring", None)
+        if monitoring is not None:
+            monitoring.close()
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.begin_stop()

@@ -144,6 +144,8 @@ class ProcessPool:
                 "tasks_done": snap.tasks_done, "bytes_done": snap.bytes_done,
                 "busy_s": snap.busy_ns / 1e9, "errors": snap.errors,
                 "generation": h.generation,
+                # CLOCK_MONOTONIC ns when the running task started; 0 when none runs
+                "task_started_ns": snap.started_ns,
             })
         return out
 
