@@ -8,6 +8,7 @@ of the same shape. Unknown keys and bad values raise :class:`~mptier.errors.Conf
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import sys
@@ -107,8 +108,11 @@ class TierConfig:
         known = set(cls.field_names())
         unknown = sorted(set(values) - known)
         if unknown:
+            hints = [f"{key!r} (did you mean {close[0]!r}?)" if (
+                close := difflib.get_close_matches(key, known, n=1)) else repr(key)
+                for key in unknown]
             raise ConfigError(
-                f"unknown TierConfig key(s) {', '.join(map(repr, unknown))}; "
+                f"unknown TierConfig key(s) {', '.join(hints)}; "
                 f"known keys: {', '.join(sorted(known))}")
         start = dataclasses.asdict(base) if base is not None else {}
         start.update(values)
