@@ -1,11 +1,14 @@
 """Shared fixtures: a temp root, unique shared buffers, tiers that always shut down, and
 a leak check after every test (no new mptier objects in /dev/shm or /dev/mqueue, no
-child processes left)."""
+status sockets left in the run directory, no child processes left)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -14,6 +17,21 @@ import psutil
 import pytest
 
 LEAK_DIRS = ("/dev/shm", "/dev/mqueue")
+
+# Status sockets of this test session (every tier makes one, status_socket="auto") go to
+# a run directory of its own: tests never see an operator's engines, nor another test
+# session's, and a socket left behind is this session's leak. Subprocesses inherit it.
+RUN_DIR = tempfile.mkdtemp(prefix="mptier-run-")
+os.environ["MPTIER_RUN_DIR"] = RUN_DIR
+atexit.register(shutil.rmtree, RUN_DIR, ignore_errors=True)
+
+
+def run_dir_entries() -> set[str]:
+    """Status sockets and their lock files in the session's run directory."""
+    try:
+        return set(os.listdir(RUN_DIR))
+    except FileNotFoundError:
+        return set()
 
 
 def _owner_pid(name: str) -> int | None:
@@ -49,6 +67,7 @@ def live_children() -> list[psutil.Process]:
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
     before = mptier_objects()
+    sockets_before = run_dir_entries()
     yield
     owners = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
     deadline = time.monotonic() + 5
@@ -60,6 +79,8 @@ def no_leaks() -> Iterator[None]:
     assert not children, f"child processes left behind: {[c.pid for c in children]}"
     leaked = mptier_objects(owners) - before
     assert not leaked, f"IPC objects left behind: {sorted(leaked)}"
+    left = run_dir_entries() - sockets_before
+    assert not left, f"status sockets left behind in {RUN_DIR}: {sorted(left)}"
 
 
 @pytest.fixture
