@@ -27,6 +27,7 @@ from mptier.monitor.endpoint import (
     client_dirs,
     discover,
     query,
+    remove_stale,
     run_dir,
     start_endpoint,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "discover",
     "query",
     "read_stats",
+    "remove_stale",
     "run_dir",
     "start_endpoint",
 ]

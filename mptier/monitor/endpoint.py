@@ -338,7 +338,12 @@ def start_endpoint(name: str | None, provider: Provider, *, kind: str = "engine"
                    directory: str | None = None) -> StatusEndpoint:
     """Start a status endpoint; ``name=None`` picks ``engine-<pid>`` (``engine-<pid>-2``,
     ... when this process already runs one). See :class:`StatusEndpoint` for what raises.
+
+    First removes what killed processes left in the run directory (:func:`remove_stale`),
+    as every tier start also removes stale shared memory.
     """
+    directory = directory or run_dir()
+    remove_stale(directory)
     if name is not None:
         return StatusEndpoint(name, provider, kind=kind, directory=directory)
     base = f"engine-{os.getpid()}"
@@ -441,6 +446,21 @@ def _accepts(path: str, timeout: float) -> bool:
                 log.debug("mptier: cannot connect to %s: %s", path, exc)
             return False
         return True
+
+
+def remove_stale(directory: str | None = None) -> list[str]:
+    """Remove the socket and lock file of every endpoint in ``directory`` (default: the
+    run directory) whose lock is free: its process is gone. Connects to nothing, so live
+    endpoints are not disturbed. Returns the names removed."""
+    directory = directory or run_dir(create=False)
+    try:
+        entries = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+    names = {e[:-len(LOCK_SUFFIX)] for e in entries if e.endswith(LOCK_SUFFIX)}
+    names |= {e[:-len(SOCKET_SUFFIX)] for e in entries if e.endswith(SOCKET_SUFFIX)}
+    return [n for n in sorted(names)
+            if ENDPOINT_NAME.fullmatch(n) and _remove_if_stale(directory, n)]
 
 
 def _remove_if_stale(directory: str, name: str) -> bool:
