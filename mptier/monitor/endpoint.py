@@ -64,6 +64,9 @@ PROTOCOL_VERSION = 1
 CLIENT_TIMEOUT_S = 2.0
 # A request is one short JSON line; anything longer is not a client of ours.
 MAX_REQUEST_BYTES = 4096
+# close() waits this long for the thread; a request in progress may hold it up to
+# CLIENT_TIMEOUT_S, and the thread finishes it on its own afterwards.
+CLOSE_WAIT_S = 0.5
 # Default wait of query(): the provider reads /proc for every worker (about 1 ms for 4
 # workers, up to tens of ms when USS is due), on a machine that may be busy.
 QUERY_TIMEOUT_S = 5.0
@@ -209,33 +212,44 @@ class StatusEndpoint:
                                         daemon=True)
         self._thread.start()
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop answering, join the thread (at most ``timeout``; it only waits for a
-        request in progress) and remove the socket and lock file. Idempotent."""
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Stop answering and remove the socket and lock file at once; wait at most
+        ``timeout`` for the thread (it only ever waits for a request in progress, at most
+        ``CLIENT_TIMEOUT_S``, and closes its descriptors itself when it leaves).
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
         with contextlib.suppress(OSError):
             os.write(self._stop_w, b"x")
+        self._unlink()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        self._release()
 
-    def _release(self) -> None:
-        self._closed = True
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+    def _unlink(self) -> None:
         # Unlink while still holding the lock: nobody else can be binding this name.
         for path in (self.path, self.lock_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        for fd in (self._stop_r, self._stop_w, self._lock_fd):
-            if fd is not None and fd >= 0:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _release(self) -> None:
+        """Undo a constructor that failed before the thread started."""
+        self._closed = True
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._unlink()
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        for fd in (self._stop_r, self._stop_w):
+            if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._stop_r = self._stop_w = -1
-        self._lock_fd = None
 
     def __enter__(self) -> StatusEndpoint:
         return self
@@ -251,7 +265,16 @@ class StatusEndpoint:
     # -- thread --------------------------------------------------------------------------
 
     def _serve(self) -> None:
+        """The thread: owns the listener and the stop pipe, and closes them on leaving."""
         listener, stop_r = self._listener, self._stop_r
+        try:
+            self._serve_until_stopped(listener, stop_r)
+        finally:
+            listener.close()
+            self._listener = None
+            self._close_pipe()
+
+    def _serve_until_stopped(self, listener: socket.socket, stop_r: int) -> None:
         poller = select.poll()
         poller.register(listener.fileno(), select.POLLIN)
         poller.register(stop_r, select.POLLIN)

@@ -99,6 +99,8 @@ class ProcessTable:
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             self._procs.pop(pid, None)
             return None
+        except psutil.AccessDenied:  # another user's process: nothing we may read
+            return None
         return {
             "cpu_user_s": cpu.user,
             "cpu_system_s": cpu.system,
