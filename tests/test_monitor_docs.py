@@ -30,8 +30,8 @@ def test_every_status_field_is_documented(tmp_path):
     stats = {"root": str(tmp_path), "queued_tasks": {}, "latency": {},
              "workers": [{"pid": os.getpid(), "role": "load", "slot": 0, "alive": True,
                           "ready": True, "state": "idle", "tasks_done": 0, "bytes_done": 0,
-                          "busy_s": 0.0, "errors": 0, "generation": 0,
-                          "task_started_ns": 0}]}
+                          "busy_s": 0.0, "tasks_failed": 0, "generation": 0,
+                          "task_age_s": None, "backend": "native"}]}
     figures = {"name": "x", "kind": "engine", "pid": 1, **Sampler().sample(stats)}
     documented = set(re.findall(r"`([a-z_.0-9]+)`", DOC))
     names = {k for k, v in figures.items() if not isinstance(v, dict)}
@@ -76,7 +76,8 @@ def test_grafana_dashboard_is_valid_and_queries_real_metrics():
     # Every metric a dashboard user would look for is on it, except pure labels/levels
     # that are only useful in ad-hoc queries.
     not_charted = METRIC_NAMES - charted
-    assert not_charted <= {"mptier_info", "mptier_corrupt_blocks_removed_total",
+    assert not_charted <= {"mptier_info", "mptier_worker_generation",
+                           "mptier_corrupt_blocks_removed_total",
                            "mptier_tasks_in_flight", "mptier_lookup_keys_pending",
                            "mptier_workers_spawned_total", "mptier_process_resident_bytes",
                            "mptier_worker_task_bytes_total"}, not_charted

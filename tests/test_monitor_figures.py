@@ -37,8 +37,8 @@ def _stats(pid: int, *, store_jobs=0, store_bytes=0, tasks=0, nbytes=0, busy=0.0
         "latency": {"store": {"p50_s": 0.01, "p99_s": 0.02, "count": 5}},
         "workers": [{"pid": pid, "role": "store", "slot": 7, "alive": True, "ready": True,
                      "state": state, "tasks_done": tasks, "bytes_done": nbytes,
-                     "busy_s": busy, "errors": 0, "generation": 0,
-                     "task_started_ns": 0, "heartbeat_age_s": 0.25}],
+                     "busy_s": busy, "tasks_failed": 1, "generation": 0,
+                     "task_age_s": 0.5, "backend": "native"}],
     }
 
 
@@ -75,8 +75,8 @@ def test_rates_come_from_counter_deltas_over_the_interval():
     assert second["queues"] == {"store": 3}
     assert second["latency"]["store"] == {"p50_s": 0.01, "p99_s": 0.02, "count": 5}
     worker = second["workers"][0]
-    assert (worker["slot"], worker["control_slot"], worker["tasks_failed"]) == (0, 7, 0)
-    assert worker["heartbeat_age_s"] == 0.25  # the pool's own fields are passed on
+    assert (worker["slot"], worker["tasks_failed"], worker["task_age_s"]) == (7, 1, 0.5)
+    assert worker["backend"] == "native"  # the pool's other fields are passed on
     # A counter that went backwards (a replaced worker starts at zero) gives no rate.
     clock.now += 1.0
     third = sampler.sample(_stats(os.getpid(), store_jobs=5))

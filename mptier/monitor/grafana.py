@@ -59,11 +59,13 @@ TIER_PANELS = [
            (f"mptier_disk_avail_bytes{{{TIER}}}", "{{tier}} available"),
            (f"mptier_tier_used_bytes{{{TIER}}}", "{{tier}} tier's blocks"),
            (f"mptier_tier_capacity_bytes{{{TIER}}}", "{{tier}} tier budget")], "bytes"),
-    Panel("Worker deaths, timeouts, retries (per hour)",
+    Panel("Worker deaths, kills, retries (per hour)",
           [(f"increase({m}{{{TIER}}}[1h])", f"{{{{tier}}}} {legend}") for m, legend in (
               ("mptier_worker_deaths_total", "deaths"),
               ("mptier_worker_timeouts_total", "timeouts"),
               ("mptier_worker_boot_failures_total", "boot failures"),
+              ("mptier_worker_heartbeat_kills_total", "heartbeat kills"),
+              ("mptier_worker_memory_kills_total", "memory kills"),
               ("mptier_tasks_retried_total", "tasks retried"),
               ("mptier_tasks_lost_total", "tasks lost"))], "short"),
     Panel("Engine / service process CPU",
@@ -99,10 +101,13 @@ WORKER_PANELS = [
            (f"mptier_worker_unique_bytes{{{TIER}}}", PER_WORKER + " uss")], "bytes",
           "RSS includes the shared KV buffer pages the worker touched; private and USS "
           "do not"),
-    Panel("Workers up / busy / restarts",
+    Panel("Workers up / busy / stuck",
           [(f"sum by (tier) (mptier_worker_up{{{TIER}}})", "{{tier}} up"),
            (f"sum by (tier) (mptier_worker_busy{{{TIER}}})", "{{tier}} busy"),
-           (f"mptier_worker_restarts_total{{{TIER}}}", PER_WORKER + " restarts")], "short"),
+           (f"mptier_workers_stuck{{{TIER}}}", "{{tier}} stuck (parked)"),
+           (f"mptier_unavailable{{{TIER}}}", "{{tier}} unavailable")], "short",
+          "unavailable = 1: the pool cannot serve and jobs fail at once (reason: mptier "
+          "status)"),
     Panel("Open descriptors",
           [(f"mptier_worker_open_fds{{{TIER}}}", PER_WORKER)], "short"),
 ]

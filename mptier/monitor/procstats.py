@@ -203,6 +203,8 @@ class Sampler:
             "root": root,
             "o_direct": stats.get("o_direct"),
             "native": stats.get("native"),
+            "backend": stats.get("backend"),
+            "unavailable": stats.get("unavailable") or "",
             "block_bytes": stats.get("block_bytes"),
             "queues": dict(stats.get("queued_tasks", {})),
             "jobs_in_flight": stats.get("jobs_in_flight", 0),
@@ -233,10 +235,13 @@ class Sampler:
                 seen: dict) -> dict[str, Any]:
         pid = int(entry.get("pid") or 0)
         thread = entry.get("state") == "thread"
-        started_ns = entry.get("task_started_ns") or 0
+        if "task_age_s" in entry:
+            age = entry["task_age_s"]
+        else:  # CLOCK_MONOTONIC start of the running task, 0 when none runs
+            started_ns = entry.get("task_started_ns") or 0
+            age = (time.monotonic_ns() - started_ns) / 1e9 if started_ns else None
         figure: dict[str, Any] = {
-            "slot": index,
-            "control_slot": entry.get("slot"),
+            "slot": entry.get("slot", index),
             "pid": pid,
             "role": entry.get("role"),
             "state": entry.get("state"),
@@ -244,16 +249,16 @@ class Sampler:
             "ready": entry.get("ready"),
             "generation": entry.get("generation"),
             "tasks_done": entry.get("tasks_done", 0),
-            "tasks_failed": entry.get("errors", 0),
+            "tasks_failed": entry.get("tasks_failed", entry.get("errors", 0)),
             "bytes_done": entry.get("bytes_done", 0),
             "busy_s": entry.get("busy_s", 0.0),
-            "task_age_s": (time.monotonic_ns() - started_ns) / 1e9 if started_ns else None,
+            "task_age_s": age,
             "tasks_per_s": None, "bytes_per_s": None, "mean_task_s": None,
             "cpu_percent": None,
         }
-        # Whatever else the pool reports (health, heartbeats) is passed on as it is.
+        # Whatever else the pool reports (backend, health) is passed on as it is.
         for key, value in entry.items():
-            if key not in figure and key not in ("slot", "errors", "task_started_ns") \
+            if key not in figure and key not in ("errors", "task_started_ns") \
                     and (value is None or isinstance(value, (str, int, float, bool))):
                 figure[key] = value
         readings = None if thread or not pid or not entry.get("alive", True) \

@@ -3,10 +3,11 @@
 A custom collector (no metric objects to keep in step with the tier): each scrape asks
 the :class:`~mptier.monitor.tier.Monitor` for fresh figures and turns them into metric
 families named ``mptier_*`` -- counters (``*_total``) for totals, gauges for levels --
-labelled with the tier's name and, per worker, its role and slot (its stable position in
-the pool: a replaced worker keeps the slot, and its counters restart from zero, which
-Prometheus' ``rate()`` treats as a reset). :data:`METRICS` is the list; docs/monitoring.md
-explains each and configs/grafana-mptier.json charts them.
+labelled with the tier's name and, per worker, its role and slot (its slot in the pool's
+control block: a replacement normally takes the slot of the worker it replaces, and its
+counters restart from zero, which Prometheus' ``rate()`` treats as a reset).
+:data:`METRICS` is the list; docs/monitoring.md explains each and
+configs/grafana-mptier.json charts them.
 
 :class:`MetricsServer` serves ``/metrics`` over HTTP from its own thread, which sleeps in
 ``poll()`` until a scrape comes (no periodic wake-up taking the GIL from the engine).
@@ -48,6 +49,9 @@ METRICS: tuple[MetricDef, ...] = (
               "Always 1; the labels describe the tier (kind engine/service, workers as "
               "processes or threads, root folder, its file system type, O_DIRECT in use, "
               "native C core in use)"),
+    MetricDef("mptier_unavailable", "gauge", T,
+              "1 while the pool cannot serve (workers fail to boot, the file system does "
+              "not respond): jobs fail at once; the reason is in `mptier status`"),
     MetricDef("mptier_jobs_submitted_total", "counter", ("tier", "kind"),
               "Jobs submitted, by kind (store, load)"),
     MetricDef("mptier_jobs_failed_total", "counter", ("tier", "kind"),
@@ -78,6 +82,12 @@ METRICS: tuple[MetricDef, ...] = (
               "Workers killed because a task ran past io_timeout_s (hung file system)"),
     MetricDef("mptier_worker_boot_failures_total", "counter", T,
               "Workers that died before reporting ready"),
+    MetricDef("mptier_worker_heartbeat_kills_total", "counter", T,
+              "Idle workers replaced because they stopped answering the heartbeat"),
+    MetricDef("mptier_worker_memory_kills_total", "counter", T,
+              "Workers replaced because their private memory passed max_worker_rss_bytes"),
+    MetricDef("mptier_workers_stuck", "gauge", T,
+              "Workers SIGKILL could not end (stuck in the kernel), parked in their slot"),
     MetricDef("mptier_tasks_retried_total", "counter", T,
               "Store tasks put back on the queue after their worker died"),
     MetricDef("mptier_tasks_lost_total", "counter", T,
@@ -98,8 +108,8 @@ METRICS: tuple[MetricDef, ...] = (
               "Resident memory of the engine or service process (RSS)"),
     MetricDef("mptier_worker_up", "gauge", W, "1 when the worker is alive and ready"),
     MetricDef("mptier_worker_busy", "gauge", W, "1 while the worker runs a task"),
-    MetricDef("mptier_worker_restarts_total", "counter", W,
-              "Times the worker in this slot was replaced"),
+    MetricDef("mptier_worker_generation", "gauge", W,
+              "How many workers came before this one in its line of replacements"),
     MetricDef("mptier_worker_tasks_total", "counter", W,
               "Tasks the current worker process finished (failed ones included)"),
     MetricDef("mptier_worker_task_failures_total", "counter", W,
@@ -170,6 +180,7 @@ def _fill(fam: dict[str, Metric], f: dict[str, Any]) -> None:
 
     disk = f.get("disk") or {}
     put("mptier_up", 0 if f.get("closed") else 1)
+    put("mptier_unavailable", bool(f.get("unavailable")))
     put("mptier_info", 1, f.get("kind", ""), f.get("mode", ""), f.get("root", ""),
         disk.get("fs_type") or "", str(bool(f.get("o_direct"))).lower(),
         str(bool(f.get("native"))).lower())
@@ -194,6 +205,9 @@ def _fill(fam: dict[str, Metric], f: dict[str, Any]) -> None:
                       ("mptier_worker_deaths_total", "deaths"),
                       ("mptier_worker_timeouts_total", "timeouts"),
                       ("mptier_worker_boot_failures_total", "boot_failures"),
+                      ("mptier_worker_heartbeat_kills_total", "heartbeat_kills"),
+                      ("mptier_worker_memory_kills_total", "memory_kills"),
+                      ("mptier_workers_stuck", "stuck"),
                       ("mptier_tasks_retried_total", "tasks_retried"),
                       ("mptier_tasks_lost_total", "tasks_lost")):
         put(name, pool.get(key))
@@ -210,7 +224,7 @@ def _fill(fam: dict[str, Metric], f: dict[str, Any]) -> None:
         who = (w.get("role", ""), w.get("slot", ""))
         put("mptier_worker_up", bool(w.get("alive") and w.get("ready")), *who)
         put("mptier_worker_busy", w.get("state") == "busy", *who)
-        put("mptier_worker_restarts_total", w.get("generation"), *who)
+        put("mptier_worker_generation", w.get("generation"), *who)
         put("mptier_worker_tasks_total", w.get("tasks_done"), *who)
         put("mptier_worker_task_failures_total", w.get("tasks_failed"), *who)
         put("mptier_worker_task_bytes_total", w.get("bytes_done"), *who)
