@@ -241,3 +241,19 @@ def test_monitor_renders_in_a_terminal_and_quits(make_buffer, make_tier, quit_wi
         except ProcessLookupError:
             pass
         os.waitpid(pid, 0)
+
+
+def test_render_shows_trouble_and_survives_partial_figures():
+    from rich.console import Console
+
+    from mptier.monitor.view import render
+
+    console = Console(width=100, record=True, color_system=None)
+    console.print(render({"name": "svc", "kind": "service", "pid": 1,
+                          "unavailable": "3 workers in a row failed to start",
+                          "pool": {"deaths": 2, "stuck": 1},
+                          "workers": [{"slot": 3, "role": "load", "pid": 5,
+                                       "state": "stuck", "alive": True}]}))
+    text = console.export_text()
+    assert "UNAVAILABLE (jobs fail at once): 3 workers in a row failed to start" in text
+    assert "died 2" in text and "stuck now 1" in text and "load/3" in text

@@ -59,6 +59,10 @@ def short_bytes(n: float | None) -> str:
     return f"{n:.0f}T"  # pragma: no cover - the loop always returns
 
 
+def _per_s(nbytes: float | None) -> str:
+    return "-" if nbytes is None else human_bytes(nbytes) + "/s"
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -79,7 +83,7 @@ def render(figures: dict[str, Any]) -> RenderableType:
     disk = f.get("disk") or {}
     fs = disk.get("fs_type") or "?"
     title = (f"[b]{f.get('name')}[/b]  {f.get('kind', '')} pid {f.get('pid')}  "
-             f"{f.get('mode')}  O_DIRECT {'on' if f.get('o_direct') else 'off'}  "
+             f"{f.get('mode') or '?'}  O_DIRECT {'on' if f.get('o_direct') else 'off'}  "
              f"native {'on' if f.get('native') else 'off'}")
     if f.get("closed"):
         title += "  [red]closed[/red]"
@@ -96,8 +100,8 @@ def render(figures: dict[str, Any]) -> RenderableType:
     summary.add_row("jobs/s", _num(rates.get("store_jobs_per_s")),
                     _num(rates.get("load_jobs_per_s")),
                     _num(rates.get("lookup_keys_per_s"), "{:.1f} keys"))
-    summary.add_row("bytes/s", human_bytes(rates.get("store_bytes_per_s")) + "/s",
-                    human_bytes(rates.get("load_bytes_per_s")) + "/s", "")
+    summary.add_row("bytes/s", _per_s(rates.get("store_bytes_per_s")),
+                    _per_s(rates.get("load_bytes_per_s")), "")
     summary.add_row("job latency p50", _ms(latency.get("store", {}).get("p50_s")),
                     _ms(latency.get("load", {}).get("p50_s")), "")
     summary.add_row("job latency p99", _ms(latency.get("store", {}).get("p99_s")),
@@ -130,13 +134,20 @@ def render(figures: dict[str, Any]) -> RenderableType:
         lines.append(Text(text))
     elif disk.get("error"):
         lines.append(Text(f"disk: {disk['error']}", style="red"))
+    if f.get("unavailable"):
+        lines.append(Text(f"UNAVAILABLE (jobs fail at once): {f['unavailable']}",
+                          style="bold red"))
     pool = f.get("pool") or {}
-    if pool.get("deaths") or pool.get("timeouts") or pool.get("boot_failures"):
-        lines.append(Text(f"workers died {pool.get('deaths', 0)}, timed out "
-                          f"{pool.get('timeouts', 0)}, failed to boot "
-                          f"{pool.get('boot_failures', 0)}; tasks retried "
-                          f"{pool.get('tasks_retried', 0)}, lost {pool.get('tasks_lost', 0)}",
-                          style="yellow"))
+    trouble = ("deaths", "timeouts", "boot_failures", "heartbeat_kills", "memory_kills",
+               "stuck")
+    if any(pool.get(key) for key in trouble):
+        lines.append(Text(
+            f"workers died {pool.get('deaths', 0)}, timed out {pool.get('timeouts', 0)}, "
+            f"failed to boot {pool.get('boot_failures', 0)}, heartbeat kills "
+            f"{pool.get('heartbeat_kills', 0)}, memory kills {pool.get('memory_kills', 0)}, "
+            f"stuck now {pool.get('stuck', 0)}; tasks retried "
+            f"{pool.get('tasks_retried', 0)}, lost {pool.get('tasks_lost', 0)}",
+            style="yellow"))
 
     workers = Table(show_header=True, header_style="bold", box=None, pad_edge=False,
                     padding=(0, 1), collapse_padding=True)
