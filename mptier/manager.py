@@ -214,7 +214,7 @@ class FileSystemTier:
                                  "a load needs one slot per key")
         per_task = self._per_task if key_len <= self._fast_key_len else \
             min(self._per_task, task_record_capacity(kind, key_len))
-        first_task = self._ledger.add_job(job_id, kind, keys, per_task)
+        first_task = self._ledger.add_job(job_id, kind, keys, block_ids, per_task)
         if not first_task:
             return
         if not self._control.pool_serving():
@@ -328,6 +328,23 @@ class FileSystemTier:
         for message in self._completions.read_available():
             if message.type == MessageType.DONE or message.type == MessageType.LOST:
                 self._ledger.task_finished(message)
+            elif message.type == MessageType.RETRY:
+                self._retry(message)
+
+    def _retry(self, message: Any) -> None:
+        """Queue a task again whose worker died, unless it was reported meanwhile."""
+        again = self._ledger.retry_record(message.task_id, message.attempt)
+        if again is None:
+            return
+        kind, record = again
+        if self._closed:
+            self._ledger.fail_task(message.task_id, ERR_CANCELLED,
+                                   f"{message.text}; not retried: the tier shut down")
+        elif not self._control.pool_serving():
+            _, err, reason = self._control.pool_state()
+            self._ledger.fail_task(message.task_id, err, reason)
+        else:
+            self._queues[kind].writer.put(record)
 
     # -- introspection -------------------------------------------------------------------
 
