@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -23,11 +22,6 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 MiB = 1 << 20
-# Names of status endpoints (sockets in the run directory, see mptier.monitor.endpoint):
-# a file-name-safe word, short enough that <run dir>/<name>.status.sock fits a Unix
-# socket path (107 bytes).
-MAX_ENDPOINT_NAME = 64
-ENDPOINT_NAME = re.compile(rf"[A-Za-z0-9_-][A-Za-z0-9._-]{{0,{MAX_ENDPOINT_NAME - 1}}}")
 
 
 @dataclass
@@ -77,8 +71,11 @@ class TierConfig:
     max_worker_rss_bytes: int = 0
     # Most keys checked by one lookup task.
     lookup_batch_keys: int = 256
-    # Status socket (see mptier.monitor): "auto" = <run dir>/engine-<pid>.sock, "" = none,
-    # or a name of your own.
+    # Attach to the worker service of this name (`mptier serve --name NAME`) instead of
+    # starting workers in this process ("" = start them here).
+    service: str = ""
+    # Status socket (see mptier.monitor): "auto" = <run dir>/engine-<pid>.status.sock,
+    # "" = none, or a name of your own.
     status_socket: str = "auto"
     # Prometheus metrics served by the tier itself on metrics_addr:metrics_port (0 = off).
     metrics_port: int = 0
@@ -199,13 +196,21 @@ class TierConfig:
               "worker_cpus", self.worker_cpus, "a list of CPU numbers, e.g. [1]")
         self.worker_cpus = list(self.worker_cpus)
         _want_int(self, "lookup_batch_keys", low=1, high=1 << 20)
+        if self.service:
+            from mptier.rundir import check_name
+
+            try:
+                check_name(self.service)
+            except ConfigError as exc:
+                raise ConfigError(f"TierConfig.service: {exc}") from None
+        from mptier.rundir import MAX_NAME, NAME_RE
+
         _want(isinstance(self.status_socket, str) and (
             self.status_socket in ("", "auto")
-            or ENDPOINT_NAME.fullmatch(self.status_socket) is not None),
+            or NAME_RE.fullmatch(self.status_socket) is not None),
             "status_socket", self.status_socket,
             '"auto" (engine-<pid>), "" (no status socket) or a name of letters, digits, '
-            f"'.', '_' and '-' (at most {MAX_ENDPOINT_NAME} characters, not starting "
-            "with '.')")
+            f"'.', '_' and '-' (at most {MAX_NAME} characters, not starting with '.')")
         _want_int(self, "metrics_port", low=0, high=65535)
         _want(isinstance(self.metrics_addr, str) and self.metrics_addr != "", "metrics_addr",
               self.metrics_addr, 'an address to listen on, e.g. "127.0.0.1" or "0.0.0.0"')

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import pty
 import re
 import select
@@ -102,6 +103,10 @@ def test_status_json_carries_the_documented_fields_after_real_io(make_buffer, ma
     assert store_worker["tasks_done"] > 0
     assert store_worker["write_bytes"] > 0 and store_worker["write_chars"] > 0
     assert any("tmpfs" in note for note in f["notes"])  # the caveat travels with it
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "monitoring.md").read_text()
+    undocumented = sorted(k for k in [*f, *workers[0]]
+                          if f"`{k}`" not in doc and f"`{k}." not in doc)
+    assert not undocumented, f"not in docs/monitoring.md: {undocumented}"
 
 
 def test_status_lists_every_live_endpoint_and_renders_text(make_buffer, make_tier):

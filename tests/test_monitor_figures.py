@@ -185,3 +185,16 @@ def test_monitor_labels_figures_and_keeps_separate_intervals():
     assert second["interval_s"] > 0 and second["interval_s"] >= \
         second["time"] - first["time"] - 0.01
     assert np.isfinite(second["interval_s"])
+
+
+def test_a_service_shaped_source_keeps_its_own_figures():
+    """A service's stats (the pool's: "counters", plus who is attached) come through."""
+    stats = {"kind": "service", "name": "svc", "pid": 1, "root": "", "attached":
+             "engine pid 42", "attaches": 3, "mode": "processes", "unavailable": "",
+             "counters": {"spawned": 4, "deaths": 1}, "workers": []}
+    figures = Monitor(lambda: stats, name="svc", kind="service").figures()
+    assert figures["pool"] == {"spawned": 4, "deaths": 1}
+    assert (figures["attached"], figures["attaches"]) == ("engine pid 42", 3)
+    assert (figures["name"], figures["kind"], figures["pid"]) == ("svc", "service",
+                                                                  os.getpid())
+    assert "counters" not in figures

@@ -14,8 +14,9 @@
         <run dir>/<name>.status.sock   the listening socket
         <run dir>/<name>.status.lock   flock held for the endpoint's life
 
-The run directory is ``$MPTIER_RUN_DIR``, else ``/run/mptier`` when it can be created and
-written, else ``/tmp/mptier-<uid>`` (created 0700; refused if another user owns it).
+The run directory (:mod:`mptier.rundir`) is ``$MPTIER_RUN_DIR``, else ``/run/mptier`` when
+it can be created and written, else ``/tmp/mptier-<uid>``. A service's own socket there is
+``<name>.sock``; status sockets end in ``.status.sock`` so the two never mix.
 
 Liveness is proven by a held lock and a socket that accepts, never by a pid (containers
 share the run directory across PID namespaces). A server takes ``<name>.status.lock`` with
@@ -40,20 +41,17 @@ import logging
 import os
 import select
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mptier.config import ENDPOINT_NAME, MAX_ENDPOINT_NAME
-from mptier.errors import ConfigError, MptierError
+from mptier.errors import MptierError
+from mptier.rundir import NAME_RE, RUN_DIR_ENV, check_name, client_dirs, run_dir
 
 log = logging.getLogger(__name__)
 
-RUN_DIR_ENV = "MPTIER_RUN_DIR"
-SYSTEM_RUN_DIR = "/run/mptier"
 # Status sockets end in ".status.sock": discovery must never connect to a socket that
 # speaks another protocol (a service's attach socket, "<name>.sock", shares the folder).
 SOCKET_SUFFIX = ".status.sock"
@@ -80,65 +78,8 @@ LOCK_RETRY_S = 0.01
 MAX_AUTO_NAMES = 64
 
 
-# -- the run directory ----------------------------------------------------------------
-
-def run_dir(create: bool = True) -> str:
-    """The directory status sockets live in (see the module docstring).
-
-    With ``create``, makes it if missing. Raises ``MptierError`` naming the path when
-    ``$MPTIER_RUN_DIR`` cannot be used, or when ``/tmp/mptier-<uid>`` is not ours.
-    """
-    chosen = os.environ.get(RUN_DIR_ENV)
-    if chosen:
-        if create:
-            try:
-                os.makedirs(chosen, exist_ok=True)
-            except OSError as exc:
-                raise MptierError(f"{RUN_DIR_ENV}={chosen!r} cannot be created: "
-                                  f"{exc.strerror}; point it at a writable folder") from None
-        return chosen
-    if _usable(SYSTEM_RUN_DIR, create):
-        return SYSTEM_RUN_DIR
-    fallback = f"/tmp/mptier-{os.getuid()}"
-    if create:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(fallback, 0o700)
-    try:
-        st = os.lstat(fallback)
-    except FileNotFoundError:
-        return fallback  # nothing runs yet; discovery finds an empty list
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise MptierError(f"{fallback} is not a folder owned by uid {os.getuid()}; remove it "
-                          f"or set {RUN_DIR_ENV} to a folder of your own")
-    return fallback
-
-
-def client_dirs() -> list[str]:
-    """Where clients look: ``$MPTIER_RUN_DIR`` alone when set, else each of
-    ``/run/mptier`` and ``/tmp/mptier-<uid>`` that exists (a process that could not write
-    the first one serves from the second)."""
-    chosen = os.environ.get(RUN_DIR_ENV)
-    if chosen:
-        return [chosen]
-    return [d for d in (SYSTEM_RUN_DIR, f"/tmp/mptier-{os.getuid()}") if os.path.isdir(d)]
-
-
-def _usable(path: str, create: bool) -> bool:
-    if create:
-        try:
-            os.makedirs(path, mode=0o755, exist_ok=True)
-        except OSError:
-            return False
-    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
-
-
-def check_name(name: str) -> str:
-    """Return ``name`` if it can name an endpoint, else raise ``ConfigError``."""
-    if not isinstance(name, str) or ENDPOINT_NAME.fullmatch(name) is None:
-        raise ConfigError(f"endpoint name {name!r} is invalid: use letters, digits, '.', "
-                          f"'_' and '-' (at most {MAX_ENDPOINT_NAME} characters, not "
-                          "starting with '.')")
-    return name
+# -- names and places ------------------------------------------------------------------
+# The run directory and the rules for names are mptier.rundir's (services use them too).
 
 
 def socket_path(name_or_path: str, directory: str | None = None) -> str:
@@ -447,7 +388,7 @@ def discover(directory: str | None = None, *, remove_stale: bool = True,
             if not entry.endswith(SOCKET_SUFFIX):
                 continue
             name = entry[:-len(SOCKET_SUFFIX)]
-            if ENDPOINT_NAME.fullmatch(name) is None:
+            if NAME_RE.fullmatch(name) is None:
                 continue
             path = os.path.join(folder, entry)
             if _accepts(path, timeout):
@@ -483,7 +424,7 @@ def remove_stale(directory: str | None = None) -> list[str]:
     names = {e[:-len(LOCK_SUFFIX)] for e in entries if e.endswith(LOCK_SUFFIX)}
     names |= {e[:-len(SOCKET_SUFFIX)] for e in entries if e.endswith(SOCKET_SUFFIX)}
     return [n for n in sorted(names)
-            if ENDPOINT_NAME.fullmatch(n) and _remove_if_stale(directory, n)]
+            if NAME_RE.fullmatch(n) and _remove_if_stale(directory, n)]
 
 
 def _remove_if_stale(directory: str, name: str) -> bool:

@@ -219,11 +219,17 @@ class Sampler:
             "rates": rates,
             "latency": _latency(stats.get("latency", {})),
             "disk": self._disk(root, stats),
-            "pool": dict(stats.get("pool", {})),
+            # a tier's stats() say "pool"; a service's pool.stats() say "counters"
+            "pool": dict(stats.get("pool") or stats.get("counters") or {}),
             "workers": workers,
             "process": self._own_process(interval if use_rates else None, seen),
             "notes": [NOTE_WRITE_BYTES],
         }
+        # What else the source reports (a service: who is attached, its config; a tier
+        # attached to a service: the service's figures) is passed on under its own name.
+        for key, value in stats.items():
+            if key not in figures and key not in _CONSUMED:
+                figures[key] = value
         if figures["disk"].get("fs_type") == "tmpfs":
             figures["notes"].append(NOTE_TMPFS)
         self._prev_at = now
@@ -308,6 +314,12 @@ class Sampler:
                     avail_bytes=st.f_bavail * st.f_frsize, fs_type=self._mounts.fs_type(root))
         return disk
 
+
+# stats() keys the figures carry under other names (or that Monitor sets itself).
+_CONSUMED = frozenset({
+    "name", "kind", "pid", "time", "queued_tasks", "jobs_submitted", "jobs_failed",
+    "bytes_done", "keys_checked", "keys_found", "corrupt_removed", "counters",
+    "used_bytes", "capacity_bytes"})
 
 _PROCESS_KEYS = ("cpu_user_s", "cpu_system_s", "rss_bytes", "private_bytes",
                  "uss_bytes", "uss_age_s", "read_bytes", "write_bytes", "read_chars",
