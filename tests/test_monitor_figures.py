@@ -198,3 +198,12 @@ def test_a_service_shaped_source_keeps_its_own_figures():
     assert (figures["name"], figures["kind"], figures["pid"]) == ("svc", "service",
                                                                   os.getpid())
     assert "counters" not in figures
+
+
+def test_an_attached_tier_does_not_read_the_services_pids_locally():
+    """Those pids may be another PID namespace's: the service's own endpoint reads them."""
+    stats = {**_stats(os.getpid()), "service": {"service": "svc", "service_pid": 1}}
+    figures = Sampler().sample(stats)
+    assert figures["workers"][0]["rss_bytes"] is None
+    assert any("mptier status --name svc" in note for note in figures["notes"])
+    assert Sampler().sample(_stats(os.getpid()))["workers"][0]["rss_bytes"] > 0

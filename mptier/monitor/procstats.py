@@ -184,11 +184,16 @@ class Sampler:
         }
         rates = {f"{key}_per_s": rate(key, value) for key, value in totals.items()}
 
+        # A tier attached to a service: its workers are the service's processes, maybe in
+        # another PID namespace where their pids name nothing (or something else) here.
+        service = stats.get("service")
+        remote = (service.get("service") if isinstance(service, dict) else service) or ""
         workers = []
         seen: dict[tuple[int, float], tuple[float, ...]] = {}
         live_pids: set[int] = set()
         for index, entry in enumerate(stats.get("workers", [])):
-            figure = self._worker(index, entry, interval if use_rates else None, seen)
+            figure = self._worker(index, entry, interval if use_rates else None, seen,
+                                  read_process=not remote)
             if figure["pid"]:
                 live_pids.add(figure["pid"])
             workers.append(figure)
@@ -230,6 +235,10 @@ class Sampler:
         for key, value in stats.items():
             if key not in figures and key not in _CONSUMED:
                 figures[key] = value
+        if remote:
+            figures["notes"].append(
+                f"the workers are service {remote!r}'s processes: `mptier status --name "
+                f"{remote}` shows their CPU, memory and I/O")
         if figures["disk"].get("fs_type") == "tmpfs":
             figures["notes"].append(NOTE_TMPFS)
         self._prev_at = now
@@ -238,7 +247,7 @@ class Sampler:
         return figures
 
     def _worker(self, index: int, entry: dict[str, Any], interval: float | None,
-                seen: dict) -> dict[str, Any]:
+                seen: dict, read_process: bool = True) -> dict[str, Any]:
         pid = int(entry.get("pid") or 0)
         thread = entry.get("state") == "thread"
         if "task_age_s" in entry:
@@ -267,8 +276,8 @@ class Sampler:
             if key not in figure and key not in ("errors", "task_started_ns") \
                     and (value is None or isinstance(value, (str, int, float, bool))):
                 figure[key] = value
-        readings = None if thread or not pid or not entry.get("alive", True) \
-            else self.procs.read(pid)
+        readings = None if thread or not pid or not read_process \
+            or not entry.get("alive", True) else self.procs.read(pid)
         figure.update(readings if readings is not None else dict.fromkeys(_PROCESS_KEYS))
         if readings is not None:
             identity = (pid, readings["create_time"])
