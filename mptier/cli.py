@@ -64,6 +64,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.root:
         args.set = [*(args.set or []), f"root_dir={json.dumps(args.root)}"]
+    if args.metrics_port is not None:
+        args.set = [*(args.set or []), f"metrics_port={args.metrics_port}"]
     return serve(args.name, _config(args))
 
 
@@ -103,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "$MPTIER_RUN_DIR, else /run/mptier, else /tmp/mptier-<uid>).")
     serve.add_argument("--name", required=True, help="the service's name (engines use it)")
     serve.add_argument("--root", help="folder the block files go into (root_dir)")
+    serve.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve Prometheus metrics on this port (metrics_addr, "
+                            "default 127.0.0.1)")
     serve.set_defaults(func=_cmd_serve)
     for p in (run, serve):
         p.add_argument("--config", help="TOML file with TierConfig fields")
