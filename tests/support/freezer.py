@@ -43,7 +43,7 @@ def _start_ticks(pid: int) -> int | None:
     return int(stat[stat.rindex(b")") + 2:].split()[19])
 
 
-def _v2_root() -> Path | None:
+def v2_root() -> Path | None:
     """Mountpoint of the cgroup v2 hierarchy (unified or hybrid), or None."""
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
         for line in f:
@@ -71,7 +71,7 @@ def freezer_unavailable_reason(require_sigkill_proof: bool = False) -> str | Non
     if require_sigkill_proof:
         return ("no cgroup v1 freezer at /sys/fs/cgroup/freezer: only cgroup v2, where "
                 "SIGKILL ends a frozen process")
-    root = _v2_root()
+    root = v2_root()
     if root is None:
         return "no cgroup v1 freezer and no cgroup v2 hierarchy mounted"
     if not (root / "cgroup.procs").exists():
@@ -84,7 +84,7 @@ def cgroup_dirs(owner_pid: int | None = None) -> set[str]:
     found = set()
     tag = PREFIX if owner_pid is None else f"{PREFIX}{owner_pid}-"
     roots = [V1_ROOT]
-    v2 = _v2_root()
+    v2 = v2_root()
     if v2 is not None:
         roots.append(v2)
     for root in roots:
@@ -111,7 +111,7 @@ class FrozenCgroup:
         if version == 1:
             self.parent = V1_ROOT
         else:
-            root = _v2_root()
+            root = v2_root()
             assert root is not None
             self.parent = root
         self.path = self.parent / name

@@ -19,6 +19,8 @@ timeouts, locks across mounts, O_DIRECT, O_TMPFILE, ...) is in docs/test-filesys
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -39,6 +41,9 @@ COHERENT = {"attr_cache": "0", "entry_cache": "0", "dir_entry_cache": "0",
 # A mount is ready in ~0.5 s here; a loaded machine can take many seconds.
 MOUNT_TIMEOUT_S = 60.0
 UMOUNT_TIMEOUT_S = 20.0
+# After its mount is gone a daemon exits within ~0.1 s; one still alive after a forced
+# unmount (a descriptor was open) lingers until killed, so it gets this long, then SIGKILL.
+DAEMON_EXIT_GRACE_S = 5.0
 # Local read cache per mount: small, since the "object store" is a local folder anyway.
 CACHE_SIZE_MIB = 256
 
@@ -80,17 +85,21 @@ class JuiceFSMount:
                  options: dict[str, str]) -> None:
         self.volume, self.name, self.path, self.log, self.options = (
             volume, name, path, log, options)
+        #: The daemon's processes (watchdog and mount), read from the mount's ``.config``
+        #: once mounted: the daemon rewrites its command line, so it cannot be found by it.
+        self.pids: list[int] = []
+        #: Files the daemon keeps outside the volume (a socket and a state file in /tmp);
+        #: removed after unmounting when the daemon did not remove them itself.
+        self.side_files: list[str] = []
+
+    def _read_config(self) -> None:
+        config = json.loads((self.path / ".config").read_text())
+        self.pids = [p for p in (config.get("PPid"), config.get("Pid")) if p]
+        self.side_files = [p for p in (config.get("CommPath"), config.get("StatePath")) if p]
 
     def daemon_pids(self) -> list[int]:
-        """Pids of the juicefs processes serving this mount."""
-        found = []
-        target = str(self.path)
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            cmdline = proc.info["cmdline"] or []
-            if "mount" in cmdline and target in cmdline and any(
-                    os.path.basename(c) == "juicefs" for c in cmdline[:1]):
-                found.append(proc.info["pid"])
-        return found
+        """Pids of the juicefs processes serving this mount that are still alive."""
+        return [p for p in self.pids if psutil.pid_exists(p)]
 
     @property
     def mounted(self) -> bool:
@@ -109,7 +118,7 @@ class JuiceFSMount:
                 except subprocess.TimeoutExpired:
                     continue
             mounts.unmount(self.path)  # no-op when already detached; escalates if not
-        deadline = time.monotonic() + UMOUNT_TIMEOUT_S
+        deadline = time.monotonic() + DAEMON_EXIT_GRACE_S
         alive = [p for p in pids if psutil.pid_exists(p)]
         while alive and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -119,6 +128,11 @@ class JuiceFSMount:
                 psutil.Process(pid).kill()
             except psutil.NoSuchProcess:
                 pass
+        psutil.wait_procs([psutil.Process(p) for p in alive if psutil.pid_exists(p)],
+                          timeout=DAEMON_EXIT_GRACE_S)
+        for path in self.side_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         self.volume.mounts.pop(self.name, None)
 
     def __repr__(self) -> str:
@@ -187,6 +201,11 @@ class JuiceFSVolume:
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             raise RuntimeError(f"juicefs mount at {path} failed: "
                                f"{result.stderr[-2000:] if result else 'timed out'}\n{tail}")
+        try:
+            mount._read_config()
+        except (OSError, ValueError) as exc:
+            mount.umount()
+            raise RuntimeError(f"juicefs mount at {path} has no readable .config: {exc}") from exc
         return mount
 
     def close(self) -> None:

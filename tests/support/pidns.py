@@ -43,7 +43,7 @@ _BOOT = textwrap.dedent(r"""
     if child == 0:
         out = os.fdopen(os.dup(1), "w", buffering=1)
         os.dup2(2, 1)  # a snippet's print() must not corrupt the reply stream
-        scope = {"__name__": "__pidns__"}
+        scope = {"__name__": "__pidns__", "os": os, "sys": sys}
         out.write(json.dumps({"ok": True, "pid": os.getpid()}) + "\n")
         for line in sys.stdin:
             req = json.loads(line)
@@ -88,7 +88,8 @@ def ns_pids(pid: int) -> list[int]:
 class PidNamespace:
     """A Python server in a new PID namespace. ``real_pid`` is its pid as this process sees
     it, ``ns_pid`` as it sees itself. :meth:`eval` / :meth:`run` execute code there (one
-    persistent global scope); errors come back as ``RuntimeError`` with the traceback."""
+    persistent global scope, in which ``os`` and ``sys`` are imported); errors come back
+    as ``RuntimeError`` with the traceback."""
 
     def __init__(self, *, inner_pid: int | None = None, mount_proc: bool = True) -> None:
         reason = pidns_unavailable_reason()
