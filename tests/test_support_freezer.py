@@ -12,6 +12,7 @@ import time
 
 import pytest
 from support import freezer
+from support.fixtures import skip_unless
 
 BUSY = "import time\nwhile True: time.sleep(0.01)"
 
@@ -74,9 +75,7 @@ def _runs_within(pid: int, ticks: int, seconds: float) -> bool:
 
 
 def test_context_manager_thaws_and_removes_even_on_error():
-    reason = freezer.freezer_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_unless(freezer.freezer_unavailable_reason())
     child = _busy_child()
     try:
         with pytest.raises(RuntimeError, match="inside"), freezer.FrozenCgroup() as cg:

@@ -20,6 +20,7 @@ import psutil
 import pytest
 from conftest import wait_for
 from support import fsprobe, mounts
+from support.fixtures import skip_unless
 from support.fusefs import FuseFS, fuse_unavailable_reason
 
 pytestmark = pytest.mark.fuse
@@ -190,9 +191,7 @@ def test_unlinking_an_open_file_leaves_no_hidden_name(fuse_fs):
 
 
 def test_close_with_a_parked_reader_unmounts_and_frees_it(tmp_path):
-    reason = fuse_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_unless(fuse_unavailable_reason())
     fs = FuseFS(tmp_path / "backing", mounts.new_mount_dir("fuse-")).start()
     try:
         fs.path("f").write_bytes(b"z" * 4096)
@@ -214,9 +213,7 @@ def test_close_with_a_parked_reader_unmounts_and_frees_it(tmp_path):
 def test_mount_goes_away_when_the_test_process_is_killed(tmp_path):
     """A test process SIGKILLed while it holds a mount with a parked call: the server sees
     its control socket close, frees the call, detaches the mount and exits."""
-    reason = fuse_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    skip_unless(fuse_unavailable_reason())
     script = textwrap.dedent(f"""
         import os, sys, threading
         sys.path.insert(0, {str(Path(__file__).parent)!r})

@@ -20,6 +20,7 @@ completely: released, unmounted, thawed, killed, removed. The autouse leak check
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -30,16 +31,24 @@ import pytest
 
 from . import freezer, fusefs, juicefs, mounts, pidns
 
+#: Set (e.g. by CI on a machine with FUSE) to turn these fixtures' skips into failures, so a
+#: missing install step cannot hide behind a green run.
+REQUIRE_ENV = "MPTIER_REQUIRE_TEST_DEPS"
 
-def _skip_unless(reason: str | None) -> None:
+
+def skip_unless(reason: str | None) -> None:
+    """Skip the test for ``reason`` (None: carry on); fail instead under
+    ``$MPTIER_REQUIRE_TEST_DEPS=1``."""
     if reason:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{reason} (and {REQUIRE_ENV}=1 forbids skipping)")
         pytest.skip(reason)
 
 
 # -- FUSE ---------------------------------------------------------------------------------
 @pytest.fixture
 def make_fuse_fs(tmp_path) -> Iterator[Callable[..., fusefs.FuseFS]]:
-    _skip_unless(fusefs.fuse_unavailable_reason())
+    skip_unless(fusefs.fuse_unavailable_reason())
     made: list[fusefs.FuseFS] = []
 
     def factory(**options) -> fusefs.FuseFS:
@@ -73,7 +82,7 @@ class Pair(NamedTuple):
 
 @pytest.fixture(scope="session")
 def juicefs_volume() -> Iterator[juicefs.JuiceFSVolume]:
-    _skip_unless(juicefs.juicefs_unavailable_reason())
+    skip_unless(juicefs.juicefs_unavailable_reason())
     workdir = tempfile.mkdtemp(prefix="juicefs-", dir=mounts.mount_root())
     volume = juicefs.JuiceFSVolume(workdir).format()
     try:
@@ -121,7 +130,7 @@ def make_frozen_cgroup() -> Iterator[Callable[..., freezer.FrozenCgroup]]:
     made: list[freezer.FrozenCgroup] = []
 
     def factory(version: int | None = None) -> freezer.FrozenCgroup:
-        _skip_unless(freezer.freezer_unavailable_reason(require_sigkill_proof=version == 1))
+        skip_unless(freezer.freezer_unavailable_reason(require_sigkill_proof=version == 1))
         cg = freezer.FrozenCgroup(version)
         made.append(cg)
         return cg
@@ -133,7 +142,7 @@ def make_frozen_cgroup() -> Iterator[Callable[..., freezer.FrozenCgroup]]:
 
 @pytest.fixture
 def make_pid_namespace() -> Iterator[Callable[..., pidns.PidNamespace]]:
-    _skip_unless(pidns.pidns_unavailable_reason())
+    skip_unless(pidns.pidns_unavailable_reason())
     made: list[pidns.PidNamespace] = []
 
     def factory(**options) -> pidns.PidNamespace:
