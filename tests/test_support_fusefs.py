@@ -242,36 +242,59 @@ def test_mount_goes_away_when_the_test_process_is_killed(tmp_path):
 
 
 # -- facts other engineers build on (docs/test-filesystems.md) ----------------------------
-def _blocked_child(fs: FuseFS, flags: int) -> tuple[subprocess.Popen, object]:
+def _blocked_child(fs: FuseFS, op: str, code: str) -> tuple[subprocess.Popen, object]:
+    """A child process whose ``code`` (with ``P`` = the file's path) sits in ``op``."""
     fs.path("f").write_bytes(os.urandom(1 << 20))
-    rule = fs.block("read", "/f")
-    code = (f"import mmap, os; fd = os.open({str(fs.path('f'))!r}, os.O_RDONLY | {flags}); "
-            "os.preadv(fd, [mmap.mmap(-1, 1 << 20)], 0)")
-    child = subprocess.Popen([sys.executable, "-c", code])
+    rule = fs.block(op, "/f")
+    child = subprocess.Popen([sys.executable, "-c",
+                              f"import mmap, os; P = {str(fs.path('f'))!r}; {code}"])
     fs.wait_blocked(rule)
     return child, rule
 
 
+READ = "os.preadv(os.open(P, os.O_RDONLY | {flags}), [mmap.mmap(-1, 1 << 20)], 0)"
+
+
 def test_fact_sigkill_ends_a_reader_blocked_in_a_page_cache_read(fuse_fs):
-    child, rule = _blocked_child(fuse_fs, 0)
+    child, rule = _blocked_child(fuse_fs, "read", READ.format(flags=0))
     child.kill()
-    assert child.wait(10) == -signal.SIGKILL  # the page-cache wait is killable
+    assert child.wait(10) == -signal.SIGKILL  # it waits on a page lock, killably
     rule.release()
 
 
-@pytest.mark.parametrize("how", ["direct_io mount", "O_DIRECT open"])
-def test_fact_sigkill_does_not_end_a_reader_blocked_in_a_direct_read(make_fuse_fs, how):
-    """A read that went to the server as a request (direct_io mount, or an O_DIRECT open)
-    waits in request_wait_answer: after SIGKILL the process stays in D state until the
-    server answers - the unkillable hung-NFS worker of issue 9."""
-    fs = make_fuse_fs(direct_io=how == "direct_io mount")
-    child, rule = _blocked_child(fs, os.O_DIRECT if how == "O_DIRECT open" else 0)
+@pytest.mark.parametrize(("direct_io", "op", "code"), [
+    (True, "read", READ.format(flags=0)),
+    (False, "read", READ.format(flags="os.O_DIRECT")),
+    (False, "open", "open(P, 'rb')"),
+    (False, "getattr", "os.stat(P)"),
+    (False, "write", "open(P, 'r+b').write(b'y' * 10)"),
+], ids=["read-direct_io-mount", "read-O_DIRECT", "open", "getattr", "write"])
+def test_fact_sigkill_does_not_end_a_caller_blocked_in_a_request(make_fuse_fs, direct_io, op,
+                                                                  code):
+    """A call waiting for the server's answer (request_wait_answer) takes only fatal
+    signals, and once the request is with the server not even those: after SIGKILL the
+    process stays in D state until the server answers - the unkillable hung-NFS worker of
+    issue 9. Only page-cache reads (above) differ."""
+    fs = make_fuse_fs(direct_io=direct_io)
+    child, rule = _blocked_child(fs, op, code)
     child.kill()
     with pytest.raises(subprocess.TimeoutExpired):
         child.wait(1.0)
     assert _state(child.pid) == "D"
     rule.release()
     assert child.wait(10) == -signal.SIGKILL
+
+
+def test_aborting_the_connection_frees_an_unkillable_caller(fuse_fs):
+    child, _ = _blocked_child(fuse_fs, "getattr", "os.stat(P)")
+    child.kill()
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(0.5)
+    assert mounts.abort_fuse(fuse_fs.mountpoint)
+    assert child.wait(10) == -signal.SIGKILL
+    with pytest.raises(OSError) as caught:
+        os.stat(fuse_fs.mountpoint / "f")
+    assert caught.value.errno == errno.ENOTCONN  # the fixture still unmounts it
 
 
 def test_fact_feature_table(fuse_fs):

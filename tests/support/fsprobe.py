@@ -6,6 +6,7 @@ through a second mount), cleans up its files, and returns a plain value: ``"ok"`
 errno name for feature probes, a bool for lock probes, seconds for visibility delays.
 
     python tests/support/fsprobe.py DIR_A [DIR_B]    # prints the facts as a table
+    python tests/support/fsprobe.py --all /tmp       # ... for every test file system
 
 Locks are probed from a separate process: locks held by the probing process itself never
 conflict with each other (flock on one open file, POSIX locks per process).
@@ -274,6 +275,22 @@ def throughput(view_a: str | os.PathLike, view_b: str | os.PathLike | None = Non
     return total / wrote, total / read
 
 
+def stat_rate(folder: str | os.PathLike, seconds: float = 0.5) -> float:
+    """stat(2) calls per second on one existing file for ``seconds`` (what a lookup of a
+    cached block costs; with kernel attribute caches on, most never leave the kernel)."""
+    path = Path(folder) / _name("stat")
+    path.write_bytes(b"x")
+    try:
+        n, start = 0, time.monotonic()
+        while time.monotonic() - start < seconds:
+            for _ in range(50):
+                os.stat(path)
+            n += 50
+        return n / (time.monotonic() - start)
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def facts(view_a: str | os.PathLike, view_b: str | os.PathLike | None = None) -> dict:
     """Every probe above on ``view_a`` (and across to ``view_b`` when given)."""
     out: dict = {
@@ -288,16 +305,70 @@ def facts(view_a: str | os.PathLike, view_b: str | os.PathLike | None = None) ->
     if view_b is not None:
         out.update({f"visible on b after {k} (s)": v
                     for k, v in visibility(view_a, view_b).items()})
+    out["stat calls/s"] = round(stat_rate(view_a))
     w, r = throughput(view_a, view_b)
     out["2 MiB files: write MiB/s"] = round(w)
     out["2 MiB files: read MiB/s" + (" (via b)" if view_b else "")] = round(r)
     return out
 
 
+def measure_all(local_dir: str | os.PathLike) -> dict[str, dict]:
+    """:func:`facts` for a local folder and for each test file system this package makes
+    (mounted here and removed again): the table of docs/test-filesystems.md."""
+    import tempfile
+
+    from . import fusefs, juicefs, mounts
+
+    table = {"local (" + _fstype(local_dir) + ")": facts(local_dir)}
+    if fusefs.fuse_unavailable_reason() is None:
+        for label, opts in (("FUSE test fs", {}), ("FUSE test fs, direct_io", {"direct_io": True})):
+            with tempfile.TemporaryDirectory(dir=local_dir) as backing, fusefs.FuseFS(
+                    backing, mounts.new_mount_dir("fuse-"), **opts) as fs:
+                table[label] = facts(fs.mountpoint)
+            fs.mountpoint.rmdir()
+    if juicefs.juicefs_unavailable_reason() is None:
+        volume = juicefs.JuiceFSVolume(tempfile.mkdtemp(dir=mounts.mount_root())).format()
+        try:
+            for label, opts in (("JuiceFS, default caches", {}),
+                                ("JuiceFS, caches off (COHERENT)", juicefs.COHERENT)):
+                tag = "c" if opts else "d"
+                a, b = volume.mount(f"a{tag}", **opts), volume.mount(f"b{tag}", **opts)
+                folder = Path(tempfile.mkdtemp(dir=a.path))
+                table[label] = facts(folder, b.path / folder.name)
+                a.umount()
+                b.umount()
+        finally:
+            volume.close()
+    return table
+
+
+def _fstype(path: str | os.PathLike) -> str:
+    out = subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return "-" if value is None else str(value)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
-        sys.exit("usage: fsprobe.py DIR_A [DIR_B]  (DIR_B: the same folder via another mount)")
-    for key, value in facts(*sys.argv[1:]).items():
-        if isinstance(value, float):
-            value = f"{value:.3f}"
-        print(f"| {key} | {value} |")
+    # Run as a script: make ``support`` importable (tests/ on the path).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if len(sys.argv) == 3 and sys.argv[1] == "--all":
+        from support import fsprobe as probe  # the package's copy (relative imports)
+
+        results = probe.measure_all(sys.argv[2])
+        names = list(results)
+        print("| | " + " | ".join(names) + " |")
+        print("|---" * (len(names) + 1) + "|")
+        keys = list(dict.fromkeys(k for r in results.values() for k in r))
+        for key in keys:
+            print(f"| {key} | " + " | ".join(_cell(results[n].get(key)) for n in names) + " |")
+    elif len(sys.argv) in (2, 3):
+        for key, value in facts(*sys.argv[1:]).items():
+            print(f"| {key} | {_cell(value)} |")
+    else:
+        sys.exit("usage: fsprobe.py DIR_A [DIR_B]   (DIR_B: the same folder via another mount)\n"
+                 "       fsprobe.py --all LOCAL_DIR (mounts each test file system, probes it)")

@@ -100,8 +100,18 @@ def new_mount_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=mount_root()))
 
 
+def _ensure_fusectl() -> None:
+    """Mount the FUSE control file system where it is missing (root only). systemd mounts
+    it at boot; minimal machines and containers often do not, and without it a hung FUSE
+    connection cannot be aborted. It is left mounted: it is the system's, not a test's."""
+    if any(m.fstype == "fusectl" for m in mounts()) or not FUSE_CONNECTIONS.is_dir():
+        return
+    _run(["mount", "-t", "fusectl", "fusectl", str(FUSE_CONNECTIONS)], UNMOUNT_TIMEOUT_S)
+
+
 def fuse_connection(mountpoint: str | os.PathLike) -> Path | None:
     """The ``/sys/fs/fuse/connections/<n>`` folder of a FUSE mount, or None."""
+    _ensure_fusectl()
     for m in mounts():
         if m.mountpoint == os.path.realpath(mountpoint) and m.fstype.startswith("fuse"):
             minor = m.major_minor.split(":")[1]
