@@ -9,6 +9,7 @@ import errno
 import fcntl
 import os
 import threading
+import time
 
 import pytest
 from support import fsprobe, juicefs, mounts
@@ -118,6 +119,22 @@ def test_fact_default_caches_delay_what_b_sees_by_at_most_about_a_second(dfs_dir
     assert all(v < 5 for v in seen.values()), seen
 
 
+def test_fact_a_name_replaced_on_a_gives_enoent_on_b_until_its_entry_cache_expires(dfs_dirs):
+    a, b = dfs_dirs
+    (a / "blk").write_bytes(b"old")
+    assert (b / "blk").read_bytes() == b"old"  # b caches name -> old inode
+    (a / "blk.tmp").write_bytes(b"new")
+    started = time.monotonic()
+    os.rename(a / "blk.tmp", a / "blk")  # the old inode is deleted
+    try:
+        seen = (b / "blk").read_bytes()
+    except FileNotFoundError:
+        seen = None
+    # ENOENT, unless this machine stalled past the 1 s entry cache between the two calls
+    assert seen is None or time.monotonic() - started > 0.9, seen
+    assert fsprobe.wait_visible(lambda: (b / "blk").read_bytes() == b"new", 5) is not None
+
+
 def test_coherent_mount_sees_every_change_at_once(dfs_dirs, juicefs_pair, make_juicefs_mount):
     c = make_juicefs_mount("coherent", **juicefs.COHERENT)
     name = dfs_dirs.a.name
@@ -126,6 +143,9 @@ def test_coherent_mount_sees_every_change_at_once(dfs_dirs, juicefs_pair, make_j
     assert (seen_c / "f").read_bytes() == b"1"
     os.utime(seen_a / "f", ns=(123_000_000_000, 456_000_000_000))
     assert (seen_c / "f").stat().st_atime_ns == 123_000_000_000  # no wait: no attr cache
+    (seen_a / "g").write_bytes(b"2")
+    os.rename(seen_a / "g", seen_a / "f")
+    assert (seen_c / "f").read_bytes() == b"2"  # the replaced name resolves afresh
     (seen_a / "f").unlink()
     assert not (seen_c / "f").exists()  # no wait: no entry cache
     with pytest.raises(FileNotFoundError):
