@@ -103,6 +103,8 @@ def no_leaks(tmp_path_factory) -> Iterator[None]:
         mounts.unmount(point)
     assert not new_mounts, f"mounts left behind: {sorted(new_mounts)}"
     new_cgroups = freezer.cgroup_dirs(os.getpid()) - cgroups_before
+    for path in new_cgroups:  # thaw and remove: frozen tasks must not outlive the test
+        freezer.remove_cgroup(path)
     assert not new_cgroups, f"freezer cgroups left behind: {sorted(new_cgroups)}"
 
 

@@ -191,6 +191,16 @@ class FrozenCgroup:
             (self.path / "cgroup.freeze").write_text("1" if frozen else "0")
 
 
+def remove_cgroup(path: str | os.PathLike) -> None:
+    """Thaw a cgroup made by this module, move its live tasks out, and remove it."""
+    cg = FrozenCgroup.__new__(FrozenCgroup)
+    cg.path = Path(path)
+    cg.parent = cg.path.parent
+    cg.version = 1 if cg.parent == V1_ROOT else 2
+    cg._home = cg.parent  # v1: the root; v2: the hierarchy's root
+    cg.close()
+
+
 def reap_stale_cgroups() -> list[str]:
     """Thaw and remove cgroups of this module whose creating process is gone (a crashed
     run). Returns the paths removed; live runs' cgroups are never touched."""
@@ -202,12 +212,7 @@ def reap_stale_cgroups() -> list[str]:
         pid, ticks = int(parts[0]), int(parts[1])
         if _start_ticks(pid) == ticks:
             continue
-        cg = FrozenCgroup.__new__(FrozenCgroup)
-        cg.path = Path(path)
-        cg.version = 1 if cg.path.parent == V1_ROOT else 2
-        cg.parent = cg.path.parent
-        cg._home = cg.parent
         with contextlib.suppress(OSError):
-            cg.close()
+            remove_cgroup(path)
             removed.append(path)
     return removed

@@ -87,12 +87,13 @@ class FuseRule:
 
     @property
     def waiting(self) -> int:
-        """Callers now blocked in this rule (0 once released)."""
+        """Callers now blocked in this rule (0 once it is released)."""
         return self.fs._rule_status(self.id)["waiting"]
 
     @property
     def hits(self) -> int:
-        """Calls this rule has applied to so far (0 once released)."""
+        """Calls this rule has applied to so far (0 once it is released, or once a
+        ``fail``/``delay`` rule has used up its ``times``)."""
         return self.fs._rule_status(self.id)["hits"]
 
     def __repr__(self) -> str:
@@ -148,9 +149,10 @@ class FuseFS:
             if json.loads(line or "{}").get("event") != "ready":
                 raise RuntimeError("no ready message")
         except (OSError, ValueError, RuntimeError) as exc:
+            output = self._log_tail()  # before close() removes the log
             self.close()
             raise RuntimeError(f"FUSE test file system did not start at {self.mountpoint}: "
-                               f"{exc}; server output: {self._log_tail()}") from exc
+                               f"{exc}; server output: {output}") from exc
         return self
 
     def close(self) -> None:
