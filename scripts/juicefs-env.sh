@@ -11,7 +11,7 @@
 #   MPTIER_JUICEFS   tests use this binary instead (then this script is not needed)
 #
 # The tests make their own volumes (SQLite metadata, a local folder as object store) and
-# mounts under /tmp/mptier-test-mounts/<pid>-<start>/, and remove them; nothing here
+# mounts under /tmp/mptier-test-mounts-<uid>/<pid>-<start>/, and remove them; nothing here
 # mounts anything.
 set -euo pipefail
 

@@ -8,7 +8,8 @@ import uuid
 
 import psutil
 import pytest
-from support.pidns import PidNamespace, ns_pids
+from support.fixtures import skip_unless
+from support.pidns import PidNamespace, ns_pids, pidns_unavailable_reason
 
 
 def test_inside_our_pid_is_not_visible_and_outside_its_pid_differs(make_pid_namespace):
@@ -60,6 +61,7 @@ def test_errors_inside_come_back_with_their_traceback(make_pid_namespace):
 
 
 def test_close_ends_every_process_of_the_namespace():
+    skip_unless(pidns_unavailable_reason())
     ns = PidNamespace()
     ns.run("import subprocess, sys; "
            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])")
@@ -73,5 +75,6 @@ def test_close_ends_every_process_of_the_namespace():
 
 
 def test_inner_pid_below_3_is_refused():
+    skip_unless(pidns_unavailable_reason())
     with pytest.raises(ValueError, match="inner_pid must be >= 3"):
         PidNamespace(inner_pid=1)

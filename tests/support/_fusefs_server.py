@@ -372,6 +372,7 @@ def main() -> int:
         "hard_remove": True,
         "use_ino": True,
         "default_permissions": True,
+        # Other users' processes (e.g. workers that dropped privileges) may use the mount.
         "allow_other": True,
         # Zero caches by default: every getattr/lookup reaches this process, so a rule on
         # them is deterministic (the kernel does not answer from its own cache).

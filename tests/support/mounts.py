@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-#: Parent of every test run's mount folder.
-MOUNTS_BASE = Path(tempfile.gettempdir()) / "mptier-test-mounts"
+#: Parent of every test run's mount folder (one per user: /tmp is shared).
+MOUNTS_BASE = Path(tempfile.gettempdir()) / f"mptier-test-mounts-{os.getuid()}"
 FUSE_CONNECTIONS = Path("/sys/fs/fuse/connections")
 # A clean unmount of an idle FUSE mount takes milliseconds; more means the file system is
 # busy or hung, and we go on to abort it rather than hang the test run.
