@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import psutil
+from conftest import wait_for
 from support import freezer, mounts
 from support.fixtures import skip_unless
 
@@ -56,7 +58,8 @@ def test_mountpoints_with_spaces_are_read_right(tmp_path):
 
 
 def test_a_test_that_leaves_a_mount_or_a_cgroup_fails(tmp_path):
-    """Run a small suite under this conftest whose tests leak; it must fail naming them."""
+    """Run a small suite under this conftest whose tests leak; it must fail naming them,
+    and clean up even a frozen child (thawed first, then killed)."""
     skip_unless(_root_reason() or freezer.freezer_unavailable_reason())
     leaky = tmp_path / "test_leaky.py"
     leaky.write_text(textwrap.dedent("""
@@ -69,17 +72,28 @@ def test_a_test_that_leaves_a_mount_or_a_cgroup_fails(tmp_path):
 
         def test_leaves_a_cgroup():
             freezer.FrozenCgroup()
+
+        def test_leaves_a_frozen_child():
+            child = subprocess.Popen(["sleep", "600"])
+            cg = freezer.FrozenCgroup()
+            cg.add(child.pid)
+            cg.freeze()
+            print("FROZEN_CHILD", child.pid)
     """))
     cgroups_before = freezer.cgroup_dirs()
     tests_dir = Path(__file__).parent
     env = {**os.environ, "PYTHONPATH": str(tests_dir)}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "conftest",
                           "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(leaky)],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert run.returncode == 1, run.stdout[-3000:]
     assert "mounts left behind" in run.stdout, run.stdout[-3000:]
     assert "freezer cgroups left behind" in run.stdout, run.stdout[-3000:]
-    assert "2 passed, 2 errors" in run.stdout, run.stdout[-3000:]
+    assert "child processes left behind" in run.stdout, run.stdout[-3000:]
+    assert "3 passed, 3 errors" in run.stdout, run.stdout[-3000:]
+    frozen_child = int(run.stdout.split("FROZEN_CHILD ")[1].split()[0])
+    # thawed, then killed (its zombie goes once init reaps it): nothing cascades
+    wait_for(lambda: not psutil.pid_exists(frozen_child), 10, "the frozen child to go")
     # The check detached the leaked mount (so one leak does not cascade); the leaked
     # cgroup outlives its run, and the reaper removes it as its owner is gone.
     assert not mounts.mounts_under(tmp_path)
