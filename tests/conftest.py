@@ -1,6 +1,9 @@
 """Shared fixtures: a temp root, unique shared buffers, tiers that always shut down, and
 a leak check after every test (no new mptier objects in /dev/shm or /dev/mqueue, no
-status sockets left in the run directory, no child processes left)."""
+status sockets left in the run directory, no child processes left, no mount left under
+the test mount folders, no freezer cgroup of ours left). Fixtures for FUSE, JuiceFS,
+frozen processes and PID namespaces come from ``tests/support`` (see its ``fixtures``
+module)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,17 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import psutil
 import pytest
+from support import freezer, mounts
+from support.fixtures import (  # noqa: F401  (fixtures, registered by being imported here)
+    dfs_dirs,
+    fuse_fs,
+    juicefs_pair,
+    juicefs_volume,
+    make_frozen_cgroup,
+    make_fuse_fs,
+    make_juicefs_mount,
+    make_pid_namespace,
+)
 
 LEAK_DIRS = ("/dev/shm", "/dev/mqueue")
 
@@ -95,11 +109,43 @@ def live_children() -> list[psutil.Process]:
     return out
 
 
+def mounts_in_test_roots(basetemp) -> set[str]:
+    """Mounts under this run's folders: the helpers' mount folder and pytest's base temp
+    folder (other runs on the machine have their own, which are never looked at)."""
+    return mounts.mounts_under(mounts.mount_root(), basetemp)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_session_leaks() -> Iterator[None]:
+    """Before the run: detach mounts and remove freezer cgroups that crashed runs left
+    (never a live run's). After it, once every session fixture is gone: fail if any
+    mount or freezer cgroup of this run is still there."""
+    mounts.reap_stale_mounts()
+    freezer.reap_stale_cgroups()
+    yield
+    left = mounts.mounts_under(mounts.mount_root())
+    cgroups = freezer.cgroup_dirs(os.getpid())
+    assert not left, f"mounts left behind at the end of the run: {sorted(left)}"
+    assert not cgroups, f"freezer cgroups left behind at the end of the run: {sorted(cgroups)}"
+    shutil.rmtree(mounts.mount_root(), ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
-def no_leaks() -> Iterator[None]:
+def no_leaks(tmp_path_factory) -> Iterator[None]:
+    basetemp = tmp_path_factory.getbasetemp()
     before = mptier_objects()
     sockets_before = run_dir_entries()
+    mounts_before = mounts_in_test_roots(basetemp)
+    cgroups_before = freezer.cgroup_dirs(os.getpid())
     yield
+    # Thaw leaked cgroups and detach leaked mounts first: a frozen child or one stuck in a
+    # hung mount could not be killed below, and one leak must not cascade into later tests.
+    new_cgroups = freezer.cgroup_dirs(os.getpid()) - cgroups_before
+    for path in new_cgroups:
+        freezer.remove_cgroup(path)
+    new_mounts = mounts_in_test_roots(basetemp) - mounts_before
+    for point in new_mounts:
+        mounts.unmount(point)
     owners = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
     deadline = time.monotonic() + 5
     while live_children() and time.monotonic() < deadline:
@@ -112,6 +158,8 @@ def no_leaks() -> Iterator[None]:
     assert not leaked, f"IPC objects left behind: {sorted(leaked)}"
     left = socket_leaks(sockets_before, owners)
     assert not left, f"status sockets left behind in {RUN_DIR}: {sorted(left)}"
+    assert not new_mounts, f"mounts left behind: {sorted(new_mounts)}"
+    assert not new_cgroups, f"freezer cgroups left behind: {sorted(new_cgroups)}"
 
 
 @pytest.fixture
