@@ -265,11 +265,20 @@ class FileSystemTier:
 
     def lookup(self, key: bytes, req_id: Hashable = None) -> LookupResult:
         """HIT, MISS, or RETRY while the key waits for the next batched check. Never
-        blocks: the check runs in a worker after :meth:`on_schedule_end`."""
+        blocks: the check runs in a worker after :meth:`on_schedule_end`, and its answer
+        is applied by the first call (of this method, :meth:`on_schedule_end` or
+        :meth:`get_finished_jobs`) after it arrived, so a caller that only repeats
+        ``lookup()`` after a step end still sees it."""
         if self._closed:
             raise TierClosedError("the tier was shut down")
         if type(key) is not bytes or not 4 < len(key) <= MAX_KEY_BYTES:
             key = check_key(key)
+        # Apply finished checks first. The message counters in shared memory tell whether
+        # anything arrived, so the common case costs one small compare, no system call.
+        counts = self._control.counters_snapshot()
+        if counts != self._seen_counts:
+            self._seen_counts = counts
+            self._pump()
         return self._lookups.lookup(key, req_id)
 
     def on_schedule_end(self) -> None:
