@@ -44,7 +44,7 @@ from test_vllm_integration import (
 )
 
 if HAVE_VLLM:
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.base import Locality, LookupResult, ReqContext
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
     from vllm.v1.kv_offload.file_mapper import FileMapper as VllmFileMapper
     from vllm.v1.kv_offload.tiering.base import ScheduleEndContext
@@ -492,6 +492,52 @@ def test_public_surface_matches_vllms_tier(pair):
     for name in ("medium", "cache_hit_source", "tolerates_off_thread_polling",
                  "block_size_bytes", "locality", "events"):
         assert getattr(ours, name) == getattr(theirs, name), name
+
+
+def test_constructor_takes_vllms_arguments_where_vllms_has_them(pair, tmp_path):
+    _, ours = pair()
+    reference = inspect.signature(FileSystemTierManager.__init__).parameters
+    mine = inspect.signature(MPFileSystemTierManager.__init__).parameters
+    assert list(mine)[:5] == list(reference)[:5]  # self, spec, view, tier_type, root_dir
+    for name in ("enable_kv_events", "locality", "backpressure_detector"):
+        assert name in mine and mine[name].default == reference[name].default, name
+    # Built the way a caller of vLLM's class may build it: leading arguments by position.
+    spec, view = ours.tier._offloading_spec, ours.tier._primary_kv_view
+    tier = MPFileSystemTierManager(spec, view, "fs", str(tmp_path / "positional"),
+                                   enable_kv_events=True, locality="LOCAL", **SMALL)
+    try:
+        assert tier.file_mapper.base_path.startswith(str(tmp_path / "positional"))
+        assert tier.locality is Locality.LOCAL
+    finally:
+        tier.shutdown()
+    # vLLM's thread counts mean nothing here; the error names what to use instead.
+    with pytest.raises(ValueError, match="n_load_workers"):
+        MPFileSystemTierManager(spec, view, "fs", str(tmp_path / "x"), n_read_threads=4)
+
+
+def test_documented_differences_hold(pair):
+    """What docs/vllm-integration-notes.md says differs, does (and only by design)."""
+    theirs, ours = pair()
+    # 1. A cached answer is shared by vLLM's tier with every request while one request
+    #    still holds it; ours answers each request from the disk as it is now.
+    first = ReqContext(req_id="first")
+    for side in (theirs, ours):
+        assert resolved(side.tier, [1], first) == ["MISS"]
+        assert run(side.tier, 1, [1], [0], load=False)[0][1]
+    later = ReqContext(req_id="later")  # "first" is still running
+    assert now(theirs.tier, [1], later) == ["MISS"]
+    assert now(ours.tier, [1], later) == ["RETRY"]
+    assert resolved(ours.tier, [1], later) == ["HIT"]
+    # 2. Jobs still queued at shutdown: vLLM's tier drops them unreported; ours reports
+    #    every one, failed unless it ran.
+    for side in (theirs, ours):
+        for i in range(10, 22):
+            side.tier.submit_store(job(i, [key(i)], [i % ROWS], load=False))
+        side.tier.shutdown()
+    reported = {side.name: sorted(r.job_id for r in side.tier.get_finished_jobs())
+                for side in (theirs, ours)}
+    assert reported["mptier"] == list(range(10, 22))
+    assert set(reported["vllm"]) <= set(range(10, 22))
 
 
 @pytest.mark.parametrize("layout", [

@@ -239,14 +239,16 @@ class MPFileSystemTierManager(SecondaryTierManager):
         offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
-        backpressure_detector: BackpressureDetector | None = None,
-        *,
         root_dir: str | os.PathLike[str] | None = None,
+        *,
         enable_kv_events: bool = False,
         locality: str | None = None,
+        backpressure_detector: BackpressureDetector | None = None,
         config: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
+        # The first four parameters are where vLLM's fs tier has them; the rest are
+        # keywords (vLLM's factory passes everything by keyword).
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self._tier: FileSystemTier | None = None
         # Refused jobs wait here for the next get_finished_jobs().
