@@ -24,7 +24,6 @@ import mmap
 import os
 import re
 import secrets
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -358,12 +357,4 @@ def _merge(segments: list[Segment]) -> list[Segment]:
     return merged
 
 
-def iter_mptier_objects(directory: str = SHM_DIR) -> Iterator[str]:
-    """Names of mptier objects present in ``directory`` (for leak checks)."""
-    with contextlib.suppress(OSError):
-        for name in os.listdir(directory):
-            if name.startswith(NAME_PREFIX):
-                yield name
-
-
-__all__ = ["PAGE_SIZE", "SharedKVBuffer", "cleanup_stale", "iter_mptier_objects"]
+__all__ = ["PAGE_SIZE", "SharedKVBuffer", "cleanup_stale"]
