@@ -661,7 +661,8 @@ def test_o_direct_fallback_is_a_warning_naming_the_root(pair, caplog, monkeypatc
 
     monkeypatch.setattr("vllm.v1.kv_offload.tiering.fs.manager.probe_o_direct",
                         lambda directory: False)
-    monkeypatch.setattr(mptier.native, "probe_o_direct", lambda directory: False)
+    monkeypatch.setattr(mptier.native.Backend, "probe_o_direct",
+                        lambda self, directory: False)
     with records(caplog, logging.WARNING) as collected:
         sides = pair()
     for side in sides:

@@ -201,8 +201,8 @@ class MPFileSystemTierManager(SecondaryTierManager):
     fs tier builds it, so ``file_mapper.get_file_name(key)`` is where a block lives) and
     ``events`` (None when events are off; otherwise the events not yet taken, added by
     :meth:`get_finished_jobs` and emptied by :meth:`take_events`). It logs what vLLM's
-    tier logs: every failed job at ERROR, a failed load also at DEBUG with its errno, the
-    O_DIRECT fallback as a WARNING naming ``root_dir``. The differences:
+    tier logs: every failed job at ERROR, a failed load also at DEBUG with its errno (the
+    engine warns of the O_DIRECT fallback, naming ``root_dir``). The differences:
 
     * I/O runs in ``n_load_workers + n_store_workers`` processes that map vLLM's primary
       buffer (the ``/dev/shm/vllm_offload_<engine_id>.mmap`` file behind
@@ -318,11 +318,6 @@ class MPFileSystemTierManager(SecondaryTierManager):
                               f"but vLLM's fs tier uses {vllm_base!r}: the layouts "
                               "disagree, so the two could not share a cache")
         self._tier = tier
-        if tier_config.use_o_direct == "auto" and not tier.use_o_direct:
-            # As vLLM's fs tier does when its probe fails (overlayfs, some NFS mounts...).
-            log.warning("%s: O_DIRECT does not work at %r; this tier uses buffered I/O "
-                        "there (the page cache holds copies of the blocks)", tier_type,
-                        root_dir)
         if tier.mode == "threads":
             log.warning("%s: vLLM's primary buffer is not a shared file (expected "
                         "/dev/shm/vllm_offload_%s.mmap), so mptier cannot hand it to "
