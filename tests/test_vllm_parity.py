@@ -129,7 +129,7 @@ def pair(tmp_path) -> Iterator[Callable[..., list[Side]]]:
 
 # -- what a caller can observe -----------------------------------------------------------
 
-LABELS = {key(n): n for n in range(200)}
+LABELS = {key(n): n for n in range(200)} if HAVE_VLLM else {}  # key -> its number
 
 
 def labels(keys) -> tuple | None:
