@@ -6,8 +6,8 @@
   returns exactly one record, so many workers can share a queue with no lock and a
   worker killed mid-read cannot tear one. When the pipe is full, records wait in an
   in-process overflow list that every engine call pushes on: submission never blocks
-  and never drops a job, whatever the depth. A supervisor that puts retried tasks back
-  holds a :class:`RecordWriter` of its own on the same pipe.
+  and never drops a job, whatever the depth. Only the engine writes: a task whose
+  worker died comes back as a RETRY message and the engine queues it again.
 * :class:`CompletionReader` -- the single pipe workers report on; the engine drains it
   without blocking. Messages are length-prefixed and written atomically.
 * the *lifeline* -- a pipe whose write end only the engine holds. Workers and the
@@ -58,8 +58,7 @@ class RecordWriter:
 
     A record that does not fit waits in an in-process overflow list, pushed on by
     :meth:`flush`. Several threads may write (a lock keeps the pipe and the list in
-    order). Other processes may write the same pipe too (an engine and a service's
-    supervisor): each of their writes is whole records, so records never interleave.
+    order).
     """
 
     def __init__(self, write_fd: int) -> None:
@@ -268,7 +267,6 @@ class EngineChannels:
 
         assert self.completions is not None
         return Session(queues={k: q.read_fd for k, q in self.queues.items()},
-                       requeue={k: q.write_fd for k, q in self.queues.items()},
                        completion=self.completions.write_fd, lifeline=self.lifeline_r,
                        doorbell=self.doorbell, segments=segments, nbytes=nbytes,
                        block_bytes=block_bytes, layout=layout, engine_pid=os.getpid(),

@@ -70,6 +70,9 @@ class TierConfig:
     max_worker_rss_bytes: int = 0
     # Most keys checked by one lookup task.
     lookup_batch_keys: int = 256
+    # Attach to the worker service of this name (`mptier serve --name NAME`) instead of
+    # starting workers in this process ("" = start them here).
+    service: str = ""
     # File layout fields (vLLM's FileMapper): they name the cache folder.
     model_name: str = "model"
     tokens_per_hash: int = 16
@@ -183,6 +186,13 @@ class TierConfig:
               "worker_cpus", self.worker_cpus, "a list of CPU numbers, e.g. [1]")
         self.worker_cpus = list(self.worker_cpus)
         _want_int(self, "lookup_batch_keys", low=1, high=1 << 20)
+        if self.service:
+            from mptier.rundir import check_name
+
+            try:
+                check_name(self.service)
+            except ConfigError as exc:
+                raise ConfigError(f"TierConfig.service: {exc}") from None
         _want(isinstance(self.model_name, str) and self.model_name != "", "model_name",
               self.model_name, "a non-empty string")
         for name in ("tokens_per_hash", "blocks_per_file", "tp_size", "pp_size", "pcp_size",

@@ -18,7 +18,7 @@ Wire records (engine <-> workers), all little-endian and fixed-layout:
 * a **message** (worker -> engine) is at most ``PIPE_BUF`` bytes, length-prefixed, and
   also written in one atomic ``write``::
 
-      length(u16) type(u8) version(u8) slot(u16) reserved(u16) pid(u32) errno(i32)
+      length(u16) type(u8) version(u8) slot(u16) attempt(u16) pid(u32) errno(i32)
       n_done(u32) task_id(u64) started_ns(u64) elapsed_ns(u64) payload...
 
   ``payload`` is one status byte per key for a finished LOOKUP task (see
@@ -66,6 +66,9 @@ class MessageType(enum.IntEnum):
     DONE = 2  # a worker finished a task (errno 0 = success)
     LOST = 4  # the supervisor or the engine gave up on a task (worker died, hung, pool
     #           unavailable, shutdown); it will not be reported again
+    RETRY = 5  # the supervisor: the worker holding this task died; run it again as
+    #            ``attempt`` -- unless it was already reported (only the engine knows:
+    #            a worker may have sent DONE just before it died)
 
 
 class LookupResult(enum.Enum):
@@ -217,13 +220,6 @@ def peek_task(record: bytes | memoryview) -> tuple[TaskKind, int, int] | None:
     return TaskKind(kind), task_id, attempt
 
 
-def with_attempt(record: bytes | memoryview, attempt: int) -> bytes:
-    """A copy of ``record`` with its attempt counter set."""
-    copy = bytearray(record)
-    copy[5] = min(attempt, 255)
-    return bytes(copy)
-
-
 def decode_task(record: bytes | memoryview) -> Task:
     magic, version, kind, attempt, _, n, task_id = _TASK_HEADER.unpack_from(record, 0)
     if magic != _TASK_MAGIC or version != WIRE_VERSION:
@@ -261,6 +257,7 @@ class Message:
     started_ns: int = 0
     elapsed_ns: int = 0
     payload: bytes = b""
+    attempt: int = 0
 
     @property
     def text(self) -> str:
@@ -269,13 +266,14 @@ class Message:
 
 def encode_message(type_: MessageType, slot: int, pid: int, *, errno: int = 0,
                    n_done: int = 0, task_id: int = 0, started_ns: int = 0,
-                   elapsed_ns: int = 0, payload: bytes | str = b"") -> bytes:
+                   elapsed_ns: int = 0, payload: bytes | str = b"", attempt: int = 0
+                   ) -> bytes:
     if isinstance(payload, str):
         payload = payload.encode("utf-8", "replace")[:MAX_TEXT_BYTES]
     length = MESSAGE_HEADER_BYTES + len(payload)
     if length > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
-    return _MESSAGE_HEADER.pack(length, int(type_), WIRE_VERSION, slot, 0, pid, errno,
+    return _MESSAGE_HEADER.pack(length, int(type_), WIRE_VERSION, slot, attempt, pid, errno,
                                 n_done, task_id, started_ns, elapsed_ns) + payload
 
 
@@ -285,7 +283,7 @@ def decode_messages(buffer: bytearray) -> list[Message]:
     pos = 0
     end = len(buffer)
     while end - pos >= MESSAGE_HEADER_BYTES:
-        (length, type_, version, slot, _, pid, err, n_done, task_id, started, elapsed
+        (length, type_, version, slot, attempt, pid, err, n_done, task_id, started, elapsed
          ) = _MESSAGE_HEADER.unpack_from(buffer, pos)
         if end - pos < length:
             break
@@ -294,7 +292,7 @@ def decode_messages(buffer: bytearray) -> list[Message]:
                              f"length {length}")
         payload = bytes(buffer[pos + MESSAGE_HEADER_BYTES:pos + length])
         out.append(Message(MessageType(type_), slot, pid, err, n_done, task_id, started,
-                           elapsed, payload))
+                           elapsed, payload, attempt))
         pos += length
     del buffer[:pos]
     return out

@@ -10,13 +10,14 @@ once" hold.
 
 from __future__ import annotations
 
+import array
 import collections
 import errno
 import os
 import time
 from dataclasses import dataclass, field
 
-from mptier.jobs import JobResult, Message, MessageType, TaskKind, TierEvent
+from mptier.jobs import JobResult, Message, MessageType, TaskKind, TierEvent, encode_task
 from mptier.lookup import LookupTable
 
 # A lookup task's DONE payload holds one status byte per key; this one means "present"
@@ -32,6 +33,7 @@ class Job:
     job_id: int
     kind: TaskKind
     keys: list[bytes]
+    block_ids: array.array
     submitted_ns: int
     tasks_left: int
     ok: bytearray  # per key: 1 when it succeeded
@@ -85,11 +87,12 @@ class JobLedger:
         self._lookups = lookups
         self._stored_events = stored_events
 
-    def add_job(self, job_id: int, kind: TaskKind, keys: list[bytes], per_task: int) -> int:
+    def add_job(self, job_id: int, kind: TaskKind, keys: list[bytes],
+                block_ids: array.array, per_task: int) -> int:
         """Record a job; returns the id of its first task (0 for an empty job, which is
         finished at once). Raises ``ValueError`` if it would need too many tasks."""
         n = len(keys)
-        job = Job(job_id, kind, keys, time.monotonic_ns(), 0, bytearray(n))
+        job = Job(job_id, kind, keys, block_ids, time.monotonic_ns(), 0, bytearray(n))
         self.counters.jobs_submitted["store" if kind == TaskKind.STORE else "load"] += 1
         if not n:
             self._finish(job)
@@ -113,6 +116,23 @@ class JobLedger:
     def take_events(self) -> list[TierEvent]:
         out, self._events = self._events, []
         return out
+
+    def retry_record(self, task_id: int, attempt: int) -> tuple[TaskKind, bytes] | None:
+        """The record to queue again for a task whose worker died, or None if the task
+        was reported already (its worker sent DONE just before dying: running it again
+        could write into slots the engine has since reused) or belongs to no job."""
+        group = self.groups.get(task_id >> TASK_INDEX_BITS)
+        index = task_id & TASK_INDEX_MASK
+        if group is None or index >= len(group.done) or group.done[index]:
+            return None
+        start = index * group.per_task
+        keys = group.keys[start:start + group.per_task]
+        job = group.job
+        if job is None:
+            return TaskKind.LOOKUP, encode_task(TaskKind.LOOKUP, task_id, keys,
+                                                attempt=attempt)
+        ids = job.block_ids[start:start + group.per_task]
+        return job.kind, encode_task(job.kind, task_id, keys, ids, attempt=attempt)
 
     def fail_group(self, first_task: int, err: int, text: str) -> None:
         """Fail every task of the group that starts at ``first_task`` (a job refused

@@ -135,12 +135,7 @@ class FileSystemTier:
             stack.callback(_quietly, self._channels.close)
             self._queues = self._channels.queues
             self._completions = self._channels.completions
-            memory = None
-            if not buffer.shareable:
-                memory = memoryview(buffer.view).cast("B")
-                _warn_threads(buffer.unshareable_reason, len(PoolSettings.from_config(
-                    cfg).roles))
-            self._pool = open_pool(PoolSettings.from_config(cfg), memory)
+            self._pool = self._open_pool(cfg, buffer)
             stack.callback(_quietly, self._pool.stop)
             self.mode = self._pool.mode
             self._pool.start()
@@ -155,11 +150,29 @@ class FileSystemTier:
                     os.close(seg.fd)
             self.use_o_direct = self._io.use_o_direct
             self.backend = self._io.backend
-            self._control = self._pool.control
-            self._seen_counts = self._control.counters_snapshot()
+            if self._io.root_dir != cfg.root_dir:  # a service's root
+                self.mapper = FileMapper(self._io.root_dir, **cfg.layout_kwargs())
+            self._seen_counts = self._pool.control.counters_snapshot()
             self._cleanup = stack.pop_all()
         self._closed = self._shut_down = False
         _live_tiers.add(self)
+
+    @staticmethod
+    def _open_pool(cfg: TierConfig, buffer: SharedKVBuffer) -> Any:
+        if cfg.service:
+            if not buffer.shareable:
+                raise ConfigError(f"service={cfg.service!r} needs a buffer other processes "
+                                  f"can map, but this one cannot be shared "
+                                  f"({buffer.unshareable_reason}); use SharedKVBuffer or "
+                                  "a file-backed shared mapping")
+            from mptier.service import ServiceLink
+
+            return ServiceLink(cfg.service, wait_s=cfg.worker_start_timeout_s)
+        memory = None
+        if not buffer.shareable:
+            memory = memoryview(buffer.view).cast("B")
+            _warn_threads(buffer.unshareable_reason, len(PoolSettings.from_config(cfg).roles))
+        return open_pool(PoolSettings.from_config(cfg), memory)
 
     # -- submitting ------------------------------------------------------------------------
 
@@ -214,16 +227,16 @@ class FileSystemTier:
                                  "a load needs one slot per key")
         per_task = self._per_task if key_len <= self._fast_key_len else \
             min(self._per_task, task_record_capacity(kind, key_len))
-        first_task = self._ledger.add_job(job_id, kind, keys, per_task)
+        first_task = self._ledger.add_job(job_id, kind, keys, block_ids, per_task)
         if not first_task:
             return
-        if not self._control.pool_serving():
+        if not self._pool.control.pool_serving():
             self._fail_unserved(first_task)
             return
         self._queues[kind].put_records(encode_job(kind, first_task, keys, block_ids, per_task))
 
     def _fail_unserved(self, first_task: int) -> None:
-        _, err, reason = self._control.pool_state()
+        _, err, reason = self._pool.control.pool_state()
         self._ledger.fail_group(first_task, err or errno.EHOSTDOWN, reason)
 
     # -- lookups -----------------------------------------------------------------------
@@ -237,10 +250,10 @@ class FileSystemTier:
             raise TierClosedError("the tier was shut down")
         if type(key) is not bytes or not _MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
             key = check_key(key)
-        if self._control.counters_snapshot() != self._seen_counts:
+        if self._pool.control.counters_snapshot() != self._seen_counts:
             self._poll()
         answer = self._lookups.lookup(key, req_id)
-        if answer is LookupResult.RETRY and not self._control.pool_serving():
+        if answer is LookupResult.RETRY and not self._pool.control.pool_serving():
             self._lookups.answer([key], [False])
             return LookupResult.MISS
         return answer
@@ -253,7 +266,7 @@ class FileSystemTier:
         keys = self._lookups.take_unsent()
         if not keys:
             return
-        if not self._control.pool_serving():
+        if not self._pool.control.pool_serving():
             self._lookups.answer(keys, [False] * len(keys))
             return
         per_task = min(self.config.lookup_batch_keys,
@@ -303,7 +316,7 @@ class FileSystemTier:
         """Read the completion pipe only if a message counter moved (no system call when
         nothing happened); push overflowed tasks on, or fail them if nobody can run
         them."""
-        counts = self._control.counters_snapshot()
+        counts = self._pool.control.counters_snapshot()
         if counts != self._seen_counts:
             self._seen_counts = counts
             self._pump()
@@ -311,8 +324,8 @@ class FileSystemTier:
             self._flush_overflow()
 
     def _flush_overflow(self) -> None:
-        if not self._control.pool_serving():
-            _, err, reason = self._control.pool_state()
+        if not self._pool.control.pool_serving():
+            _, err, reason = self._pool.control.pool_state()
             for queue in self._queues.values():
                 for record in queue.writer.take_all():
                     self._ledger.fail_task(decode_task(record).task_id, err, reason)
@@ -323,11 +336,41 @@ class FileSystemTier:
     def _pump(self) -> None:
         self._flush_overflow()
         self._read_completions()
+        lost = self._pool.take_lost()
+        if lost is not None:
+            self._fail_in_flight(lost)
+
+    def _fail_in_flight(self, reason: str) -> None:
+        """The workers' side went away (a service stopped or died): fail every job in
+        flight and everything still queued, then let the link attach again."""
+        err = self._pool.unavailable()[1] or errno.ECONNRESET
+        for queue in self._queues.values():
+            queue.take_all()
+        for task_id in self._ledger.unfinished_task_ids():
+            self._ledger.fail_task(task_id, err, reason)
+        self._pool.allow_reattach()
 
     def _read_completions(self) -> None:
         for message in self._completions.read_available():
             if message.type == MessageType.DONE or message.type == MessageType.LOST:
                 self._ledger.task_finished(message)
+            elif message.type == MessageType.RETRY:
+                self._retry(message)
+
+    def _retry(self, message: Any) -> None:
+        """Queue a task again whose worker died, unless it was reported meanwhile."""
+        again = self._ledger.retry_record(message.task_id, message.attempt)
+        if again is None:
+            return
+        kind, record = again
+        if self._closed:
+            self._ledger.fail_task(message.task_id, ERR_CANCELLED,
+                                   f"{message.text}; not retried: the tier shut down")
+        elif not self._pool.control.pool_serving():
+            _, err, reason = self._pool.control.pool_state()
+            self._ledger.fail_task(message.task_id, err, reason)
+        else:
+            self._queues[kind].writer.put(record)
 
     # -- introspection -------------------------------------------------------------------
 
@@ -367,6 +410,8 @@ class FileSystemTier:
             "latency": {k: percentiles(v) for k, v in self._ledger.latency.items()},
             "pool": pool["counters"],
             "workers": pool["workers"],
+            **({"service": {k: v for k, v in pool.items() if k not in (
+                "counters", "workers", "mode", "unavailable")}} if "service" in pool else {}),
         }
 
     def worker_pids(self) -> list[int]:

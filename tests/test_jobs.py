@@ -18,7 +18,6 @@ from mptier.jobs import (
     encode_task,
     peek_task,
     task_record_capacity,
-    with_attempt,
 )
 
 
@@ -52,7 +51,8 @@ def test_capacity_is_exact_and_overflow_is_refused():
 def test_attempt_and_peek():
     record = encode_task(TaskKind.LOAD, 99, [b"abcdefgh"], [3])
     assert peek_task(record) == (TaskKind.LOAD, 99, 0)
-    assert peek_task(with_attempt(record, 2)) == (TaskKind.LOAD, 99, 2)
+    assert peek_task(encode_task(TaskKind.LOAD, 99, [b"abcdefgh"], [3], attempt=2)) == \
+        (TaskKind.LOAD, 99, 2)
     assert peek_task(bytes(TASK_RECORD_BYTES)) is None
 
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import array
 import errno
 
-from mptier.jobs import LookupResult, Message, MessageType, TaskKind
+from mptier.jobs import LookupResult, Message, MessageType, TaskKind, decode_task
 from mptier.ledger import LOOKUP_PRESENT, TASK_INDEX_BITS, JobLedger
 from mptier.lookup import LookupTable
 
 KEYS = [bytes([i]) * 36 for i in range(10)]
+
+
+def ids(keys: list[bytes]) -> array.array:
+    return array.array("q", range(100, 100 + len(keys)))
 
 
 def done(task_id: int, n_done: int, err: int = 0) -> Message:
@@ -18,7 +23,7 @@ def done(task_id: int, n_done: int, err: int = 0) -> Message:
 
 def test_job_finishes_with_its_last_task_and_twins_are_ignored():
     ledger = JobLedger(4096, LookupTable(), stored_events=True)
-    first = ledger.add_job(7, TaskKind.STORE, KEYS, per_task=4)  # tasks of 4, 4, 2
+    first = ledger.add_job(7, TaskKind.STORE, KEYS, ids(KEYS), per_task=4)  # tasks of 4, 4, 2
     assert first >> TASK_INDEX_BITS == 1 and ledger.tasks_in_flight == 3
     ledger.task_finished(done(first + 2, 2))
     ledger.task_finished(done(first, 4))
@@ -39,7 +44,7 @@ def test_partial_load_reports_loaded_keys_and_marks_the_rest_missed():
         lookups.lookup(key, "r")
     lookups.answer(KEYS[:4], [True] * 4)
     ledger = JobLedger(4096, lookups, stored_events=False)
-    first = ledger.add_job(1, TaskKind.LOAD, KEYS[:4], per_task=2)
+    first = ledger.add_job(1, TaskKind.LOAD, KEYS[:4], ids(KEYS[:4]), per_task=2)
     ledger.task_finished(done(first, 1, err=errno.ENODATA))  # block 1 short: deleted
     ledger.task_finished(done(first + 1, 2))
     (result,) = ledger.take_finished()
@@ -52,9 +57,9 @@ def test_partial_load_reports_loaded_keys_and_marks_the_rest_missed():
 
 def test_empty_job_finishes_at_once_and_sweep_fails_the_rest():
     ledger = JobLedger(4096, LookupTable(), stored_events=False)
-    assert ledger.add_job(1, TaskKind.STORE, [], per_task=4) == 0
+    assert ledger.add_job(1, TaskKind.STORE, [], ids([]), per_task=4) == 0
     assert ledger.take_finished()[0].success
-    first = ledger.add_job(2, TaskKind.STORE, KEYS, per_task=5)
+    first = ledger.add_job(2, TaskKind.STORE, KEYS, ids(KEYS), per_task=5)
     ledger.task_finished(done(first, 5))
     for task_id in ledger.unfinished_task_ids():
         ledger.fail_task(task_id, errno.ECANCELED, "shut down")
@@ -80,8 +85,23 @@ def test_lookup_answers_come_from_status_bytes():
 
 def test_fail_group_fails_a_refused_job_at_once():
     ledger = JobLedger(4096, LookupTable(), stored_events=False)
-    first = ledger.add_job(3, TaskKind.LOAD, KEYS, per_task=4)
+    first = ledger.add_job(3, TaskKind.LOAD, KEYS, ids(KEYS), per_task=4)
     ledger.fail_group(first, errno.EHOSTDOWN, "the pool cannot serve: reason")
     (result,) = ledger.take_finished()
     assert (result.job_id, result.success, result.errno) == (3, False, errno.EHOSTDOWN)
     assert "reason" in result.error and not ledger.jobs and not ledger.groups
+
+
+def test_a_dead_workers_task_is_retried_only_if_unreported():
+    ledger = JobLedger(4096, LookupTable(), stored_events=False)
+    first = ledger.add_job(5, TaskKind.LOAD, KEYS[:4], ids(KEYS[:4]), per_task=2)
+    kind, record = ledger.retry_record(first + 1, attempt=1)
+    task = decode_task(record)
+    assert (kind, task.kind, task.task_id, task.attempt) == (TaskKind.LOAD, TaskKind.LOAD,
+                                                             first + 1, 1)
+    assert task.keys == KEYS[2:4] and task.block_ids == [102, 103]
+    ledger.task_finished(done(first, 2))  # its worker sent DONE before it died
+    assert ledger.retry_record(first, attempt=1) is None
+    ledger.task_finished(done(first + 1, 2))
+    assert ledger.retry_record(first + 1, attempt=1) is None  # the job is gone
+    assert ledger.take_finished()[0].success

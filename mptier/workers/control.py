@@ -226,13 +226,15 @@ class SlotWriter:
     def message_sent(self) -> None:
         self._counters[self.slot] += 1
 
-    def account(self, nbytes: int, elapsed_ns: int, failed: bool) -> None:
-        """Count a finished task (before it is reported, so stats agree with results)."""
+    def account(self, nbytes: int, elapsed_ns: int, failed: bool, started_ns: int) -> None:
+        """Count a finished task (before it is reported, so stats agree with results).
+        The slot keeps saying the task started until :meth:`release`: a death before
+        then must not look like one before the I/O."""
         self.tasks_done += 1
         self.bytes_done += nbytes
         self.busy_ns += elapsed_ns
         self.tasks_failed += failed
-        self.set_state(SlotState.BUSY)
+        self.set_state(SlotState.BUSY, started_ns)
 
     def release(self) -> None:
         """Empty the record area: the task is no longer held."""

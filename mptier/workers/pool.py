@@ -234,6 +234,13 @@ class WorkerPool:
         """``(reason, errno)`` when the pool cannot serve now, else ``("", 0)``."""
         return self._supervisor.unavailable()
 
+    def take_lost(self) -> str | None:
+        """A pool in this process never loses its session wholesale (see ServiceLink)."""
+        return None
+
+    def allow_reattach(self) -> None:
+        pass
+
     def pids(self) -> list[int]:
         with self._supervisor.lock:
             return [w.pid for w in self._supervisor.workers]
@@ -382,6 +389,12 @@ class ThreadWorkers:
 
     def unavailable(self) -> tuple[str, int]:
         return "", 0
+
+    def take_lost(self) -> str | None:
+        return None
+
+    def allow_reattach(self) -> None:
+        pass
 
     def pids(self) -> list[int]:
         return []

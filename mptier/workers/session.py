@@ -54,15 +54,14 @@ class IoSettings:
 class Session:
     """The engine's descriptors and layouts for one attachment (see module docstring).
 
-    ``queues`` are read ends (workers take records from them), ``requeue`` the write
-    ends of the same pipes (the supervisor puts retried tasks back), ``completion`` the
-    write end of the engine's completion pipe, ``lifeline`` the read end of a pipe only
+    ``queues`` are read ends (workers take records from them; the supervisor drains
+    them to fail queued work when the pool cannot serve), ``completion`` the write end
+    of the engine's completion pipe, ``lifeline`` the read end of a pipe only
     the engine can write (end of file = the session is over), ``doorbell`` a pipe pair
     workers use to wake each other.
     """
 
     queues: dict[TaskKind, int]
-    requeue: dict[TaskKind, int]
     completion: int
     lifeline: int
     doorbell: tuple[int, int]
@@ -82,7 +81,7 @@ class Session:
 
     def descriptors(self) -> list[int]:
         """Every descriptor the session holds."""
-        return [*self._worker_fds(), *(self.requeue[k] for k in TaskKind)]
+        return self._worker_fds()
 
     def dup(self) -> Session:
         """A copy holding descriptors of its own (the caller closes it)."""
@@ -96,7 +95,6 @@ class Session:
         try:
             return replace(
                 self, queues={k: d(fd) for k, fd in self.queues.items()},
-                requeue={k: d(fd) for k, fd in self.requeue.items()},
                 completion=d(self.completion), lifeline=d(self.lifeline),
                 doorbell=(d(self.doorbell[0]), d(self.doorbell[1])),
                 segments=[replace(s, fd=d(s.fd)) for s in self.segments], closed=False)
@@ -118,7 +116,7 @@ class Session:
 
     def to_worker(self) -> tuple[dict[str, Any], list[int]]:
         """What a worker gets: a JSON-able description and the descriptors it names
-        (by position). The requeue ends stay with the supervisor."""
+        (by position)."""
         fds = self._worker_fds()
         description = {
             "nbytes": self.nbytes, "block_bytes": self.block_bytes, "layout": self.layout,

@@ -11,10 +11,12 @@ wake-up pipe, every worker's pidfd and every worker's control socket, and ticks 
   signal, the OOM killer) while booting died, and is replaced with exponential backoff
   (:data:`BACKOFF_FIRST_S` doubling up to :data:`BACKOFF_MAX_S`; a worker that boots
   resets it). A worker that said ``leaving`` exited on purpose: never a crash;
-* on a **death** handles the task the worker's slot holds: a store goes back on its
-  queue (stores are idempotent; at most ``max_task_retries`` times), a load or lookup
-  it had *started* is reported LOST (its keys become a miss), one it had only dequeued
-  goes back; then a new worker takes a free slot;
+* on a **death** handles the task the worker's slot holds: a store is sent back to the
+  engine to queue again (stores are idempotent; at most ``max_task_retries`` times), a
+  load or lookup it had *started* is reported LOST (its keys become a miss), one it had
+  only dequeued is sent back too; then a new worker takes a free slot. Only the engine
+  queues a task again, and only if nothing reported it yet: the worker may have sent
+  DONE just before it died, and the job's slots may be reused since;
 * kills a worker whose task runs past ``io_timeout_s`` (a hung mount), handles its task
   at once, and starts a replacement without waiting for the process to go: a process
   stuck in the kernel may never go. One still there :data:`STUCK_AFTER_S` after SIGKILL
@@ -51,9 +53,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mptier.channels import RecordWriter, drain_records
+from mptier.channels import drain_records
 from mptier.errors import describe_exit
-from mptier.jobs import MessageType, TaskKind, decode_task, encode_message, with_attempt
+from mptier.jobs import MessageType, TaskKind, decode_task, encode_message
 from mptier.layout import FileMapper
 from mptier.workers import protocol
 from mptier.workers.control import ControlBlock, PoolState, SlotState
@@ -187,7 +189,6 @@ class Supervisor:
         self.session_io: IoSettings | None = None
         self.attach_errors: list[str] = []
         self._mapper: FileMapper | None = None
-        self._requeue: dict[TaskKind, RecordWriter] = {}
         self._calls: collections.deque[Callable[[], object]] = collections.deque()
         self._stopping = False
         self._exit = False
@@ -434,7 +435,6 @@ class Supervisor:
         with self.lock:
             self.attach_errors = []
         self._mapper = FileMapper(io.root_dir, **session.layout)
-        self._requeue = {kind: RecordWriter(fd) for kind, fd in session.requeue.items()}
         for w in self._live():
             if w.phase is Phase.IDLE:
                 self._send_attach(w)
@@ -448,11 +448,9 @@ class Supervisor:
             for w in self._live():
                 if w.phase in (Phase.SERVING, Phase.ATTACHING):
                     self._send(w, protocol.DETACH)
-        self._flush_requeue()
         if self.session is not None:
             self.session.close()
         self.session = None
-        self._requeue = {}
         self._notify()
 
     def _lifeline_closed(self, session: Session) -> None:
@@ -575,17 +573,20 @@ class Supervisor:
         self.control.clear_record(w.slot)
         if kind == TaskKind.STORE:
             self._remove_temp_files(decode_task(record).keys, w)
-        retry = (not self._stopping and self.session is not None
-                 and attempt < self.settings.max_task_retries
+        # A store is idempotent: run it again. A load or lookup that had not started yet
+        # likewise; one that had started fails (its keys become a miss). The engine has
+        # the last word: it drops the retry if the task was reported meanwhile.
+        retry = (not self._stopping and attempt < self.settings.max_task_retries
                  and (kind == TaskKind.STORE or not snap.started_ns))
+        text = f"{description} while running this task"
         if retry:
-            self._requeue[kind].put(with_attempt(record, attempt + 1))
             with self.lock:
                 self.counters.tasks_retried += 1
+            self._post(MessageType.RETRY, task_id, err, text, attempt=attempt + 1)
             return
         with self.lock:
             self.counters.tasks_lost += 1
-        self.post_lost(task_id, err, f"{description} while running this task")
+        self._post(MessageType.LOST, task_id, err, text)
 
     def _remove_temp_files(self, keys: list[bytes], w: Worker) -> None:
         """A killed store may leave ``<final>.<tag>.*.tmp`` (or, from an older core,
@@ -600,14 +601,16 @@ class Supervisor:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
 
-    def post_lost(self, task_id: int, err: int, text: str) -> None:
-        """Report a task the pool gave up on to the engine (never blocks)."""
+    def _post(self, type_: MessageType, task_id: int, err: int, text: str,
+              attempt: int = 0) -> None:
+        """Tell the engine a task was given up on (LOST) or should run again (RETRY).
+        Never blocks."""
         if self.session is None:
             return
         try:
             os.write(self.session.completion, encode_message(
-                MessageType.LOST, SUPERVISOR_SLOT, os.getpid(), errno=err, task_id=task_id,
-                payload=text))
+                type_, SUPERVISOR_SLOT, os.getpid(), errno=err, task_id=task_id,
+                payload=text, attempt=attempt))
         except BlockingIOError:  # the engine is not reading: its pipe is full
             log.error("mptier: completion pipe full; could not report task %d", task_id)
             return
@@ -653,7 +656,6 @@ class Supervisor:
                       w.pid, now - w.killed_at, w.slot)
         if s.max_worker_rss_bytes and not self._stopping:
             self._check_memory()
-        self._flush_requeue()
 
     def _parked_candidates(self, now: float) -> list[Worker]:
         with self.lock:
@@ -750,16 +752,8 @@ class Supervisor:
             for record in drain_records(self.session.queues[kind]):
                 with self.lock:
                     self.counters.tasks_lost += 1
-                self.post_lost(decode_task(record).task_id, self._unavailable_errno,
-                               self._unavailable)
-        for writer in self._requeue.values():
-            for record in writer.take_all():
-                self.post_lost(decode_task(record).task_id, self._unavailable_errno,
-                               self._unavailable)
-
-    def _flush_requeue(self) -> None:
-        for writer in self._requeue.values():
-            writer.flush()
+                self._post(MessageType.LOST, decode_task(record).task_id,
+                           self._unavailable_errno, self._unavailable)
 
 
 def private_memory(pid: int) -> int | None:

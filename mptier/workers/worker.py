@@ -77,6 +77,13 @@ def _parse_stalls(spec: str) -> dict[TaskKind, float]:
 
 
 _STALLS = _parse_stalls(os.environ.get(STALL_ENV, ""))
+# Fault injection for tests: a worker fails its boot while the file MPTIER_FAULT_BOOT
+# names exists (a broken installation that may get fixed), and each task makes a worker
+# keep MPTIER_FAULT_GROW more bytes of private memory (a leak).
+BOOT_FAULT_ENV = "MPTIER_FAULT_BOOT"
+GROW_FAULT_ENV = "MPTIER_FAULT_GROW"
+_GROW = int(os.environ.get(GROW_FAULT_ENV, "0") or 0)
+_leaked: list[bytearray] = []
 
 
 @dataclass
@@ -175,7 +182,7 @@ def serve(ctx: WorkerContext, control: socket.socket | None) -> str:
             message, nbytes, failed = _run_task(ctx, record, started, pid)
             # Report first, then let go of the task: a death in between leaves the task
             # in the slot, and the engine ignores the supervisor's second report of it.
-            writer.account(nbytes, time.monotonic_ns() - started, failed)
+            writer.account(nbytes, time.monotonic_ns() - started, failed, started)
             try:
                 os.write(ctx.completion_fd, message)
             except BrokenPipeError:
@@ -240,6 +247,8 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
     task = decode_task(record)
     if _STALLS and task.kind in _STALLS:
         time.sleep(_STALLS[task.kind])
+    if _GROW:
+        _leaked.append(bytearray(b"\1" * _GROW))
     paths = [ctx.mapper.path_for(key) for key in task.keys]
     err = 0
     n_done = len(paths)
@@ -294,6 +303,9 @@ def process_main(boot: dict[str, Any]) -> int:
     control = socket.socket(fileno=boot["control_socket"])
     slot, role = boot["slot"], boot["role"]
     try:
+        fault = os.environ.get(BOOT_FAULT_ENV)
+        if fault and os.path.exists(fault):
+            raise RuntimeError(f"boot failure injected ({BOOT_FAULT_ENV}={fault})")
         if boot.get("nice"):
             os.setpriority(os.PRIO_PROCESS, 0, boot["nice"])
         if boot.get("cpus"):
