@@ -408,9 +408,12 @@ class MPFileSystemTierManager(SecondaryTierManager):
         their stored events to :attr:`events`. Never blocks."""
         tier = self.tier
         finished = tier.get_finished_jobs()
+        if not finished and not self._refused:
+            return []  # the common case, every step: no more work than the engine's
         # Taken in the same breath as the results, so the "stored" events are exactly
-        # those of the jobs above; taking them every time also keeps the engine's list
-        # (which holds "removed" events too) from growing when nobody wants events.
+        # those of the jobs above; taking them whenever jobs finish also keeps the
+        # engine's list (which holds "removed" events too, made by loads of corrupt
+        # blocks) from growing when nobody wants events.
         engine_events = tier.take_events()
         results = []
         for r in finished:
