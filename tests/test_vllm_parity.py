@@ -715,8 +715,9 @@ def test_temporary_file_left_by_a_failed_store_is_a_warning(pair, caplog, capfd,
             if r.levelno == logging.WARNING and "temp" in r.getMessage()]
     # Our workers are other processes: their warning goes to the inherited stderr.
     stderr = capfd.readouterr().err
+    folder = os.path.dirname(ours.path(key(1)))
     ours_warned = [r for r in of(ours, collected) if r.levelno == logging.WARNING
-                   and "temporary file" in r.getMessage()] or \
-        [line for line in stderr.splitlines() if "could not remove the temporary file"
-         in line and os.path.dirname(ours.path(key(1))) in line]
+                   and "temporary file" in r.getMessage() and folder in r.getMessage()] \
+        or [line for line in stderr.splitlines() if "temporary file" in line
+            and folder in line]
     assert ours_warned, stderr
