@@ -59,6 +59,7 @@ from mptier.jobs import MessageType, TaskKind, decode_task, encode_message
 from mptier.layout import FileMapper
 from mptier.workers import protocol
 from mptier.workers.control import ControlBlock, PoolState, SlotState
+from mptier.workers.janitor import Janitor
 from mptier.workers.launcher import BootSpec, launch
 from mptier.workers.session import IoSettings, Session
 
@@ -189,6 +190,7 @@ class Supervisor:
         self.session_io: IoSettings | None = None
         self.attach_errors: list[str] = []
         self._mapper: FileMapper | None = None
+        self._janitor = Janitor()  # removes temporary files: never this thread
         self._calls: collections.deque[Callable[[], object]] = collections.deque()
         self._stopping = False
         self._exit = False
@@ -229,6 +231,7 @@ class Supervisor:
             workers = list(self.workers)
         for w in workers:
             self._close_handles(w)
+        self._janitor.close()
         if self.session is not None:
             self.session.close()
             self.session = None
@@ -590,16 +593,13 @@ class Supervisor:
 
     def _remove_temp_files(self, keys: list[bytes], w: Worker) -> None:
         """A killed store may leave ``<final>.<tag>.*.tmp`` (or, from an older core,
-        ``<final>.<pid>.*.tmp``) files: remove the ones of this worker."""
+        ``<final>.<pid>.*.tmp``) files: have the ones of this worker removed -- by the
+        janitor's process, never this thread (a hung mount would hang it)."""
         if self._mapper is None:
             return
         marks = [m for m in (w.temp_tag, str(w.pid)) if m]
-        for key in keys:
-            final = glob.escape(self._mapper.path_for(key))
-            for mark in marks:
-                for path in glob.glob(f"{final}.{mark}.*.tmp"):
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
+        self._janitor.remove([f"{glob.escape(self._mapper.path_for(key))}.{mark}.*.tmp"
+                              for key in keys for mark in marks])
 
     def _post(self, type_: MessageType, task_id: int, err: int, text: str,
               attempt: int = 0) -> None:
@@ -656,6 +656,7 @@ class Supervisor:
                       w.pid, now - w.killed_at, w.slot)
         if s.max_worker_rss_bytes and not self._stopping:
             self._check_memory()
+        self._janitor.poll()
 
     def _parked_candidates(self, now: float) -> list[Worker]:
         with self.lock:

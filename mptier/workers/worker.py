@@ -48,6 +48,7 @@ from typing import Any
 from mptier.jobs import TASK_RECORD_BYTES, MessageType, TaskKind, decode_task, encode_message
 from mptier.layout import FileMapper
 from mptier.workers import protocol
+from mptier.workers.bounce import Bounce, needs_bounce
 from mptier.workers.control import ControlBlock, SlotState, SlotWriter
 from mptier.workers.session import QUEUE_ORDER, IoSettings, WorkerSession
 
@@ -105,6 +106,7 @@ class WorkerContext:
     session: WorkerSession
     mapped: Any = None  # the MappedBuffer when this worker mapped the buffer itself
     owns_descriptors: bool = True  # False for threads: the fds are the engine's
+    bounce: Bounce | None = None  # loads that may outlive a kill go through it (bounce.py)
     fionread: array.array = field(default_factory=lambda: array.array("i", [0]))
 
     @classmethod
@@ -131,19 +133,25 @@ class WorkerContext:
             if mapped is not None:
                 mapped.close()
             raise
+        # A process worker can be killed mid-read and stuck; its late read must not land
+        # in a slot the engine reused (see mptier.workers.bounce).
+        bounce = Bounce(session.block_bytes) if mapped is not None and needs_bounce(
+            mapper.blocks_dir, io.use_o_direct) else None
         return cls(role=role, slot_writer=slot_writer,
                    queues=tuple(session.queues[k] for k in QUEUE_ORDER[role]),
                    completion_fd=session.completion, lifeline_fd=session.lifeline,
                    doorbell_fd=session.doorbell[0], doorbell_write_fd=session.doorbell[1],
                    memory=memory, block_bytes=session.block_bytes, mapper=mapper,
                    backend=backend, io=io, session=session, mapped=mapped,
-                   owns_descriptors=mapped is not None)
+                   owns_descriptors=mapped is not None, bounce=bounce)
 
     def close(self) -> None:
         """Unmap the buffer and close the session's descriptors (process workers)."""
         if self.mapped is not None:
             self.mapped.close()
             self.mapped = None
+        if self.bounce is not None:
+            self.bounce.close()
         if self.owns_descriptors:
             self.session.close()
 
@@ -258,9 +266,14 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
             payload = bytes(ctx.backend.batch_exists(paths))
         else:
             offsets = [block_id * ctx.block_bytes for block_id in task.block_ids]
-            io = ctx.backend.batch_store if task.kind == TaskKind.STORE \
-                else ctx.backend.batch_load
-            io(paths, ctx.memory, offsets, ctx.block_bytes, use_o_direct=ctx.io.use_o_direct)
+            if task.kind == TaskKind.LOAD and ctx.bounce is not None:
+                ctx.bounce.load(ctx.backend.batch_load, paths, ctx.memory, offsets,
+                                use_o_direct=ctx.io.use_o_direct)
+            else:
+                io = ctx.backend.batch_store if task.kind == TaskKind.STORE \
+                    else ctx.backend.batch_load
+                io(paths, ctx.memory, offsets, ctx.block_bytes,
+                   use_o_direct=ctx.io.use_o_direct)
     except OSError as exc:
         err = exc.errno or errno.EIO
         n_done = getattr(exc, "n_succeeded", 0)
