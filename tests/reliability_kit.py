@@ -169,14 +169,20 @@ class JobBook:
         return sorted(self.pending)
 
 
+# A slot says "busy" for a moment after its task reported, too: a worker busy this long
+# is inside a task (a stalled or hung one), not at the end of a quick one.
+BUSY_AFTER_S = 0.05
+
+
 def busy_worker(tier: Any, timeout: float = 10.0, exclude: Iterable[int] = ()) -> dict:
-    """The first worker seen busy (polling ``stats()``); ``AssertionError`` if none is
-    within ``timeout``."""
+    """The first worker seen busy for more than :data:`BUSY_AFTER_S` (polling
+    ``stats()``); ``AssertionError`` if none is within ``timeout``."""
     skip = set(exclude)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for w in tier.stats()["workers"]:
-            if w["state"] == "busy" and w["pid"] not in skip:
+            if w["state"] == "busy" and w["pid"] not in skip and \
+                    (w["task_age_s"] or 0) > BUSY_AFTER_S:
                 return w
         time.sleep(0.005)
     raise AssertionError(f"no busy worker within {timeout} s: {tier.stats()['workers']}")
@@ -229,3 +235,61 @@ def tiny_tmpfs(size_bytes: int) -> Iterator[str]:
         mounts.unmount(point)
         with contextlib.suppress(OSError):
             os.rmdir(point)
+
+
+class Service:
+    """``mptier serve`` as a real subprocess (1 load + 1 store worker unless ``settings``
+    say otherwise; extra environment for its workers, e.g. fault injection)."""
+
+    def __init__(self, name: str, root: str, run_dir: str, env: dict[str, str] | None = None,
+                 **settings: Any) -> None:
+        import sys
+
+        self.name, self.root, self.run_dir = name, root, run_dir
+        settings = {"prefault": "false", "n_load_workers": 1, "n_store_workers": 1,
+                    **settings}
+        args = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mptier.cli", "serve", "--name", name, "--root", root,
+             *args], env={**os.environ, "MPTIER_RUN_DIR": run_dir, **(env or {})},
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline()
+        if "listening on" not in line:
+            self.stop(9)
+            raise AssertionError(f"mptier serve did not start: {line!r}")
+        self.worker_pids = self._children()  # at start
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _children(self) -> list[int]:
+        import psutil
+
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return [c.pid for c in psutil.Process(self.proc.pid).children()]
+        return []
+
+    def children(self) -> list[int]:
+        """Its worker processes now."""
+        return self._children() if self.proc.poll() is None else []
+
+    def stop(self, sig: int = 15, timeout: float = 30) -> int:
+        """Send ``sig`` (SIGTERM by default) and wait; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie counts as gone)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

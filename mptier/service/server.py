@@ -278,8 +278,11 @@ class Service:
         except (OSError, ValueError):
             got = None
         if got is None:
+            # The engine is gone: its workers detach by themselves (its lifeline ended).
+            # Nobody waits for that, so neither does this loop: a worker hung in the
+            # engine's last task must not hold up status replies and the next attach.
             log.info("mptier service %r: %s detached", self.name, self._engine)
-            self._pool.end_session()
+            self._pool.end_session(timeout_s=0)
             self._drop_link()
             return
         message, fds = got

@@ -186,7 +186,9 @@ class WorkerPool:
 
     def attach(self, session: Session) -> IoSettings:
         """Prepare the root for the session's layout and hand the session to every
-        worker; blocks until all have taken it. The pool keeps its own copies of the
+        worker; blocks until all have taken it -- or, when no worker can serve now
+        (``unavailable()``), not for them: the engine fails its jobs with the reason
+        until they are back. The pool keeps its own copies of the
         session's descriptors. Raises ``MptierError`` (or ``OSError``/``ConfigError``
         from the root) and leaves no session behind on failure."""
         sup = self._supervisor
@@ -202,8 +204,16 @@ class WorkerPool:
                 errors = list(sup.attach_errors)
                 if ids and not errors:
                     live = [w for w in sup.workers if w.alive]
-                    if live and all(w.phase is Phase.SERVING and w.session_id == ids[0]
-                                    for w in live):
+                    # A worker still serving an earlier session (in a service whose last
+                    # engine died mid-task; the task may hang until io_timeout_s) takes
+                    # this one when that task ends: nobody needs waiting for.
+                    if live and all(w.phase is Phase.SERVING for w in live):
+                        return io
+                    if not live and sup.unavailable()[0]:
+                        # Nobody can serve now (every worker stuck, or cooling down
+                        # after boot failures): the session is the pool's all the same.
+                        # The engine reads why from the control block and fails its
+                        # jobs at once; workers take the session when they are back.
                         return io
                 if errors or time.monotonic() > deadline:
                     break

@@ -576,6 +576,15 @@ class Supervisor:
         self.control.clear_record(w.slot)
         if kind == TaskKind.STORE:
             self._remove_temp_files(decode_task(record).keys, w)
+        if self.session is None or w.session_id != self.session_id:
+            # The task of an earlier session (in a service: an engine that is gone). Its
+            # id means nothing to the engine attached now -- or, worse, names one of its
+            # own tasks: tell nobody.
+            with self.lock:
+                self.counters.tasks_lost += 1
+            log.info("mptier: %s; its task belonged to a session that has ended",
+                     description)
+            return
         # A store is idempotent: run it again. A load or lookup that had not started yet
         # likewise; one that had started fails (its keys become a miss). The engine has
         # the last word: it drops the retry if the task was reported meanwhile.
