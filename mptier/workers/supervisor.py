@@ -327,15 +327,18 @@ class Supervisor:
         self.control.reset(slot, role)
         try:
             proc, sock = launch(self.settings.boot, slot, role)
-        except OSError as exc:
+        except OSError as exc:  # out of descriptors or processes: a boot failure
             self.control.release_slot(slot)
             self._free_slots.append(slot)
             self._boot_failed(f"could not start a {role} worker process: {exc}")
+            # Try again (after the cool-down, when that was one failure too many): the
+            # cause (an engine at its descriptor limit) may pass.
+            self._schedule_respawn(role, generation + 1, TICK_S)
             return False
         try:
             pidfd = os.pidfd_open(proc.pid)
         except OSError:
-            pidfd = -1  # it is already gone; the socket's end of file will tell
+            pidfd = -1  # out of descriptors: the tick polls this one (never waits on it)
         sock.setblocking(False)
         w = Worker(slot=slot, role=role, proc=proc, sock=sock, pidfd=pidfd,
                    started_at=time.monotonic(), generation=generation)
@@ -502,9 +505,7 @@ class Supervisor:
         if w.phase is Phase.GONE:
             return
         if w.proc.poll() is None:
-            if w.pidfd >= 0:
-                return  # spurious: still running
-            w.proc.wait()
+            return  # still running (a spurious wake-up, or no pidfd: the tick looks again)
         was = w.phase
         w.phase = Phase.GONE
         self._close_handles(w)
@@ -637,6 +638,10 @@ class Supervisor:
         now = time.monotonic()
         now_ns = time.monotonic_ns()
         s = self.settings
+        with self.lock:
+            unwatched = [w for w in self.workers if w.pidfd < 0]
+        for w in unwatched:  # started without a pidfd: look for its exit here
+            self._reap(w)
         for w in self._live():
             snap = self.control.snapshot(w.slot)
             if w.phase is Phase.BOOTING and now - w.started_at > s.start_timeout_s:
