@@ -6,14 +6,18 @@ and detaches."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import random
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 from reliability_kit import (
@@ -21,10 +25,12 @@ from reliability_kit import (
     LATE_S,
     EngineCalls,
     JobBook,
+    temp_files,
+    tiny_tmpfs,
     wait_until,
 )
 
-from mptier import make_key
+from mptier import FileSystemTier, LookupResult, MptierError, make_key
 from mptier.workers import supervisor
 
 KB = 1 << 10
@@ -151,3 +157,182 @@ def test_a_worker_the_supervisor_cannot_watch_does_not_stop_supervision(
     job = book.store(keys_for(1, b"watched"), [0])
     assert book.wait([job])[job].success
     assert tier.stats()["pool"]["deaths"] == 3
+
+
+# -- a full file system, a root that disappears ---------------------------------------------
+
+@pytest.mark.parametrize("backend", ["native", "python"], indirect=True)
+def test_a_full_file_system_fails_stores_by_name_leaves_no_temp_file_and_recovers(
+        make_buffer, make_tier):
+    with tiny_tmpfs(1 << 20) as point:  # room for three 256 KiB blocks and the folders
+        block = 256 * KB
+        buf = make_buffer(16, block)
+        tier = make_tier(buf, root_dir=os.path.join(point, "kv"), n_load_workers=1,
+                         n_store_workers=1)
+        calls = EngineCalls(tier)
+        book = JobBook(calls, buf)
+        keys = keys_for(6, b"enospc")
+        results = [book.wait([job])[job] for job in
+                   (book.store([key], [n]) for n, key in enumerate(keys))]
+        ok = [r.success for r in results]
+        assert ok[:2] == [True, True] and not ok[-1], results
+        full = [r for r in results if not r.success]
+        assert all(r.errno == errno.ENOSPC and "No space left" in r.error for r in full)
+        assert temp_files(point) == []  # a failed store leaves nothing behind
+        stored = [key for key, good in zip(keys, ok) if good]
+        os.unlink(tier.mapper.path_for(stored[0]))  # the operator frees some space
+        again = book.store([keys[-1]], [5])
+        assert book.wait([again])[again].success
+        loaded = book.load([*stored[1:], keys[-1]], list(range(8, 8 + len(stored))))
+        assert book.wait([loaded])[loaded].success
+        assert not book.wrong and not book.twice and not book.lost()
+        assert calls.slowest < ENGINE_CALL_BOUND_S
+        tier.shutdown()  # before the mount goes
+
+
+@pytest.mark.parametrize("backend", ["native", "python"], indirect=True)
+def test_a_root_that_disappears_or_turns_into_a_file_fails_by_name_and_never_hangs(
+        make_buffer, make_tier, tmp_path):
+    root = tmp_path / "vanishing" / "kv"
+    buf = make_buffer(16, BLOCK)
+    tier = make_tier(buf, root_dir=str(root), n_load_workers=1, n_store_workers=1)
+    calls = EngineCalls(tier)
+    book = JobBook(calls, buf)
+    keys = keys_for(4, b"vanishing")
+    book.wait([book.store(keys[:2], [0, 1])])
+    shutil.rmtree(tmp_path / "vanishing")  # e.g. an operator wiping the cache
+    lost = book.load(keys[:1], [8])
+    result = book.wait([lost])[lost]
+    assert not result.success and result.errno == errno.ENOENT and str(root) in result.error
+    assert calls.lookup(keys[1], "r") is LookupResult.RETRY
+    calls.on_schedule_end()
+    wait_until(lambda: calls.lookup(keys[1], "r") is LookupResult.MISS, 10,
+               "the lookup of a vanished block to miss", book.collect)
+    stored = book.store(keys[2:3], [2])  # a store makes its folders again
+    assert book.wait([stored])[stored].success
+    loaded = book.load(keys[2:3], [9])
+    assert book.wait([loaded])[loaded].success
+    shutil.rmtree(tmp_path / "vanishing")
+    root.parent.mkdir()
+    root.write_bytes(b"")  # a file where the root folder was
+    for job in (book.store(keys[3:4], [3]), book.load(keys[2:3], [10])):
+        result = book.wait([job])[job]
+        assert not result.success and result.errno == errno.ENOTDIR, result
+        assert str(root) in result.error
+    assert not book.wrong and not book.twice and not book.lost()
+    assert calls.slowest < ENGINE_CALL_BOUND_S
+
+
+# -- signal storms ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_sigstop_sigcont_storm_loses_nothing_and_serves_no_wrong_byte(make_buffer, make_tier):
+    """For 12 s a random worker is stopped for 0.1-2.5 s, then continued (a debugger, a
+    throttled container, a swapping host), while the engine runs mixed jobs: stopped
+    busy workers time out and are replaced, stopped idle ones miss heartbeats."""
+    rng = random.Random(7)
+    buf = make_buffer(48, BLOCK)
+    tier = make_tier(buf, n_load_workers=2, n_store_workers=2, io_timeout_s=1.0,
+                     heartbeat_s=0.5)
+    calls = EngineCalls(tier)
+    book = JobBook(calls, buf)
+    keys = keys_for(24, b"stop-storm")
+    book.wait([book.store(keys, list(range(24)))])
+    stopped: dict[int, float] = {}  # pid -> when to continue it
+    storm_ends = time.monotonic() + 12
+    next_stop = time.monotonic()
+    n = 0
+    while time.monotonic() < storm_ends:
+        now = time.monotonic()
+        for pid, until in list(stopped.items()):
+            if now >= until:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+                del stopped[pid]
+        if now >= next_stop:
+            victims = [w["pid"] for w in tier.stats()["workers"]
+                       if w["alive"] and w["pid"] not in stopped]
+            if victims:
+                pid = rng.choice(victims)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+                stopped[pid] = now + rng.uniform(0.1, 2.5)
+            next_stop = now + rng.uniform(0.2, 0.8)
+        if len(book.pending) < 8:
+            key = keys[n % 24]
+            if n % 3:
+                book.load([key], [24 + n % 24])
+            else:
+                book.store([key], [n % 24])
+            n += 1
+        calls.lookup(keys[rng.randrange(24)], n % 5)
+        calls.on_schedule_end()
+        book.collect()
+        time.sleep(0.01)
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    book.drain(30)
+    assert not book.lost() and not book.twice and not book.wrong
+    assert sum(r.success for r in book.results.values()) > 20
+    assert tier.stats()["pool"]["deaths"] >= 1  # the storm did hit
+    wait_until(lambda: full_pool(tier, 4), 15, "the pool whole after the storm",
+               book.collect)
+    last = book.load(keys[:4], [24, 25, 26, 27])
+    assert book.wait([last])[last].success and not book.wrong
+    assert calls.slowest < ENGINE_CALL_BOUND_S, (calls.slowest, calls.slowest_call)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_workers_killed_while_tiers_attach_and_detach(make_buffer, backend, root):
+    """A killer SIGKILLs a random worker every 0.2-0.6 s while tiers start, work and
+    shut down in a row: each start either succeeds or says why; each shutdown returns
+    in bounded time; every job is reported exactly once; nothing is left behind."""
+    rng = random.Random(11)
+    stop = threading.Event()
+    kills = 0
+
+    def killer() -> None:
+        nonlocal kills
+        while not stop.wait(rng.uniform(0.2, 0.6)):
+            pids = [p for tier in live for p in tier.worker_pids()]
+            if pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rng.choice(pids), signal.SIGKILL)
+                    kills += 1
+
+    live: list[FileSystemTier] = []
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    buf = make_buffer(16, BLOCK)
+    started = refused = 0
+    try:
+        for cycle in range(6):
+            try:
+                tier = FileSystemTier(buf, root_dir=root, n_load_workers=1,
+                                      n_store_workers=1, prefault=False,
+                                      worker_start_timeout_s=20, native=True)
+            except MptierError as exc:  # a start beaten by the killer says so
+                refused += 1
+                assert "workers" in str(exc)
+                continue
+            live.append(tier)
+            started += 1
+            book = JobBook(EngineCalls(tier), buf)
+            keys = keys_for(4, b"cycle%d" % cycle)
+            jobs = [book.store(keys, [0, 1, 2, 3]), book.load(keys[:2], [8, 9])]
+            time.sleep(rng.uniform(0.0, 0.5))
+            began = time.monotonic()
+            tier.shutdown()  # with jobs in flight, while workers are being killed
+            assert time.monotonic() - began < 30
+            live.remove(tier)
+            book.collect()
+            assert set(book.results) == set(jobs) and not book.twice and not book.wrong
+    finally:
+        stop.set()
+        thread.join()
+        for tier in live:
+            tier.shutdown()
+    assert started >= 3 and kills >= 3, (started, refused, kills)

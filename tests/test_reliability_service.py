@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -374,3 +375,32 @@ def service_figures(run_dir: str, name: str = "kv") -> dict:
         messages.send(s, "status")
         reply, _ = messages.receive(s)
     return reply["figures"]
+
+
+def test_a_service_dying_while_an_engine_attaches_is_waited_for_then_used(
+        services, engines):
+    """The engine connected and sent its attach; the service dies before answering (it
+    is stopped, then killed). Like a service not there yet, that is waited for (up to
+    worker_start_timeout_s): the restarted one takes the engine."""
+    service = services()
+    os.kill(service.pid, signal.SIGSTOP)  # connects go to its backlog, nobody answers
+    outcome: dict = {}
+
+    def attach() -> None:
+        try:
+            outcome["tier"] = engines(worker_start_timeout_s=30)
+        except Exception as exc:  # handed to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=attach)
+    thread.start()
+    time.sleep(0.5)  # the engine sits in its attach
+    assert thread.is_alive()
+    service.stop(signal.SIGKILL)
+    services()  # restarted, as a supervisor (systemd) would
+    thread.join(40)
+    assert not thread.is_alive() and "error" not in outcome, outcome
+    tier = outcome["tier"]
+    book = JobBook(EngineCalls(tier), tier._buffer)
+    round_trip(book, keys_for(2, b"attached late"), [0, 1], [2, 3])
+    assert not book.twice and not book.wrong
