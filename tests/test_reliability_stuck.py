@@ -282,3 +282,36 @@ def test_a_read_that_outlives_its_worker_never_lands_in_a_reused_slot(
     assert np.array_equal(buf.view[5], content(fresh, BLOCK)), \
         "the stale read landed in the reused slot"
     assert not book.wrong and not book.twice
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_status_still_answers_while_the_root_hangs(make_fuse_fs, make_buffer, make_tier):
+    """`mptier status` reads the root's disk use (statvfs): on a hung mount that call
+    never returns, and status must answer all the same, saying why the figure is
+    missing, while the engine goes on."""
+    import json
+    import subprocess
+    import sys
+
+    fs, buf, tier = fuse_tier(make_fuse_fs, make_buffer, make_tier)
+    rule = fs.block("statfs", "*")
+
+    def status() -> dict:
+        out = subprocess.run([sys.executable, "-m", "mptier.cli", "status", "--name",
+                              tier.status_name, "--json", "--interval", "0"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        figures = json.loads(out.stdout)
+        return figures[0] if isinstance(figures, list) else figures
+
+    for _ in range(2):  # the second while the first statvfs is still stuck
+        figures = status()
+        assert "not responding" in figures["disk"]["error"], figures["disk"]
+        assert figures["disk"]["total_bytes"] is None
+    fs.wait_blocked(rule)
+    book = JobBook(EngineCalls(tier), buf)
+    job = book.store(keys_for(1, b"status"), [0])
+    assert book.wait([job], timeout=10)[job].success
+    rule.release()
+    wait_until(lambda: status()["disk"]["total_bytes"], 10, "disk figures again")
