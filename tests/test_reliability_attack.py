@@ -336,3 +336,25 @@ def test_workers_killed_while_tiers_attach_and_detach(make_buffer, backend, root
         for tier in live:
             tier.shutdown()
     assert started >= 3 and kills >= 3, (started, refused, kills)
+
+
+def test_the_scenario_runner_runs_and_writes_its_table(tmp_path):
+    """bench/reliability.py (the report's figures) keeps working: two quick scenarios,
+    one of which skips with its reason until its feature is on main."""
+    out = tmp_path / "reliability.json"
+    bench = os.path.join(os.path.dirname(__file__), "..", "bench", "reliability.py")
+    run = subprocess.run([sys.executable, bench, "--only", "pidns_buffer,hostile_entries",
+                          "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {r["scenario"]: r for r in report["rows"]}
+    assert set(rows) == {"pidns_buffer", "hostile_entries"}
+    for row in rows.values():
+        assert row["status"] in ("ran", "skipped"), row
+        if row["status"] == "ran":
+            assert row["jobs_lost"] == 0 and row["wrong_bytes"] == 0, row
+            assert row["objects_leaked"] == 0, row
+        else:
+            assert row["notes"] and row["notes"][-1].startswith("skipped: "), row
+    assert "| scenario | jobs run |" in out.with_suffix(".md").read_text()
+    assert report["load_average_before"] and report["date"]
