@@ -43,7 +43,7 @@ from mptier.jobs import MessageType, TaskKind, decode_task, encode_message, with
 from mptier.layout import FileMapper
 from mptier.workers.control import ControlBlock, SlotState, SlotWriter
 from mptier.workers.launcher import LaunchSpec, launch
-from mptier.workers.worker import WorkerContext, run_worker
+from mptier.workers.worker import WorkerContext, run_worker, temp_tag
 
 log = logging.getLogger(__name__)
 
@@ -357,9 +357,10 @@ class ProcessPool:
         self._control.bump(self._control.supervisor_counter)
 
     def _remove_temp_files(self, keys: list[bytes], pid: int) -> None:
-        """A killed store leaves ``<final>.<pid>.*.tmp`` files; nothing reads them."""
+        """A killed store leaves ``<final>.<tag>.*.tmp`` files; nothing reads them."""
+        pattern = f".{temp_tag(pid).decode()}.*.tmp"
         for key in keys:
-            for path in glob.glob(glob.escape(self._mapper.path_for(key)) + f".{pid}.*.tmp"):
+            for path in glob.glob(glob.escape(self._mapper.path_for(key)) + pattern):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
 

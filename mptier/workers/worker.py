@@ -27,6 +27,7 @@ import ctypes
 import errno
 import fcntl
 import json
+import logging
 import os
 import select
 import signal
@@ -37,7 +38,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from mptier.errors import BatchIOError
+from mptier import native
 from mptier.jobs import (
     TASK_RECORD_BYTES,
     MessageType,
@@ -48,6 +49,8 @@ from mptier.jobs import (
 )
 from mptier.layout import FileMapper
 from mptier.workers.control import SlotState, SlotWriter
+
+log = logging.getLogger(__name__)
 
 _POLL_S = 1.0  # idle wake-up, a backstop for the lifeline's end-of-file event
 _EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 0)
@@ -68,6 +71,13 @@ def _parse_stalls(spec: str) -> dict[TaskKind, float]:
 _STALLS = _parse_stalls(os.environ.get(STALL_ENV, ""))
 
 
+def temp_tag(pid: int) -> bytes:
+    """The tag in this worker's temporary names: its pid, zero-padded to the 16
+    characters a tag has. Interim, until writers hold leases: the pool finds a dead
+    worker's temporary files by it."""
+    return b"%016d" % pid
+
+
 @dataclass
 class WorkerContext:
     slot: int
@@ -86,10 +96,28 @@ class WorkerContext:
     use_o_direct: bool
     block_bytes: int
     fionread: array.array = field(default_factory=lambda: array.array("i", [0]))
+    root_fd: int = -1  # mapper.blocks_dir, opened by run_worker unless given
+    tag: bytes = b""  # writer tag in temporary names; temp_tag(pid) unless given
 
 
 def run_worker(ctx: WorkerContext) -> str:
-    """Serve tasks until the lifeline closes. Returns why the worker left."""
+    """Serve tasks until the lifeline closes. Returns why the worker left.
+
+    Raises ``OSError`` if the blocks folder cannot be opened.
+    """
+    if not ctx.tag:
+        ctx.tag = temp_tag(os.getpid())
+    if ctx.root_fd >= 0:
+        return _run_worker(ctx)
+    ctx.root_fd = native.open_root(ctx.mapper.blocks_dir)
+    try:
+        return _run_worker(ctx)
+    finally:
+        os.close(ctx.root_fd)
+        ctx.root_fd = -1
+
+
+def _run_worker(ctx: WorkerContext) -> str:
     with select.epoll() as poller:
         # Wake-ups are exclusive: the engine's one write of a job's tasks wakes one idle
         # worker, not the whole pool, so the engine's thread pays for one wake-up. A
@@ -162,20 +190,31 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
     task = decode_task(record)
     if _STALLS and task.kind in _STALLS:
         time.sleep(_STALLS[task.kind])
-    paths = [ctx.mapper.path_for(key) for key in task.keys]
+    paths = [ctx.mapper.relative_path_for(key).encode() for key in task.keys]
     err = 0
     n_done = len(paths)
     payload: bytes | str = b""
     try:
         if task.kind == TaskKind.EXISTS:
-            payload = pack_bitmap(ctx.backend.batch_exists(paths))
+            statuses = ctx.backend.lookup(ctx.root_fd, paths, ctx.block_bytes)
+            payload = pack_bitmap([s == native.LOOKUP_PRESENT for s in statuses])
         else:
             offsets = [block_id * ctx.block_bytes for block_id in task.block_ids]
-            io = ctx.backend.batch_store if task.kind == TaskKind.STORE \
-                else ctx.backend.batch_load
-            io(paths, ctx.memory, offsets, ctx.block_bytes, use_o_direct=ctx.use_o_direct)
-    except BatchIOError as exc:
-        err, n_done, payload = exc.errno or errno.EIO, exc.n_succeeded, str(exc)
+            flags = native.O_DIRECT if ctx.use_o_direct else 0
+            if task.kind == TaskKind.STORE:
+                rc, n_done, index, tmp_errno = ctx.backend.store(
+                    ctx.root_fd, paths, ctx.memory, offsets, ctx.block_bytes, flags, ctx.tag)
+                if tmp_errno:
+                    log.warning("mptier: could not remove a temporary file under %s: %s",
+                                ctx.mapper.blocks_dir, os.strerror(tmp_errno))
+            else:
+                rc, n_done, index = ctx.backend.load(
+                    ctx.root_fd, paths, ctx.memory, offsets, ctx.block_bytes, flags)
+            if rc:
+                err = -rc
+                payload = str(native.batch_error(
+                    "store" if task.kind == TaskKind.STORE else "load", err, n_done, index,
+                    f"{ctx.mapper.blocks_dir}/{paths[index].decode()}"))
     except Exception as exc:  # a bug or bad input must not kill the worker: report it
         err, n_done = errno.EIO, 0
         payload = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -201,7 +240,6 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def process_main(spec: dict[str, Any]) -> int:
-    from mptier import native
     from mptier.mapping import MappedBuffer, Segment
     from mptier.workers.control import ControlBlock
 
@@ -225,6 +263,7 @@ def process_main(spec: dict[str, Any]) -> int:
         backend = native.get_backend("native" if spec["native"] and native.HAS_NATIVE
                                      else "python")
         mapper = FileMapper(**spec["layout"])
+        root_fd = native.open_root(mapper.blocks_dir)
     except Exception as exc:
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         os.write(completion_fd, encode_message(MessageType.BOOT_FAILED, slot, os.getpid(),
@@ -238,7 +277,8 @@ def process_main(spec: dict[str, Any]) -> int:
                         lifeline_fd=spec["lifeline_fd"], doorbell_fd=spec["doorbell_fd"],
                         doorbell_write_fd=spec["doorbell_write_fd"], memory=buffer.memory,
                         slot_writer=writer, mapper=mapper, backend=backend,
-                        use_o_direct=spec["use_o_direct"], block_bytes=spec["block_bytes"])
+                        use_o_direct=spec["use_o_direct"], block_bytes=spec["block_bytes"],
+                        root_fd=root_fd)
     try:
         reason = run_worker(ctx)
     except BrokenPipeError:
