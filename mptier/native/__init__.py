@@ -123,7 +123,7 @@ def open_root(path) -> int:
     The root itself may be reached through symlinks (an operator's choice); nothing
     beneath it is. Raises ``OSError`` naming the path when it is not a usable directory.
     """
-    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    return os.open(os.fspath(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 _HINTS = {
