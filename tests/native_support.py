@@ -1,5 +1,9 @@
 """Helpers shared by the native-layer tests (test_native*.py, test_crc32c.py).
 
+A test module imports the fixtures it uses (``io_fixture``, ``backend_fixture``,
+``shim_fixture``, ``no_fault_fixture``); each is registered under its short name
+(``io``, ``backend``, ``shim``, and the autouse ``_no_fault``).
+
 The ``io`` fixture switches what those suites claim to cover: the compiled core with
 openat2 resolution ("native"), the compiled core forced onto its O_NOFOLLOW walk
 ("native-walk"), and the pure-Python twin ("python"). A native variant is skipped,
@@ -83,13 +87,13 @@ def make_io(variant: str) -> IO:
         pytest.skip(str(e))
 
 
-@pytest.fixture(params=IO_VARIANTS)
-def io(request) -> IO:
+@pytest.fixture(params=IO_VARIANTS, name="io")
+def io_fixture(request) -> IO:
     return make_io(request.param)
 
 
-@pytest.fixture(params=["native", "python"])
-def backend(request) -> native.Backend:
+@pytest.fixture(params=["native", "python"], name="backend")
+def backend_fixture(request) -> native.Backend:
     """The two backends alone (for what does not resolve paths: CRC, probes)."""
     try:
         return native.get_backend(request.param)
@@ -97,8 +101,8 @@ def backend(request) -> native.Backend:
         pytest.skip(str(e))
 
 
-@pytest.fixture(autouse=True)
-def _no_fault():
+@pytest.fixture(autouse=True, name="_no_fault")
+def no_fault_fixture():
     native.set_fault(None)
     yield
     native.set_fault(None)
@@ -184,8 +188,8 @@ def run_python(code: str, *args: str, env: dict[str, str] | None = None,
     return proc
 
 
-@pytest.fixture(scope="session")
-def shim(tmp_path_factory) -> str:
+@pytest.fixture(scope="session", name="shim")
+def shim_fixture(tmp_path_factory) -> str:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler to build the LD_PRELOAD shim")

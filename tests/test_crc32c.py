@@ -10,7 +10,11 @@ import time
 
 import numpy as np
 import pytest
-from native_support import backend, crc32c_reference  # noqa: F401  (fixture)
+from native_support import (  # noqa: F401  (fixtures)
+    backend_fixture,
+    crc32c_reference,
+    no_fault_fixture,
+)
 
 from mptier import native
 

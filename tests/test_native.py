@@ -29,17 +29,17 @@ import pytest
 from native_support import (  # noqa: F401  (fixtures)
     ALIGN,
     BLOCK,
-    _no_fault,
     aligned,
     block_paths,
     child_env,
     files_under,
-    io,
+    io_fixture,
     make_io,
+    no_fault_fixture,
     offsets,
     run_python,
     run_with_shim,
-    shim,
+    shim_fixture,
     temp_files,
     write_file,
 )
@@ -561,7 +561,8 @@ def test_constants_are_one_set():
     statuses = [native.LOOKUP_ABSENT, native.LOOKUP_PRESENT, native.LOOKUP_SYMLINK,
                 native.LOOKUP_BAD, native.LOOKUP_SHORT]
     assert sorted(statuses) == list(range(5))
-    assert native.TEMP_SUFFIX_MAX_BYTES == len(f".{'z' * 16}.{2**64 - 1}.tmp")
+    longest_suffix = f".{'z' * 16}.{2**64 - 1}.tmp"
+    assert len(longest_suffix) == native.TEMP_SUFFIX_MAX_BYTES
     assert native.XATTR_NAME == "user.vllm.kv_crc32c"
     tag = native.new_tag()
     assert len(tag) == native.TAG_LEN and tag.isalnum() and tag == tag.lower()

@@ -16,15 +16,15 @@ import shutil
 import pytest
 from native_support import (  # noqa: F401  (fixtures)
     BLOCK,
-    _no_fault,
     aligned,
     block_paths,
     crc32c_reference,
-    io,
+    io_fixture,
+    no_fault_fixture,
     offsets,
     run_python,
     run_with_shim,
-    shim,
+    shim_fixture,
     temp_files,
     write_file,
 )

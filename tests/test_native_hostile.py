@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from native_support import (  # noqa: F401  (fixtures)
     BLOCK,
-    _no_fault,
     aligned,
     block_paths,
-    io,
+    io_fixture,
+    no_fault_fixture,
     temp_files,
     write_file,
 )
@@ -147,7 +147,7 @@ def _bounded(fn, what: str, fifo: Path | None):
             box["out"] = fn()
         except BatchIOError as e:
             box["out"] = e
-        except BaseException as e:  # noqa: BLE001  (reported below)
+        except BaseException as e:  # reported below
             box["error"] = e
 
     thread = threading.Thread(target=run, daemon=True)
@@ -183,7 +183,8 @@ def test_hostile_entry(io, tmp_path, kind):
                 r, [REL], b, [BLOCK], BLOCK, checksum=True), op, fifo)
             assert set(buf[BLOCK:].tolist()) == {0x77}, "a failed load wrote the slot"
         else:
-            answer = _bounded(lambda r=root, b=buf, t=op.endswith("tmpfile"): io.batch_store(
+            tmpfile = op.endswith("tmpfile")
+            answer = _bounded(lambda r=root, b=buf, t=tmpfile: io.batch_store(
                 r, [REL], b, [0], BLOCK, checksum=True, tmpfile=t), op, fifo)
         if isinstance(answer, BatchIOError):
             assert answer.filename == str(root / REL)
