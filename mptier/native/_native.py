@@ -30,11 +30,11 @@ if _differ or ffi.string(lib.mpt_xattr_name()).decode() != _pure.XATTR_NAME:
     raise ImportError(f"mptier native core and mptier/native/_pure.py disagree on "
                       f"{', '.join(_differ) or 'the xattr name'}; rebuild the package")
 
-_IMPL = ffi.string(lib.mpt_crc32c_impl()).decode()
 # Names of the CRC32C implementations this CPU can run, best first.
-CRC32C_IMPLS = (_IMPL, "table") if _IMPL != "table" else ("table",)
-_IMPL_CODE = {None: lib.MPT_CRC32C_BEST, _IMPL: lib.MPT_CRC32C_BEST,
-              "table": lib.MPT_CRC32C_TABLE}
+CRC32C_IMPLS = tuple(ffi.string(lib.mpt_crc32c_impls()).decode().split(","))
+_IMPL_CODE = {None: lib.MPT_CRC32C_BEST, "table": lib.MPT_CRC32C_TABLE,
+              "sse4.2": lib.MPT_CRC32C_HW, "armv8-crc": lib.MPT_CRC32C_HW,
+              "avx512-vpclmulqdq": lib.MPT_CRC32C_FOLD}
 
 
 def _blob(paths: Sequence[bytes]) -> bytes:
@@ -82,7 +82,7 @@ def resolver() -> str:
 
 
 def crc32c_impl() -> str:
-    return _IMPL
+    return CRC32C_IMPLS[0]
 
 
 def crc32c_with(data, value: int, impl: str | None) -> int:

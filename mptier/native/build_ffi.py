@@ -35,6 +35,8 @@ ffibuilder.cdef(
     #define MPT_LOOKUP_SHORT ...
     #define MPT_CRC32C_BEST ...
     #define MPT_CRC32C_TABLE ...
+    #define MPT_CRC32C_HW ...
+    #define MPT_CRC32C_FOLD ...
 
     int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
                         const uint64_t *offsets, size_t block_bytes, int flags,
@@ -49,7 +51,7 @@ ffibuilder.cdef(
     int mpt_probe_xattr(const char *dir);
     int mpt_probe_o_tmpfile(const char *dir);
     uint32_t mpt_crc32c(uint32_t crc, const char *p, size_t n, int impl);
-    const char *mpt_crc32c_impl(void);
+    const char *mpt_crc32c_impls(void);
     const char *mpt_resolver(void);
     const char *mpt_xattr_name(void);
     """

@@ -55,6 +55,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <sys/vfs.h>
 #include <sys/xattr.h>
 #include <unistd.h>
 
@@ -67,6 +68,10 @@
 #define MPT_CHUNK_BYTES (256 * 1024)
 /* Status of a store attempt that could not use O_TMPFILE here: use a named file. */
 #define MPT_USE_NAMED 1
+/* statfs f_type of file systems that keep file data in memory (include/uapi/linux/magic.h):
+ * there O_DIRECT is a memory copy like any other, so checksums take the chunked path. */
+#define MPT_TMPFS_MAGIC 0x01021994
+#define MPT_RAMFS_MAGIC 0x858458f6
 
 static uint64_t mpt_counter;
 static int mpt_empty_path_refused; /* linkat(AT_EMPTY_PATH) needs a capability we lack */
@@ -77,6 +82,7 @@ struct mpt_batch {
     int flags;
     const char *tag;
     int tmp_errno; /* first failure to remove a temporary file (errno), 0 if none */
+    int memory_fs; /* the root keeps data in memory: even O_DIRECT I/O is a CPU copy */
 };
 
 /* -- small helpers ------------------------------------------------------------------- */
@@ -173,13 +179,15 @@ int mpt_set_record(int fd, uint32_t crc)
 
 /* -- load ------------------------------------------------------------------------------ */
 
-/* Read len bytes; with check, CRC them (chunk by chunk while in cache when buffered). */
-static int mpt_read_block(int fd, char *dst, size_t len, int direct, int check, uint32_t *crc)
+/* Read len bytes; with check, CRC them. When the read is a CPU copy (buffered, or any
+ * I/O on a memory file system) each chunk is checksummed right after it arrives, while
+ * it is in cache; a device's direct read is checksummed whole, in one pass after it. */
+static int mpt_read_block(int fd, char *dst, size_t len, int whole, int check, uint32_t *crc)
 {
     size_t done = 0;
     ssize_t got;
 
-    if (!check || direct) {
+    if (!check || whole) {
         got = mpt_read_full(fd, dst, len);
         if (got < 0)
             return (int)got;
@@ -228,7 +236,7 @@ static int mpt_load_one(struct mpt_batch *b, const char *rel, char *dst, size_t 
              (rc = mpt_record_of(fd, &want, &present)) != 0)
         remove = rc == -EBADMSG;
     else {
-        rc = mpt_read_block(fd, dst, len, direct, present, &got_crc);
+        rc = mpt_read_block(fd, dst, len, direct && !b->memory_fs, present, &got_crc);
         if (rc == -ENODATA)
             remove = 1; /* shrank while we read */
         else if (rc == 0 && present && got_crc != want)
@@ -244,15 +252,16 @@ static int mpt_load_one(struct mpt_batch *b, const char *rel, char *dst, size_t 
 
 /* -- store ------------------------------------------------------------------------------ */
 
-/* Write the block to fd; with MPT_CHECKSUM, set the record on fd afterwards. Buffered,
- * each chunk is checksummed just before it is copied out, while it is in cache. */
-static int mpt_write_block(int fd, const char *src, size_t len, int direct, int check)
+/* Write the block to fd; with check, set the record on fd afterwards. When the write is
+ * a CPU copy, each chunk is checksummed just before it is copied out, so the copy reads
+ * it from cache; a device's direct write is checksummed whole, before it. */
+static int mpt_write_block(int fd, const char *src, size_t len, int whole, int check)
 {
     uint32_t crc = 0;
     size_t done = 0;
     int rc;
 
-    if (!check || direct) {
+    if (!check || whole) {
         if (check)
             crc = mpt_crc32c(0, src, len, MPT_CRC32C_BEST);
         rc = mpt_write_all(fd, src, len);
@@ -293,7 +302,7 @@ static int mpt_store_named(struct mpt_batch *b, int dirfd, const char *leaf,
             mpt_unlink_temp(b, dirfd, tmp);
         return fd;
     }
-    rc = mpt_write_block(fd, src, len, direct, b->flags & MPT_CHECKSUM);
+    rc = mpt_write_block(fd, src, len, direct && !b->memory_fs, b->flags & MPT_CHECKSUM);
     if (close(fd) != 0 && rc == 0)
         rc = -errno; /* network file systems may report a failed write here */
     if (rc == 0) {
@@ -333,7 +342,7 @@ static int mpt_store_tmpfile(struct mpt_batch *b, int dirfd, const char *leaf,
         return MPT_USE_NAMED; /* no O_TMPFILE here (or not with O_DIRECT) */
     if (fd < 0)
         return fd;
-    rc = mpt_write_block(fd, src, len, direct, b->flags & MPT_CHECKSUM);
+    rc = mpt_write_block(fd, src, len, direct && !b->memory_fs, b->flags & MPT_CHECKSUM);
     if (rc == 0) {
         rc = mpt_link_tmpfile(fd, dirfd, leaf);
         if (rc == -EEXIST)
@@ -435,11 +444,22 @@ static int mpt_batch(mpt_block_fn one, struct mpt_batch *b, const char *paths_bl
     return 0;
 }
 
+/* Whether checksummed O_DIRECT I/O under root should take the chunked path. */
+static int mpt_memory_fs(int root, int flags)
+{
+    struct statfs sf;
+    if ((flags & (MPT_CHECKSUM | MPT_O_DIRECT)) != (MPT_CHECKSUM | MPT_O_DIRECT) ||
+        fstatfs(root, &sf) != 0)
+        return 0;
+    return (unsigned long)sf.f_type == MPT_TMPFS_MAGIC ||
+           (unsigned long)sf.f_type == MPT_RAMFS_MAGIC;
+}
+
 int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
                     const uint64_t *offsets, size_t block_bytes, int flags, const char *tag,
                     size_t *n_done, size_t *fail_index, int *tmp_unlink_errno)
 {
-    struct mpt_batch b = {root, flags, tag, 0};
+    struct mpt_batch b = {root, flags, tag, 0, mpt_memory_fs(root, flags)};
     int rc = mpt_batch(mpt_store_one, &b, paths_blob, n, base, offsets, block_bytes, n_done,
                        fail_index);
     *tmp_unlink_errno = b.tmp_errno;
@@ -450,7 +470,7 @@ int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base,
                    const uint64_t *offsets, size_t block_bytes, int flags, size_t *n_done,
                    size_t *fail_index)
 {
-    struct mpt_batch b = {root, flags, NULL, 0};
+    struct mpt_batch b = {root, flags, NULL, 0, mpt_memory_fs(root, flags)};
     return mpt_batch(mpt_load_one, &b, paths_blob, n, base, offsets, block_bytes, n_done,
                      fail_index);
 }

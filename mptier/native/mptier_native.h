@@ -47,6 +47,8 @@
 /* CRC32C implementations for mpt_crc32c's impl argument. */
 #define MPT_CRC32C_BEST 0  /* the fastest this CPU has (chosen once, at first use) */
 #define MPT_CRC32C_TABLE 1 /* the portable table-driven code, whatever the CPU */
+#define MPT_CRC32C_HW 2    /* the CRC instruction (SSE4.2 / ARMv8), three streams */
+#define MPT_CRC32C_FOLD 3  /* carry-less multiply folding (AVX-512 VPCLMULQDQ) */
 
 /* vLLM's checksum record: CRC32C of the block, 4 bytes big-endian, in this attribute. */
 #define MPT_XATTR_NAME "user.vllm.kv_crc32c"
@@ -67,8 +69,9 @@ int mpt_probe_o_tmpfile(const char *dir);
 /* CRC32C (Castagnoli) of n bytes at p, continuing from crc (0 to start), as zlib's
  * crc32() continues: crc(a + b) == crc(b, crc(a)). */
 uint32_t mpt_crc32c(uint32_t crc, const char *p, size_t n, int impl);
-/* "sse4.2", "armv8-crc" or "table": what MPT_CRC32C_BEST runs on this CPU. */
-const char *mpt_crc32c_impl(void);
+/* The implementations this CPU runs, best first, comma-separated: e.g.
+ * "avx512-vpclmulqdq,sse4.2,table". An impl it lacks falls back to the next one. */
+const char *mpt_crc32c_impls(void);
 /* "openat2" or "walk": how paths resolve beneath a root without MPT_NO_OPENAT2. */
 const char *mpt_resolver(void);
 const char *mpt_xattr_name(void);
