@@ -221,3 +221,36 @@ def test_root_without_user_xattrs(io, tmp_path):
     assert json.loads(proc.stdout) == {"probe": False, "checked store": errno.EOPNOTSUPP,
                                        "left": ["a"], "load": True}
     assert os.listdir(mnt) == []  # the mount was the child's alone
+
+
+@pytest.fixture
+def shm_root():
+    """A folder on /dev/shm (tmpfs): there the C core checksums O_DIRECT I/O chunk by
+    chunk, as a memory copy, instead of in one pass."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    import tempfile
+    path = tempfile.mkdtemp(prefix="native-test-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path)
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "direct"])
+def test_checksums_on_a_memory_file_system(io, shm_root, o_direct):
+    n = 3
+    buf = aligned(2 * n * MULTI_CHUNK, seed=11)
+    paths = block_paths(n)
+    io.batch_store(shm_root, paths, buf, offsets(range(n), MULTI_CHUNK), MULTI_CHUNK,
+                   checksum=True, o_direct=o_direct)
+    for i, p in enumerate(paths):
+        assert os.getxattr(os.path.join(shm_root, p), NAME) == record(
+            buf[i * MULTI_CHUNK : (i + 1) * MULTI_CHUNK])
+    with open(os.path.join(shm_root, paths[1]), "r+b") as f:
+        f.seek(MULTI_CHUNK - 1)
+        f.write(b"\x00" if buf[2 * MULTI_CHUNK - 1] else b"\x01")
+    with pytest.raises(BatchIOError) as info:
+        io.batch_load(shm_root, paths, buf, offsets(range(n, 2 * n), MULTI_CHUNK),
+                      MULTI_CHUNK, checksum=True, o_direct=o_direct)
+    assert (info.value.errno, info.value.index) == (errno.EBADMSG, 1)
+    assert bytes(buf[n * MULTI_CHUNK : (n + 1) * MULTI_CHUNK]) == bytes(buf[:MULTI_CHUNK])
+    assert not os.path.exists(os.path.join(shm_root, paths[1]))

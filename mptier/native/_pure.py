@@ -288,6 +288,7 @@ def _load_one(root: int, rel: bytes, chunk: memoryview, direct: bool, flags: int
             rc, remove = -errno.ENODATA, True
         else:
             rc = 0
+            os.set_blocking(fd, True)  # a regular file: no FIFO wait to guard against
             if flags & CHECKSUM:
                 rc, want = _record_of(fd)
                 remove = rc == -errno.EBADMSG

@@ -232,6 +232,10 @@ static int mpt_load_one(struct mpt_batch *b, const char *rel, char *dst, size_t 
         rc = -EFBIG;
     else if ((uint64_t)st.st_size < len)
         rc = -ENODATA, remove = 1;
+    /* a regular file: O_NONBLOCK did its job (no FIFO wait); FUSE and network file
+     * systems see the flag, so reads go blocking, as they would have */
+    else if (fcntl(fd, F_SETFL, direct ? O_DIRECT : 0) != 0)
+        rc = -errno;
     else if ((b->flags & MPT_CHECKSUM) &&
              (rc = mpt_record_of(fd, &want, &present)) != 0)
         remove = rc == -EBADMSG;
