@@ -13,9 +13,11 @@
    16 MiB task, spread over ``--threads`` threads), then loads them back; the files
    are removed outside the timed part. Ratios are per round (checksum / plain): the
    median and the quartiles are reported, the spread being the machine's noise. One
-   thread runs pinned to one core (the ratio is then the CPU cost); several threads
-   stand for the tier's workers. O_DIRECT is used where the root supports it, as the
-   tier does.
+   thread runs pinned to one core; several threads stand for the tier's workers.
+   Besides the wall clock, each pass's speed per CPU second of this process is
+   reported (``*_cpu_ratio``): on a shared machine that is the steadier measure of
+   what checksums cost a core-bound (tmpfs) pass. O_DIRECT is used where the root
+   supports it, as the tier does.
 3. Resolution beneath a root: per-block cost of lookup (open beneath the root, fstat,
    close) and of a 4 KiB load, with openat2 against the O_NOFOLLOW walk.
 """
@@ -98,8 +100,9 @@ def _run_tasks(fn, tasks, threads: int) -> None:
 
 
 def io_pass(backend, root_fd: int, buf, block: int, n_blocks: int, flags: int, prefix: str,
-            threads: int) -> tuple[float, float]:
-    """Store then load ``n_blocks`` fresh blocks: (store GB/s, load GB/s)."""
+            threads: int) -> tuple[float, float, float, float]:
+    """Store then load ``n_blocks`` fresh blocks: (store GB/s, load GB/s) by the wall
+    clock, then the same per CPU second this process spent (user + system)."""
     per_task = max(1, TASK_BYTES // block)
     paths = [f"{prefix}/{i % 997:03x}/{i:08x}.bin".encode() for i in range(n_blocks)]
     tag = b"benchbenchbench0"
@@ -113,14 +116,14 @@ def io_pass(backend, root_fd: int, buf, block: int, n_blocks: int, flags: int, p
     def load(p, offs):
         return backend.load(root_fd, p, buf, offs, block, flags)[0]
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     _run_tasks(store, tasks, threads)
-    stored = time.perf_counter() - start
-    start = time.perf_counter()
+    stored, stored_cpu = time.perf_counter() - start, time.process_time() - cpu
+    start, cpu = time.perf_counter(), time.process_time()
     _run_tasks(load, tasks, threads)
-    loaded = time.perf_counter() - start
-    total = n_blocks * block
-    return total / stored / 1e9, total / loaded / 1e9
+    loaded, loaded_cpu = time.perf_counter() - start, time.process_time() - cpu
+    total = n_blocks * block / 1e9
+    return total / stored, total / loaded, total / stored_cpu, total / loaded_cpu
 
 
 def _quartiles(values: list[float]) -> list[float]:
@@ -143,18 +146,19 @@ def io_ratios(roots: list[str], sizes: list[int], pass_bytes: int, rounds: int,
                 for block in sizes:
                     n_blocks = pass_bytes // block
                     base = native.O_DIRECT if direct else 0
-                    samples: dict[str, list[float]] = {k: [] for k in (
-                        "store_plain", "store_crc", "load_plain", "load_crc")}
+                    samples: dict[str, list[float]] = {f"{op}_{label}{clock}": [] for op in (
+                        "store", "load") for label in ("plain", "crc") for clock in ("", "_cpu")}
                     for r in range(rounds):
                         order = [("plain", base), ("crc", base | native.CHECKSUM)]
                         if r % 2:
                             order.reverse()
                         for label, flags in order:
                             prefix = f"r{r}{label}"
-                            s, ld = io_pass(backend, root_fd, buf, block, n_blocks, flags,
-                                            prefix, threads)
-                            samples[f"store_{label}"].append(s)
-                            samples[f"load_{label}"].append(ld)
+                            speeds = io_pass(backend, root_fd, buf, block, n_blocks, flags,
+                                             prefix, threads)
+                            for key, value in zip(("store_{}", "load_{}", "store_{}_cpu",
+                                                   "load_{}_cpu"), speeds):
+                                samples[key.format(label)].append(value)
                             shutil.rmtree(os.path.join(work, prefix))
                     row = {"root": root, "block": fmt_size(block), "o_direct": direct,
                            "threads": threads}
@@ -165,6 +169,12 @@ def io_ratios(roots: list[str], sizes: list[int], pass_bytes: int, rounds: int,
                         ratios = [c / p for c, p in zip(crc, plain)]
                         row[f"{op}_ratio"] = round(statistics.median(ratios), 3)
                         row[f"{op}_ratio_iqr"] = _quartiles(ratios)
+                        # per CPU second: what a core-bound (tmpfs) pass costs, whatever
+                        # else the machine runs meanwhile
+                        cpu_ratios = [c / p for c, p in zip(samples[f"{op}_crc_cpu"],
+                                                            samples[f"{op}_plain_cpu"])]
+                        row[f"{op}_cpu_ratio"] = round(statistics.median(cpu_ratios), 3)
+                        row[f"{op}_cpu_ratio_iqr"] = _quartiles(cpu_ratios)
                     results.append(row)
                     print(json.dumps(row), flush=True)
             finally:
