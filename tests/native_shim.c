@@ -7,7 +7,9 @@
  * SHIM_MODE is a comma-separated list of:
  *   open       an O_DIRECT open fails with EINVAL (after creating the file, as the
  *              kernel may)
- *   io         read / write / readv on an O_DIRECT descriptor fail with EINVAL
+ *   io         read / write / readv on an O_DIRECT descriptor fail with EINVAL, and so
+ *              does an AIO submission (io_submit through syscall()) for one
+ *   noaio      io_setup (through syscall()) fails with ENOSYS: no Linux AIO
  *   notmpfile  an O_TMPFILE open fails with EOPNOTSUPP (a file system without it)
  *   untmp      renameat of a "*.tmp" name fails with EIO, and unlinkat of one with EBUSY
  *   log        "excl <dir>/<name>" for each O_CREAT|O_EXCL open, "tmpfile <dir>" for each
@@ -26,6 +28,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/aio_abi.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <sys/xattr.h>
@@ -37,6 +41,7 @@
 #define M_UNTMP 8
 #define M_LOG 16
 #define M_PUBLISH 32
+#define M_NOAIO 64
 
 static int mode;
 static long hits;
@@ -112,7 +117,8 @@ __attribute__((constructor)) static void shim_init(void)
         const char *name;
         int bit;
     } names[] = {{"open", M_OPEN},  {"io", M_IO},   {"notmpfile", M_NOTMPFILE},
-                 {"untmp", M_UNTMP}, {"log", M_LOG}, {"publish", M_PUBLISH}};
+                 {"untmp", M_UNTMP}, {"log", M_LOG}, {"publish", M_PUBLISH},
+                 {"noaio", M_NOAIO}};
     char buf[256], *save = NULL;
     if (m == NULL)
         return;
@@ -282,4 +288,30 @@ int unlinkat(int dirfd, const char *path, int flags)
         return -1;
     }
     return real(dirfd, path, flags);
+}
+
+/* -- raw syscalls the native core makes through libc's syscall() -------------------------- */
+
+long syscall(long number, ...)
+{
+    static long (*real)(long, ...);
+    long a[6];
+    va_list ap;
+    if (real == NULL)
+        real = dlsym(RTLD_NEXT, "syscall");
+    va_start(ap, number);
+    for (int i = 0; i < 6; i++)
+        a[i] = va_arg(ap, long);
+    va_end(ap);
+    if ((mode & M_NOAIO) && number == SYS_io_setup) {
+        hit();
+        errno = ENOSYS;
+        return -1;
+    }
+    if ((mode & M_IO) && number == SYS_io_submit && a[1] >= 1) {
+        struct iocb **list = (struct iocb **)a[2];
+        if (refuse((int)list[0]->aio_fildes))
+            return -1;
+    }
+    return real(number, a[0], a[1], a[2], a[3], a[4], a[5]);
 }

@@ -254,3 +254,65 @@ def test_checksums_on_a_memory_file_system(io, shm_root, o_direct):
     assert (info.value.errno, info.value.index) == (errno.EBADMSG, 1)
     assert bytes(buf[n * MULTI_CHUNK : (n + 1) * MULTI_CHUNK]) == bytes(buf[:MULTI_CHUNK])
     assert not os.path.exists(os.path.join(shm_root, paths[1]))
+
+
+# More chunks than the C core keeps in flight at once (8 x 512 KiB) and a short last one:
+# its O_DIRECT read checksums early chunks while later ones are still arriving.
+DEEP_BLOCK = 9 * 512 * 1024 + 4096
+
+
+def test_checksummed_direct_io_deeper_than_the_queue(io, tmp_path):
+    if not io.probe_o_direct(tmp_path):
+        pytest.skip(f"O_DIRECT does not work in {tmp_path}")
+    buf = aligned(4 * DEEP_BLOCK, seed=13)
+    paths = block_paths(2)
+    io.batch_store(tmp_path, paths, buf, offsets(range(2), DEEP_BLOCK), DEEP_BLOCK,
+                   checksum=True)
+    for i, p in enumerate(paths):
+        assert os.getxattr(tmp_path / p, NAME) == record(
+            buf[i * DEEP_BLOCK : (i + 1) * DEEP_BLOCK])
+    io.batch_load(tmp_path, paths, buf, offsets(range(2, 4), DEEP_BLOCK), DEEP_BLOCK,
+                  checksum=True)
+    assert bytes(buf[2 * DEEP_BLOCK :]) == bytes(buf[: 2 * DEEP_BLOCK])
+    for where in (100, DEEP_BLOCK - 1):  # a flip in the first and in the last chunk
+        with open(tmp_path / paths[0], "r+b") as f:
+            f.seek(where)
+            old = f.read(1)
+            f.seek(where)
+            f.write(bytes([old[0] ^ 0x10]))
+        buf[2 * DEEP_BLOCK :] = 0
+        with pytest.raises(BatchIOError) as info:
+            io.batch_load(tmp_path, paths, buf, offsets(range(2, 4), DEEP_BLOCK), DEEP_BLOCK,
+                          checksum=True)
+        assert (info.value.errno, info.value.index) == (errno.EBADMSG, 0)
+        assert not (tmp_path / paths[0]).exists()
+        io.batch_store(tmp_path, paths, buf, offsets(range(2), DEEP_BLOCK), DEEP_BLOCK,
+                       checksum=True)
+
+
+def test_checksummed_direct_io_without_linux_aio(io, tmp_path, shim):
+    """With io_setup refused, O_DIRECT checksums run one after the other, same results."""
+    if not io.probe_o_direct(tmp_path):
+        pytest.skip(f"O_DIRECT does not work in {tmp_path}")
+    root = tmp_path / "root"
+    root.mkdir()
+    paths = block_paths(2)
+    code = """
+        import json, os, sys
+        from native_support import IO, aligned
+        io, root, paths = IO(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+        size = int(sys.argv[4])
+        buf = aligned(4 * size, seed=14)
+        io.batch_store(root, paths, buf, [0, size], size, checksum=True)
+        io.batch_load(root, paths, buf, [2 * size, 3 * size], size, checksum=True)
+        print(json.dumps([buf[: 2 * size].tobytes() == buf[2 * size :].tobytes(),
+                          [os.getxattr(os.path.join(root, p), "user.vllm.kv_crc32c").hex()
+                           for p in paths]]))
+    """
+    proc, hits, _ = run_with_shim(shim, "noaio", tmp_path / "shim.log", code, io.variant,
+                                  str(root), json.dumps(paths), str(DEEP_BLOCK))
+    same, records = json.loads(proc.stdout)
+    buf = aligned(4 * DEEP_BLOCK, seed=14)
+    assert same and records == [record(buf[i * DEEP_BLOCK : (i + 1) * DEEP_BLOCK]).hex()
+                                for i in range(2)]
+    assert hits == (1 if io.name == "native" else 0)  # the C core asked for AIO once

@@ -14,7 +14,7 @@ from cffi import FFI
 
 MODULE_NAME = "mptier.native._mptier_cffi"
 HERE = os.path.dirname(os.path.abspath(__file__))
-C_FILES = ["mptier_io.c", "resolve.c", "crc32c.c", "probes.c"]
+C_FILES = ["mptier_io.c", "resolve.c", "crc32c.c", "direct.c", "probes.c"]
 
 ffibuilder = FFI()
 

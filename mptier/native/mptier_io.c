@@ -37,8 +37,9 @@
  * writer's leftovers. With MPT_CHECKSUM the CRC32C record (vLLM's xattr) is set on the
  * temporary file's descriptor before it is published.
  *
- * The native core is four files compiled together: this one, resolve.c (paths beneath
- * the root), crc32c.c and probes.c; mptier_native.h is what they share. _pure.py is
+ * The native core is five files compiled together: this one, resolve.c (paths beneath
+ * the root), crc32c.c, direct.c (checksummed O_DIRECT) and probes.c; mptier_native.h is
+ * what they share. _pure.py is
  * the Python twin of them all and must keep the same behaviour, step for step.
  */
 
@@ -115,6 +116,24 @@ int mpt_write_all(int fd, const char *p, size_t len)
     return 0;
 }
 
+int mpt_pwrite_all(int fd, const char *p, size_t len, size_t offset)
+{
+    while (len > 0) {
+        ssize_t w = pwrite(fd, p, len, (off_t)offset);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (w == 0)
+            return -EIO;
+        p += w;
+        offset += (size_t)w;
+        len -= (size_t)w;
+    }
+    return 0;
+}
+
 /* Bytes read (fewer than len only at end of file), or -errno. */
 static ssize_t mpt_read_full(int fd, char *p, size_t len)
 {
@@ -181,12 +200,18 @@ int mpt_set_record(int fd, uint32_t crc)
 
 /* Read len bytes; with check, CRC them. When the read is a CPU copy (buffered, or any
  * I/O on a memory file system) each chunk is checksummed right after it arrives, while
- * it is in cache; a device's direct read is checksummed whole, in one pass after it. */
+ * it is in cache; a device's direct read is checksummed chunk by chunk while the rest
+ * is still in flight (direct.c), or whole after it where AIO is unavailable. */
 static int mpt_read_block(int fd, char *dst, size_t len, int whole, int check, uint32_t *crc)
 {
     size_t done = 0;
     ssize_t got;
 
+    if (check && whole) {
+        int rc = mpt_direct_read_crc(fd, dst, len, crc); /* CRC beside the transfer */
+        if (rc != MPT_NO_AIO)
+            return rc;
+    }
     if (!check || whole) {
         got = mpt_read_full(fd, dst, len);
         if (got < 0)
@@ -258,14 +283,17 @@ static int mpt_load_one(struct mpt_batch *b, const char *rel, char *dst, size_t 
 
 /* Write the block to fd; with check, set the record on fd afterwards. When the write is
  * a CPU copy, each chunk is checksummed just before it is copied out, so the copy reads
- * it from cache; a device's direct write is checksummed whole, before it. */
+ * it from cache; a device's direct write is checksummed while the device reads it
+ * (direct.c), or whole before it where AIO is unavailable. */
 static int mpt_write_block(int fd, const char *src, size_t len, int whole, int check)
 {
     uint32_t crc = 0;
     size_t done = 0;
     int rc;
 
-    if (!check || whole) {
+    if (check && whole && (rc = mpt_direct_write_crc(fd, src, len, &crc)) != MPT_NO_AIO) {
+        /* written, and checksummed while the device read it */
+    } else if (!check || whole) {
         if (check)
             crc = mpt_crc32c(0, src, len, MPT_CRC32C_BEST);
         rc = mpt_write_all(fd, src, len);

@@ -3,7 +3,8 @@
  *
  * mptier_io.c   batch store / load / lookup
  * resolve.c     reaching a path beneath the root without following a symlink
- * crc32c.c      CRC32C (SSE4.2 / ARMv8 CRC / tables)
+ * crc32c.c      CRC32C (AVX-512 folding / SSE4.2 / ARMv8 CRC / tables)
+ * direct.c      checksummed O_DIRECT I/O overlapped with the device (Linux AIO)
  * probes.c      what a directory's file system supports
  *
  * build_ffi.py's cdef declares the interface part to Python (cffi reads the constants'
@@ -106,7 +107,12 @@ MPT_INTERNAL void mpt_remove_if_same(int root, const char *rel, int flags, dev_t
 /* mptier_io.c */
 MPT_INTERNAL uint64_t mpt_next_counter(void);
 MPT_INTERNAL int mpt_write_all(int fd, const char *p, size_t len);
+MPT_INTERNAL int mpt_pwrite_all(int fd, const char *p, size_t len, size_t offset);
 MPT_INTERNAL int mpt_set_record(int fd, uint32_t crc);
 MPT_INTERNAL int mpt_link_tmpfile(int fd, int dirfd, const char *leaf);
+/* direct.c: 0, -errno, or MPT_NO_AIO (nothing done: use synchronous I/O) */
+#define MPT_NO_AIO 1
+MPT_INTERNAL int mpt_direct_write_crc(int fd, const char *src, size_t len, uint32_t *crc);
+MPT_INTERNAL int mpt_direct_read_crc(int fd, char *dst, size_t len, uint32_t *crc);
 
 #endif
