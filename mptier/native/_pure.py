@@ -1,4 +1,5 @@
-"""The pure-Python twin of the C core (``mptier_io.c``, ``resolve.c``, ``probes.c``).
+"""The pure-Python twin of the C core (``mptier_io.c``, ``probes.c``; ``resolve.c`` is
+``_pure_resolve.py``, ``crc32c.c`` is ``_crc32c.py``).
 
 Same steps, same return codes: ``store`` returns ``(rc, n_done, fail_index,
 tmp_unlink_errno)``, ``load`` ``(rc, n_done, fail_index)`` with ``rc`` 0 or ``-errno``,
@@ -26,6 +27,17 @@ import os
 from collections.abc import Sequence
 
 from mptier.native._crc32c import crc32c
+from mptier.native._pure_resolve import (
+    MKDIR_TRIES,
+    _close_dir,
+    _is_link,
+    _is_reg,
+    _open_beneath,
+    _remove_if_same_fd,
+    _split,
+    _unlink_symlink,
+    _walk,
+)
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -40,13 +52,11 @@ TAG_LEN = 16  # a writer's tag: exactly 16 characters of [0-9a-z]
 TEMP_SUFFIX_MAX_BYTES = 1 + TAG_LEN + 1 + 20 + 4  # ".<tag>.<uint64 counter>.tmp"
 LOOKUP_ABSENT, LOOKUP_PRESENT, LOOKUP_SYMLINK, LOOKUP_BAD, LOOKUP_SHORT = range(5)
 XATTR_NAME = "user.vllm.kv_crc32c"
-MKDIR_TRIES = 3  # rounds of "make the folder, open it again" against a concurrent rmdir
 NAME_TRIES = 8  # temporary names to try when one is already taken
 CHUNK_BYTES = 256 * 1024  # buffered checksummed I/O: CRC each chunk beside its copy
 CRC32C_IMPLS = ("numpy",)
 
 _counter = itertools.count()  # next() on a count is atomic under the GIL
-_O_FOLDER = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _ENOTSUP = getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)
 _EMEDIUMTYPE = getattr(errno, "EMEDIUMTYPE", errno.EINVAL)
 _UTIME_NOW, _UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2  # <sys/stat.h>
@@ -81,11 +91,6 @@ def _direct_ok(flags: int, address: int, length: int) -> bool:
     return bool(O_DIRECT and flags & O_DIRECT_FLAG and (address | length) % DIRECT_ALIGN == 0)
 
 
-def _close_dir(dirfd: int, root: int) -> None:
-    if dirfd >= 0 and dirfd != root:
-        os.close(dirfd)
-
-
 def _write_all(fd: int, chunk: memoryview) -> None:
     done, total = 0, len(chunk)
     while done < total:
@@ -103,132 +108,6 @@ def _read_full(fd: int, chunk: memoryview) -> int:
             break
         got += n
     return got
-
-
-# -- resolving beneath the root (resolve.c) ------------------------------------------------
-
-def _split(rel: bytes) -> tuple[bytes, bytes]:
-    """(folder part, leaf) of a relative path."""
-    cut = rel.rfind(b"/")
-    return (b"", rel) if cut < 0 else (rel[:cut], rel[cut + 1 :])
-
-
-def _unlink_symlink(dirfd: int, name: bytes) -> int:
-    try:
-        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-        if _is_link(st.st_mode):
-            os.unlink(name, dir_fd=dirfd)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        return -e.errno
-    return 0
-
-
-def _is_link(mode: int) -> bool:
-    return (mode & 0o170000) == 0o120000
-
-
-def _is_reg(mode: int) -> bool:
-    return (mode & 0o170000) == 0o100000
-
-
-def _is_dir(mode: int) -> bool:
-    return (mode & 0o170000) == 0o040000
-
-
-def _open_component(cur: int, name: bytes, create: bool) -> int:
-    """Open one folder below ``cur`` (twin of the inner loop of ``mpt_walk``)."""
-    fd = -errno.ENOENT
-    for tries in range(MKDIR_TRIES + 1):
-        try:
-            return os.open(name, _O_FOLDER, dir_fd=cur)
-        except OSError as e:
-            fd = -e.errno
-        if tries >= MKDIR_TRIES:
-            break
-        if fd == -errno.ENOENT and create:
-            try:
-                os.mkdir(name, 0o777, dir_fd=cur)
-            except FileExistsError:
-                pass
-            except OSError as e:
-                return -e.errno
-            continue
-        if fd not in (-errno.ENOTDIR, -errno.ELOOP):
-            break
-        try:
-            st = os.stat(name, dir_fd=cur, follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            return -e.errno
-        if not _is_link(st.st_mode):
-            if _is_dir(st.st_mode):
-                continue
-            return -errno.ENOTDIR
-        rc = _unlink_symlink(cur, name)
-        if rc:
-            return rc
-        if not create:
-            return -errno.ELOOP
-    return fd
-
-
-def _walk(root: int, folder: bytes, create: bool) -> int:
-    """Twin of ``mpt_walk``: the folder's descriptor (``root`` for b"") or -errno."""
-    cur = root
-    for name in folder.split(b"/"):
-        if not name:
-            continue
-        if len(name) > 255:
-            rc = -errno.ENAMETOOLONG
-        elif name == b"..":
-            rc = -errno.EXDEV
-        else:
-            rc = _open_component(cur, name, create)
-        if rc < 0:
-            _close_dir(cur, root)
-            return rc
-        _close_dir(cur, root)
-        cur = rc
-    return cur
-
-
-def _open_beneath(root: int, rel: bytes, oflags: int) -> int:
-    """Twin of ``mpt_open_beneath`` (walk path): a descriptor or -errno."""
-    folder, leaf = _split(rel)
-    dirfd = _walk(root, folder, False)
-    if dirfd < 0:
-        return dirfd
-    try:
-        return os.open(leaf, oflags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            _unlink_symlink(dirfd, leaf)
-        return -e.errno
-    finally:
-        _close_dir(dirfd, root)
-
-
-def _remove_if_same(root: int, rel: bytes, dev: int, ino: int) -> None:
-    folder, leaf = _split(rel)
-    dirfd = _walk(root, folder, False)
-    if dirfd < 0:
-        return
-    try:
-        named = os.stat(leaf, dir_fd=dirfd, follow_symlinks=False)
-        if (named.st_dev, named.st_ino) == (dev, ino):
-            os.unlink(leaf, dir_fd=dirfd)
-    except OSError:
-        pass
-    finally:
-        _close_dir(dirfd, root)
-
-
-def _remove_if_same_fd(root: int, rel: bytes, fd: int) -> None:
-    held = os.fstat(fd)
-    _remove_if_same(root, rel, held.st_dev, held.st_ino)
 
 
 # -- the checksum record -------------------------------------------------------------------
