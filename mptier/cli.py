@@ -1,8 +1,12 @@
 """The ``mptier`` command.
 
     mptier run      a verified store/load round trip through the tier (the default job)
+    mptier serve    the worker pool as a service engines attach to (service="NAME")
     mptier bench    mptier vs the in-process thread-pool design vs the raw disk limit
     mptier info     what this installation has: native core, O_DIRECT at a root, defaults
+    mptier status   figures of running tiers and services (their status sockets)
+    mptier monitor  a live view of the same, refreshed every second (q quits)
+    mptier config check FILE   validate a config file and print the effective config
 """
 
 from __future__ import annotations
@@ -55,6 +59,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from mptier.service import serve
+
+    if args.root:
+        args.set = [*(args.set or []), f"root_dir={json.dumps(args.root)}"]
+    if args.metrics_port is not None:
+        args.set = [*(args.set or []), f"metrics_port={args.metrics_port}"]
+    return serve(args.name, _config(args))
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from mptier import native
 
@@ -81,7 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--inflight", type=int, default=8, help="jobs in flight (8)")
     run.add_argument("--root", help="folder to use (default: a new temporary folder, "
                                     "removed afterwards)")
-    for p in (run,):
+    serve = sub.add_parser(
+        "serve", help="run the worker pool as a service that engines attach to",
+        description="Run the worker pool and its supervisor in the foreground until "
+                    "SIGTERM or Ctrl-C. Engines attach with FileSystemTier(buf, "
+                    "service=NAME) (vLLM: the tier option \"service\"). Root, worker "
+                    "counts and I/O settings come from here; the file layout comes from "
+                    "each engine. Listens on <run dir>/NAME.sock (run dir: "
+                    "$MPTIER_RUN_DIR, else /run/mptier, else /tmp/mptier-<uid>).")
+    serve.add_argument("--name", required=True, help="the service's name (engines use it)")
+    serve.add_argument("--root", help="folder the block files go into (root_dir)")
+    serve.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve Prometheus metrics on this port (metrics_addr, "
+                            "default 127.0.0.1)")
+    serve.set_defaults(func=_cmd_serve)
+    for p in (run, serve):
         p.add_argument("--config", help="TOML file with TierConfig fields")
         p.add_argument("--workers", help="LOAD+STORE worker counts, e.g. 4+4")
         p.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -91,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="native core, O_DIRECT support, defaults")
     info.add_argument("--root", help="probe O_DIRECT in this folder")
     info.set_defaults(func=_cmd_info)
+
+    _add_monitoring(sub)
 
     bench = sub.add_parser("bench", help="compare mptier, the thread-pool design and the "
                                          "raw limit on this machine")
@@ -104,6 +134,45 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments(bench)
         bench.set_defaults(func=lambda a: run_bench(a, sys.argv[2:]))
     return parser
+
+
+def _add_monitoring(sub: argparse._SubParsersAction) -> None:
+    """status, monitor and config check (their code: mptier.monitor.commands)."""
+    def lazy(name: str):  # rich and psutil load only for these commands
+        def run(args: argparse.Namespace) -> int:
+            from mptier.monitor import commands
+            return getattr(commands, name)(args)
+        return run
+
+    run_dir_help = "folder of the status sockets (default: $MPTIER_RUN_DIR, else " \
+                   "/run/mptier and /tmp/mptier-<uid>)"
+    status = sub.add_parser("status", help="figures of running tiers and services")
+    status.add_argument("--name", help="one endpoint (e.g. engine-1234, a service name, "
+                                       "or a socket path); default: every live one")
+    status.add_argument("--json", action="store_true", help="print JSON (fields: "
+                                                            "docs/monitoring.md)")
+    status.add_argument("--interval", type=float, default=1.0,
+                        help="seconds the rates and CPU %% cover (asks twice; 0: once, "
+                             "rates since the previous asker; default 1)")
+    status.add_argument("--run-dir", help=run_dir_help)
+    status.set_defaults(func=lazy("cmd_status"))
+
+    monitor = sub.add_parser("monitor", help="live view of tiers and services (q quits)")
+    monitor.add_argument("--name", help="one endpoint; default: every live one")
+    monitor.add_argument("--refresh", type=float, default=1.0,
+                         help="seconds between redraws (default 1)")
+    monitor.add_argument("--run-dir", help=run_dir_help)
+    monitor.set_defaults(func=lazy("cmd_monitor"))
+
+    config = sub.add_parser("config", help="configuration files")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="validate FILE and print the effective "
+                                                "config (every field)")
+    check.add_argument("file", help="TOML file with TierConfig fields (see configs/)")
+    check.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="override a field, as `mptier run --set` (repeatable)")
+    check.add_argument("--json", action="store_true", help="print JSON instead of TOML")
+    check.set_defaults(func=lazy("cmd_config_check"), workers=None)
 
 
 def _missing(reason: str) -> int:

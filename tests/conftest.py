@@ -1,11 +1,14 @@
 """Shared fixtures: a temp root, unique shared buffers, tiers that always shut down, and
 a leak check after every test (no new mptier objects in /dev/shm or /dev/mqueue, no
-child processes left)."""
+status sockets left in the run directory, no child processes left)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -14,6 +17,52 @@ import psutil
 import pytest
 
 LEAK_DIRS = ("/dev/shm", "/dev/mqueue")
+
+# Status sockets of this test session (every tier makes one, status_socket="auto") go to
+# a run directory of its own: tests never see an operator's engines, nor another test
+# session's, and a socket left behind is this session's leak. Subprocesses inherit it.
+RUN_DIR = tempfile.mkdtemp(prefix="mptier-run-")
+os.environ["MPTIER_RUN_DIR"] = RUN_DIR
+atexit.register(shutil.rmtree, RUN_DIR, ignore_errors=True)
+
+
+def run_dir_entries() -> set[str]:
+    """Status sockets and their lock files in the session's run directory."""
+    try:
+        return set(os.listdir(RUN_DIR))
+    except FileNotFoundError:
+        return set()
+
+
+def _lock_held(entry: str) -> bool:
+    """Is the endpoint that ``entry`` belongs to alive (its lock file locked)?"""
+    import fcntl
+
+    name = entry.rsplit(".status.", 1)[0]
+    try:
+        fd = os.open(os.path.join(RUN_DIR, name + ".status.lock"), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def socket_leaks(before: set[str], owners: set[int]) -> set[str]:
+    """New run-directory entries of this test's processes (their pid in the name), or of
+    any endpoint still alive. A process the test killed leaves stale files on purpose;
+    those are removed here, as the next start or discovery would."""
+    new = run_dir_entries() - before
+    leaked = {e for e in new if _owner_pid(e) in owners or _lock_held(e)}
+    if new - leaked:
+        from mptier.monitor.endpoint import remove_stale
+
+        remove_stale(RUN_DIR)
+    return leaked
 
 
 def _owner_pid(name: str) -> int | None:
@@ -49,6 +98,7 @@ def live_children() -> list[psutil.Process]:
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
     before = mptier_objects()
+    sockets_before = run_dir_entries()
     yield
     owners = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
     deadline = time.monotonic() + 5
@@ -60,6 +110,8 @@ def no_leaks() -> Iterator[None]:
     assert not children, f"child processes left behind: {[c.pid for c in children]}"
     leaked = mptier_objects(owners) - before
     assert not leaked, f"IPC objects left behind: {sorted(leaked)}"
+    left = socket_leaks(sockets_before, owners)
+    assert not left, f"status sockets left behind in {RUN_DIR}: {sorted(left)}"
 
 
 @pytest.fixture
@@ -85,9 +137,22 @@ def make_buffer() -> Iterator[Callable]:
         buf.unlink()
 
 
+@pytest.fixture(params=["native", "python"])
+def backend(request) -> str:
+    """The I/O backend a test's tiers use; every test that makes a tier runs on both."""
+    from mptier import native
+
+    if request.param == "native" and not native.HAS_NATIVE:
+        pytest.skip(f"native core not built: {native.NATIVE_IMPORT_ERROR}")
+    if request.param == "native" and native.BACKEND != "native":
+        pytest.skip("MPTIER_NATIVE=0 switches the native core off in this process")
+    return request.param
+
+
 @pytest.fixture
-def make_tier(root) -> Iterator[Callable]:
-    """``make_tier(buffer, **overrides)`` -> a FileSystemTier shut down at teardown."""
+def make_tier(root, backend) -> Iterator[Callable]:
+    """``make_tier(buffer, **overrides)`` -> a FileSystemTier shut down at teardown,
+    running on the ``backend`` fixture's I/O backend -- checked in every worker."""
     from mptier import FileSystemTier
 
     made = []
@@ -95,8 +160,12 @@ def make_tier(root) -> Iterator[Callable]:
     def factory(buffer, **overrides):
         overrides.setdefault("root_dir", root)
         overrides.setdefault("prefault", False)
+        overrides.setdefault("native", backend == "native")
         tier = FileSystemTier(buffer, **overrides)
         made.append(tier)
+        want = "native" if overrides["native"] else "python"
+        running = {w["backend"] for w in tier.stats()["workers"]}
+        assert running == {want}, f"workers run {running}, the test asked for {want}"
         return tier
 
     yield factory
