@@ -42,6 +42,9 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--direct", choices=["auto", "0", "1"], default="auto")
+    p.add_argument("--procs", type=int, default=1,
+                   help="processes at once (as the tier's workers), each on its share of "
+                        "the blocks; then the figure is aggregate µs per block")
     args = p.parse_args()
     print(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}", flush=True)
     for root in args.roots.split(","):
@@ -58,19 +61,29 @@ def main() -> int:
                         for op in ("store", "load"):
                             if op == "load":
                                 drop()
-                            out = subprocess.run(
-                                [args.binary, op + suffix, folder, str(block), str(n),
-                                 str(direct), str(args.batch), fixed],
-                                capture_output=True, text=True, check=True)
-                            r = json.loads(out.stdout)
-                            res.setdefault(f"{op} {name}", []).append(r["us_per_block"])
+                            for k in range(args.procs):
+                                os.makedirs(f"{folder}/{k}", exist_ok=True)
+                            t0 = time.perf_counter()
+                            procs = [subprocess.Popen(
+                                [args.binary, op + suffix, f"{folder}/{k}", str(block),
+                                 str(n // args.procs), str(direct), str(args.batch), fixed],
+                                stdout=subprocess.PIPE, text=True)
+                                for k in range(args.procs)]
+                            outs = [proc.communicate()[0] for proc in procs]
+                            wall = time.perf_counter() - t0
+                            if any(proc.returncode for proc in procs):
+                                raise RuntimeError(f"{op}{suffix} failed")
+                            r = json.loads(outs[0])
+                            res.setdefault(f"{op} {name}", []).append(
+                                r["us_per_block"] if args.procs == 1 else wall / n * 1e6)
                             if "steps" in r:
                                 for step, (med, _mean) in r["steps"].items():
                                     steps.setdefault(op, {}).setdefault(step, []).append(med)
                     finally:
                         shutil.rmtree(folder, ignore_errors=True)
             print(f"\n{root} {block >> 10} KiB x {n}, O_DIRECT {bool(direct)}, batch "
-                  f"{args.batch}, {args.rounds} rounds: µs per block (median; per round)")
+                  f"{args.batch}, {args.procs} process(es), {args.rounds} rounds: µs per "
+                  "block (median; per round)")
             for op in ("store", "load"):
                 base = statistics.median(res[f"{op} loop"])
                 for name, _, _ in VARIANTS:
