@@ -253,3 +253,12 @@ def test_vllm_design_runs(tmp_path, fake_drop):
     assert math.isclose(b["ratio_to_v"]["store_gbps"],
                         b["figures"]["store_gbps"] / v["figures"]["store_gbps"])
     assert not list(tmp_path.glob("mptier-bench-*")), "design folders left behind"
+
+
+def test_short_phases_are_flagged():
+    from mptier.bench.report import short_phase
+    w = {"blocks_per_phase": 256, "job_blocks": 16, "busy_fraction": 0.5,
+         "inflight_jobs": 16, "block_bytes": 2 << 20}
+    warning = short_phase({"workload": w})
+    assert "only 8 jobs" in warning and "--total-bytes 4GiB" in warning
+    assert short_phase({"workload": {**w, "blocks_per_phase": 2048}}) is None

@@ -271,6 +271,26 @@ def case_title(case: dict[str, Any]) -> str:
             f"{w['inflight_jobs']} in flight · {format_size(w['total_bytes'])} per phase")
 
 
+# A phase's throughput is a steady-state figure only when its jobs are several times
+# the jobs kept in flight; below this multiple, ramp-up and the last jobs' tail dominate.
+STEADY_STATE_MULTIPLE = 4
+
+
+def short_phase(case: dict[str, Any]) -> str | None:
+    """A warning when the light half of a phase is too short for a steady state."""
+    w = case["workload"]
+    n_jobs = -(-w["blocks_per_phase"] // w["job_blocks"])
+    light = n_jobs - round(n_jobs * min(1.0, max(0.0, w["busy_fraction"])))
+    if light >= STEADY_STATE_MULTIPLE * w["inflight_jobs"]:
+        return None
+    need = STEADY_STATE_MULTIPLE * w["inflight_jobs"] * w["job_blocks"] * w["block_bytes"]
+    need = int(need / max(1e-9, 1 - w["busy_fraction"]))
+    return (f"each phase runs only {light} jobs under the light scheduler with "
+            f"{w['inflight_jobs']} in flight, so its GB/s include ramp-up and tail; use "
+            f"--total-bytes {format_size(need) if need % (1 << 20) == 0 else need} or more "
+            "for steady-state figures")
+
+
 def case_caption(case: dict[str, Any]) -> str:
     drop = case.get("page_cache_dropped")
     dropped = {True: "page cache dropped between store and load",
@@ -280,6 +300,9 @@ def case_caption(case: dict[str, Any]) -> str:
                      for letter in REFERENCE_LETTERS if case.get(f"reference_{letter}"))
     text = (f"{dropped}; loads verified byte for byte ({case['verified']}); ratios: "
             f"{refs or 'none'}; higher is better for GB/s and loop rate, lower for times")
+    short = short_phase(case)
+    if short:
+        text += f". WARNING: {short}"
     busy = case.get("background_cpus_max")
     if busy is not None and busy > BUSY_MACHINE_CPUS:
         text += (f". WARNING: other processes kept up to {busy:.1f} CPUs busy during the "
