@@ -59,6 +59,9 @@ def main() -> int:
     p.add_argument("--inflight", type=int, default=16)
     p.add_argument("--slow-us", type=float, default=200.0)
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    p.add_argument("--busy-us", type=int, default=0,
+                   help="after each 500 µs sleep, spin this long in pure Python (the bench's "
+                        "busy scheduler) and report how that work fared")
     p.add_argument("--breakdown", action="store_true",
                    help="also time the parts of submit_store (ledger, encoding, pipe write)")
     args = p.parse_args()
@@ -71,6 +74,9 @@ def main() -> int:
     folder = tempfile.mkdtemp(prefix="perf-tails-", dir=args.root)
     print(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f} {overrides}", flush=True)
     rows = []
+    steps: list[tuple[int, ...]] = []
+    from mptier.bench.measure import spin
+    idle_iters, idle_ns = spin(200_000_000)
     idle_probe = statistics.median(probe_cpu_ns() for _ in range(2000))
     busy_probe: list[int] = []
     gc_ns = [0]  # time spent in the cyclic garbage collector so far, this thread
@@ -137,7 +143,19 @@ def main() -> int:
                     assert all(r.success for r in done)
                     tier.on_schedule_end()
                     busy_probe.append(probe_cpu_ns())
+                    d0 = run_delay_ns(sched)  # before the sleep: waking up counts too
+                    r0 = resource.getrusage(RUSAGE_THREAD)
+                    begin = time.perf_counter_ns()
                     time.sleep(0.0005)
+                    if args.busy_us:
+                        c0 = time.thread_time_ns()
+                        due = begin + 500_000
+                        iterations, _ = spin(args.busy_us * 1000)
+                        t1 = time.perf_counter_ns()
+                        r1 = resource.getrusage(RUSAGE_THREAD)
+                        steps.append((t1 - due, time.thread_time_ns() - c0,
+                                      run_delay_ns(sched) - d0, r1.ru_nvcsw - r0.ru_nvcsw,
+                                      r1.ru_nivcsw - r0.ru_nivcsw, iterations))
     finally:
         gc.callbacks.remove(on_gc)
         shutil.rmtree(folder, ignore_errors=True)
@@ -149,6 +167,16 @@ def main() -> int:
     for label, values in parts.items():
         print(f"  inside submit_store: {label} median thread CPU "
               f"{statistics.median(values) / 1e3:.1f} µs")
+    if steps:
+        rate = sum(s[5] for s in steps) / (sum(s[0] for s in steps) / 1e9)
+        med = [statistics.median(s[i] for s in steps) / 1e3 for i in range(3)]
+        print(f"  busy loop: rate {rate / (idle_iters / (idle_ns / 1e9)):.2f} of idle over "
+              f"{len(steps)} steps; per step median: counted {med[0]:.0f} µs, cpu "
+              f"{med[1]:.0f} µs, run-queue wait {med[2]:.0f} µs; steps (sleep included) "
+              f"with a voluntary switch {sum(s[3] > 0 for s in steps)}, an involuntary one "
+              f"{sum(s[4] > 0 for s in steps)}; in all: counted "
+              f"{sum(s[0] for s in steps) / 1e6:.0f} ms, cpu {sum(s[1] for s in steps) / 1e6:.0f}"
+              f" ms, run-queue wait {sum(s[2] for s in steps) / 1e6:.0f} ms")
     slow = [r for r in rows if r[0] > args.slow_us * 1e3]
     fast = [r for r in rows if r[0] <= args.slow_us * 1e3]
     for name, group in ((f"slow (> {args.slow_us:g} µs)", slow), ("the rest", fast)):
