@@ -3,6 +3,7 @@ ratios, and a corrupted block caught by the byte-for-byte check. No speed assert
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import shutil
@@ -87,7 +88,10 @@ def test_every_design_reports_every_figure_with_consistent_ratios(tmp_path, fake
                                           "bytes_ok": 2 << 20}
     assert all(v == 1.0 for v in b["ratio_to_b"].values() if v is not None)
     assert all(v == 1.0 for v in d["ratio_to_d"].values() if v is not None)
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if importlib.util.find_spec("matplotlib") is not None:  # the vLLM env has no charts
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not png.exists()
     assert "baseline" in md.read_text()
     assert "store throughput" in capsys.readouterr().out
     assert not list(tmp_path.glob("mptier-bench-*")), "design folders left behind"

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import array
+import atexit
 import importlib
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -73,6 +75,7 @@ int mpt_encode_job(unsigned char *out, size_t out_len, int kind, uint64_t first_
 
 def build() -> object:
     folder = tempfile.mkdtemp(prefix="mptier-encode-")
+    atexit.register(shutil.rmtree, folder, True)
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
     ffi.set_source("_mpt_encode_proto", SOURCE.replace("VERSION", str(WIRE_VERSION)),
