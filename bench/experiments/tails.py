@@ -135,7 +135,7 @@ def main() -> int:
                         d1 = run_delay_ns(sched)
                         rows.append((t1 - t0, c1 - c0, d1 - d0, r1.ru_nvcsw - r0.ru_nvcsw,
                                      r1.ru_nivcsw - r0.ru_nivcsw, r1.ru_minflt - r0.ru_minflt,
-                                     gc_ns[0] - g0))
+                                     gc_ns[0] - g0, nxt))
                         nxt += 1
                         pending += 1
                     done = tier.get_finished_jobs()
@@ -199,7 +199,7 @@ def main() -> int:
               f" µs, max {max(unexplained) / 1e3:.1f} µs")
     for r in sorted(rows, reverse=True)[:8]:
         print(f"    wall {r[0] / 1e3:8.1f} µs  cpu {r[1] / 1e3:7.1f}  runq {r[2] / 1e3:8.1f}  "
-              f"vcsw {r[3]} ivcsw {r[4]} minflt {r[5]}  gc {r[6] / 1e3:.1f}")
+              f"vcsw {r[3]} ivcsw {r[4]} minflt {r[5]}  gc {r[6] / 1e3:.1f}  call #{r[7]}")
     return 0
 
 
