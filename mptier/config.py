@@ -59,8 +59,9 @@ class TierConfig:
     worker_nice: int = 10
     # CPUs the workers may run on (empty: all). e.g. [1] keeps them off core 0.
     worker_cpus: list[int] = field(default_factory=list)
-    # Fault in every page of the primary buffer when a worker starts, so the first
-    # jobs do not pay one minor fault per 4 KiB page.
+    # Map the primary buffer's existing pages into each worker when it attaches
+    # (MADV_POPULATE_READ of resident pages only: nothing allocated or dirtied), so the
+    # first jobs do not pay one minor fault per 4 KiB page.
     prefault: bool = True
     # A worker that has not reported ready by then counts as failed to boot.
     worker_start_timeout_s: float = 60.0
