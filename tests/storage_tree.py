@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -26,7 +27,8 @@ def make_cache(root: str, model: str = "org/model", block_bytes: int = 4096,
 
 
 def key_for(i: int, group: int = 0) -> bytes:
-    return make_key(i.to_bytes(4, "big") * 8, group)  # 32-byte hash, like sha256
+    """Key of block ``i``: a 32-byte hash (spread over the folders, like vLLM's)."""
+    return make_key(hashlib.sha256(i.to_bytes(8, "big")).digest(), group)
 
 
 def block_content(key: bytes, block_bytes: int) -> bytes:

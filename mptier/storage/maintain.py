@@ -8,9 +8,11 @@
         └─ evict           past the high watermark: oldest first, down to the low one
       report.removed       -> "removed" events;  maintainer.usage_bytes -> stats()
 
-Eviction uses the candidates of the last complete pass; before the first pass
-completes (a tier just started on a full root), it uses those of the pass so far, so a
-root already over budget is brought down without waiting for a walk of millions.
+Eviction uses the candidates of the last complete pass, so it follows LRU over the whole
+root. Before the first pass completes (a tier just started on a full root) it waits,
+unless what the pass has counted so far already exceeds the capacity itself: then it
+evicts the oldest seen so far (LRU approximate, once) rather than fail stores for the
+length of a walk of millions.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class RootMaintainer:
         self._next = self._new_candidates()
         self._ready: deque[Entry] = deque()  # last complete pass, oldest first, consumed
         self._pass_begun = False
+        self.evicting = False   # past high, not yet back under low (hysteresis)
         self.evicted_blocks = 0
         self.evicted_bytes = 0
 
@@ -108,9 +111,18 @@ class RootMaintainer:
                 "passes": self.tracker.passes, "capacity_bytes": self.capacity_bytes}
 
     def bytes_to_free(self) -> int:
+        """Bytes to evict now: once usage passed the high watermark, whatever brings it
+        under the low one (and 0 again only when it is there)."""
         if not self.capacity_bytes:
             return 0
-        return bytes_to_free(self.usage_bytes, self.capacity_bytes, self.high, self.low)
+        if bytes_to_free(self.usage_bytes, self.capacity_bytes, self.high, self.low):
+            self.evicting = True
+        if self.evicting:
+            need = self.usage_bytes - math.floor(self.low * self.capacity_bytes)
+            if need <= 0:
+                self.evicting = False
+            return max(0, need)
+        return 0
 
     def fits(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more stay within the capacity (always, when unlimited)."""
@@ -156,8 +168,11 @@ class RootMaintainer:
         need = self.bytes_to_free()
         if need <= 0:
             return
-        if not self._ready and not self.complete and self._next is not None:
-            # First pass still running and already over: use its oldest so far.
+        if not self._ready and not self.complete and self._next is not None \
+                and self.usage_bytes > self.capacity_bytes:
+            # The first pass is still running and what it has counted so far is already
+            # past the capacity: stores would fail. Evict the oldest seen so far rather
+            # than wait for the whole walk (LRU is then approximate, once).
             self._ready = deque(self._next.oldest_first())
             self._next = self._new_candidates()
         freed = 0

@@ -127,22 +127,22 @@ class UsageTracker:
     def record_store(self, path: str, nbytes: int) -> None:
         """A block this process created at ``path`` (not one that already existed).
 
-        Counted now; counted in the pass in progress only if the walk has already listed
-        its folder (otherwise the walk will find it) — so never twice.
+        Counted now; counted in the pass in progress only if the walk will not reach it
+        (otherwise the walk finds it) — so never twice, never missed.
         """
         folder = _folder_of(self.root, path)
         if self.current is not None:
             self.current.add(folder, nbytes)
-        if self.walker.listed(os.path.dirname(path)):
+        if not self.walker.will_visit(path):
             self.building.add(folder, nbytes)
 
     def record_remove(self, path: str, nbytes: int) -> None:
         """A block this process removed; uncounted in the pass in progress only if the
-        walk already counted it."""
+        walk will not reach its place (then it was counted, by the walk or a delta)."""
         folder = _folder_of(self.root, path)
         if self.current is not None:
             self.current.add(folder, -nbytes, -1)
-        if self.walker.seen(path):
+        if not self.walker.will_visit(path):
             self.building.add(folder, -nbytes, -1)
 
     def record_unplaced(self, folder: str, nbytes: int, nblocks: int) -> None:

@@ -18,9 +18,9 @@ a full walk. Facts it relies on:
   vanishes between listing and ``lstat`` is skipped and counted in ``vanished``; an
   unreadable folder is counted in ``errors`` (the first few kept in ``error_samples``).
 - Each folder's names are visited in sorted order, so the walk has a position: a path is
-  either behind it or ahead of it (:meth:`Walker.seen`, :meth:`Walker.listed`). Usage
-  accounting uses this to merge a tier's own stores and evictions into a walk in
-  progress without counting anything twice. Sorting costs one listing per folder in
+  either ahead of it or not (:meth:`Walker.will_visit`). Usage accounting uses this to
+  merge a tier's own stores and evictions into a walk in progress without counting
+  anything twice or missing it. Sorting costs one listing per folder in
   memory (layout folders hold at most 4096 names; a leaf a handful).
 
 ``step`` blocks its thread on file-system metadata calls (a slow mount makes it slow);
@@ -30,6 +30,7 @@ it never raises ``OSError`` for entries or folders, only ``FileNotFoundError`` /
 
 from __future__ import annotations
 
+import bisect
 import enum
 import os
 import stat
@@ -87,13 +88,14 @@ _ROOT, _BASE, _BLOCKS, _TOP, _LEAF, _META, _LEASES = range(7)
 
 
 class _Frame:
-    __slots__ = ("block_bytes", "entries", "folder", "i", "level", "path", "prefix")
+    __slots__ = ("block_bytes", "entries", "folder", "i", "level", "names", "prefix", "rel")
 
-    def __init__(self, path: str, level: int, entries: list[os.DirEntry], folder: str,
-                 block_bytes: int | None = None, prefix: str = "") -> None:
-        self.path = path
+    def __init__(self, rel: tuple[str, ...], level: int, entries: list[os.DirEntry],
+                 folder: str, block_bytes: int | None = None, prefix: str = "") -> None:
+        self.rel = rel                # the folder's path components under the root
         self.level = level
-        self.entries = entries
+        self.entries: list[os.DirEntry | None] = list(entries)
+        self.names = [e.name for e in entries]   # sorted: the walk's position is i
         self.i = 0
         self.folder = folder
         self.block_bytes = block_bytes
@@ -118,7 +120,6 @@ class Walker:
         self._default = default_block_bytes
         self._block_bytes: dict[str, int | None] = {}
         self._stack: list[_Frame] = []
-        self._pos: list[str] = []
         self.started = False
         self.done = False
         self.entries = 0        # directory entries visited so far
@@ -134,21 +135,31 @@ class Walker:
             raise ValueError(f"{path!r} is not under the walked root {self.root!r}")
         return tuple(rel.split(os.sep))
 
-    def seen(self, path: str) -> bool:
-        """Whether the walk has already visited ``path`` (it would have counted it).
-        Raises ``ValueError`` for a path outside the root."""
+    def will_visit(self, path: str) -> bool:
+        """Whether the walk in progress is still to reach ``path``: a file created there
+        now will be counted by this walk, one removed now will not. False once done.
+
+        True when the deepest folder of ``path`` that the walk has open still lists the
+        next component of ``path`` ahead of its position (a folder not yet listed counts
+        as ahead: it will be listed with whatever it holds then). Raises ``ValueError``
+        for a path outside the root.
+        """
         components = self._components(path)
         if self.done or not self.started:
-            return self.done
-        return components <= tuple(self._pos)
-
-    def listed(self, directory: str) -> bool:
-        """Whether ``directory`` was already listed: a file created in it now is missed.
-        Raises ``ValueError`` for a path outside the root."""
-        components = self._components(directory)
-        if self.done or not self.started:
-            return self.done
-        return components <= tuple(self._pos)
+            return not self.done
+        frame = None
+        for candidate in self._stack:
+            depth = len(candidate.rel)
+            if depth < len(components) and components[:depth] == candidate.rel:
+                frame = candidate
+            else:
+                break
+        if frame is None:  # the root itself is off the stack only once done
+            return False
+        name = components[len(frame.rel)]
+        i = bisect.bisect_left(frame.names, name)
+        # Not in the listing at all: created after it was taken, so never visited.
+        return i < len(frame.names) and frame.names[i] == name and i >= frame.i
 
     # -- walking -------------------------------------------------------------------------
 
@@ -181,7 +192,7 @@ class Walker:
         self.started = True
         with os.scandir(self.root) as it:  # a missing root is the caller's error
             entries = sorted(it, key=_by_name)
-        self._stack.append(_Frame(self.root, _ROOT, entries, ""))
+        self._stack.append(_Frame((), _ROOT, entries, ""))
 
     def step(self, budget: int) -> list[Entry]:
         """Visit at most ``budget`` (>= 1) directory entries; return the classified files
@@ -196,7 +207,6 @@ class Walker:
             self._start()
         out: list[Entry] = []
         stack = self._stack
-        pos = self._pos
         visited = 0
         while visited < budget and stack:
             frame = stack[-1]
@@ -204,11 +214,10 @@ class Walker:
                 stack.pop()
                 continue
             entry = frame.entries[frame.i]
-            frame.entries[frame.i] = None  # type: ignore[call-overload]  # free as we go
+            assert entry is not None
+            frame.entries[frame.i] = None  # free each DirEntry once visited
             frame.i += 1
             visited += 1
-            del pos[len(stack) - 1:]
-            pos.append(entry.name)
             result = self._visit(frame, entry)
             if result is not None:
                 out.append(result)
@@ -227,11 +236,12 @@ class Walker:
 
     # -- classification -----------------------------------------------------------------
 
-    def _descend(self, path: str, level: int, folder: str, block_bytes: int | None = None,
-                 prefix: str = "") -> None:
-        entries = self._list(path)
+    def _descend(self, de: os.DirEntry, level: int, folder: str,
+                 block_bytes: int | None = None, prefix: str = "") -> None:
+        entries = self._list(de.path)
         if entries:
-            self._stack.append(_Frame(path, level, entries, folder, block_bytes, prefix))
+            rel = (*self._stack[-1].rel, de.name)
+            self._stack.append(_Frame(rel, level, entries, folder, block_bytes, prefix))
 
     def _entry(self, de: os.DirEntry, kind: Kind, folder: str,
                tag: str | None = None) -> Entry | None:
@@ -250,7 +260,7 @@ class Walker:
                        block_bytes: int | None = None, prefix: str = "") -> Entry | None:
         """A name the layout uses for a folder: enter it when it is one."""
         if de.is_dir(follow_symlinks=False):
-            self._descend(de.path, level, folder, block_bytes, prefix)
+            self._descend(de, level, folder, block_bytes, prefix)
             return None
         if de.is_symlink():
             return self._entry(de, Kind.BAD_SYMLINK, folder)
@@ -282,7 +292,7 @@ class Walker:
             return self._entry(de, Kind.FOREIGN, frame.folder)
         if level == _META:
             if name == N.LEASES_DIR and de.is_dir(follow_symlinks=False):
-                self._descend(de.path, _LEASES, frame.folder)
+                self._descend(de, _LEASES, frame.folder)
                 return None
             return self._entry(de, Kind.META, frame.folder)
         # _LEASES
