@@ -3,6 +3,9 @@
     mptier run      a verified store/load round trip through the tier (the default job)
     mptier bench    mptier vs the in-process thread-pool design vs the raw disk limit
     mptier info     what this installation has: native core, O_DIRECT at a root, defaults
+    mptier du       blocks and bytes of a cache root, per folder and rank
+    mptier scrub    check every block's size and recorded checksum (--repair removes)
+    mptier gc       remove blocks unused for longer than --older-than, stale temp files
 """
 
 from __future__ import annotations
@@ -91,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="native core, O_DIRECT support, defaults")
     info.add_argument("--root", help="probe O_DIRECT in this folder")
     info.set_defaults(func=_cmd_info)
+
+    from mptier.storage.cli import add_commands as add_storage_commands
+    add_storage_commands(sub)
 
     bench = sub.add_parser("bench", help="compare mptier, the thread-pool design and the "
                                          "raw limit on this machine")

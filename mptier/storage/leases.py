@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 
 from mptier.errors import MptierError
 from mptier.storage import names as N
-from mptier.storage.walk import Entry, Kind, Walker
+from mptier.storage.walk import Entry, Kind, Walker, unlink_if_unchanged
 
 # Where locks do not work, a temporary file untouched for this long is taken as
 # abandoned. A block store takes well under a second even on a network mount; an hour
@@ -249,18 +249,6 @@ class SweepCounts:
         return asdict(self)
 
 
-def _unlink_if_same(entry: Entry) -> bool:
-    """Unlink ``entry.path`` if it is still the file the walk saw (inode and mtime)."""
-    try:
-        st = os.lstat(entry.path)
-        if st.st_ino != entry.ino or st.st_mtime_ns != entry.mtime_ns:
-            return False
-        os.unlink(entry.path)
-    except FileNotFoundError:
-        return False
-    return True
-
-
 class TempSweeper:
     """Removes stale temporary files, dead writers' leases and leftover probe files,
     as the walk offers them: feed it the entries of :meth:`Walker.step`.
@@ -317,7 +305,7 @@ class TempSweeper:
         return False
 
     def _remove(self, entry: Entry) -> bool:
-        return True if self.dry_run else _unlink_if_same(entry)
+        return True if self.dry_run else unlink_if_unchanged(entry)
 
     def offer(self, entry: Entry) -> bool:
         """Judge one walked entry; return whether it was (or, dry, would be) removed.

@@ -361,3 +361,17 @@ class Walker:
 def _mode_of(de: os.DirEntry) -> int:
     # Cached by DirEntry after the lstat in _entry, so no second system call.
     return de.stat(follow_symlinks=False).st_mode
+
+
+def unlink_if_unchanged(entry: Entry) -> bool:
+    """Unlink ``entry.path`` only if it is still what the walk saw (same inode, same
+    mtime): a file replaced since (a new store under the same name) is kept. Never
+    follows a symlink (a symlink entry removes the link). Returns whether it removed."""
+    try:
+        st = os.lstat(entry.path)
+        if st.st_ino != entry.ino or st.st_mtime_ns != entry.mtime_ns:
+            return False
+        os.unlink(entry.path)
+    except FileNotFoundError:
+        return False
+    return True
