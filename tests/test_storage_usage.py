@@ -7,7 +7,7 @@ import os
 import random
 
 import pytest
-from storage_tree import file_totals, key_for, make_cache, write_block
+from storage_tree import file_totals, key_for, make_cache, start_lease_holder, write_block
 
 from mptier.storage import (
     Kind,
@@ -239,3 +239,30 @@ def test_maintainer_over_capacity_at_start_evicts_before_the_first_pass_ends(tmp
             break
     _blocks, total = file_totals(root, BB)
     assert total <= 0.8 * 200 * BB and maint.usage_bytes == total
+
+
+def test_maintainer_sweeps_a_killed_writers_temps_in_its_steps(tmp_path):
+    root = str(tmp_path)
+    mapper, _ = _aged_tree(root, 40)
+    final = mapper.path_for(key_for(1000))
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    dead, dead_tag = start_lease_holder(root, final, n_temps=3)
+    live, live_tag = start_lease_holder(root, final, n_temps=2)
+    try:
+        dead.kill()
+        dead.wait()
+        maint = RootMaintainer(root)     # probes the root's locks itself
+        removed = 0
+        while not maint.complete:
+            report = maint.step(8)
+            assert report.walked <= 8
+            removed += report.temps_removed
+        assert removed == 3 and maint.sweeper.locks_work
+        names = os.listdir(os.path.dirname(final))
+        assert not any(dead_tag in n for n in names)
+        assert sum(live_tag in n for n in names) == 2
+        assert not os.path.exists(f"{root}/.mptier/leases/{dead_tag}.lease")
+        assert maint.usage_bytes == 40 * BB
+    finally:
+        live.kill()
+        live.wait()

@@ -13,7 +13,7 @@ import time
 import pytest
 from storage_tree import key_for, make_cache, write_block
 
-from mptier.storage import Kind, Lease, Walker
+from mptier.storage import Kind, Lease, UsageTracker, Walker
 from mptier.storage.names import temp_name
 
 BB = 4096
@@ -305,8 +305,20 @@ def test_walk_survives_concurrent_deletion_by_another_process(tmp_path):
     assert walker.vanished > 0 and walker.errors == 0
 
 
-def test_missing_root_is_an_error_at_the_first_step(tmp_path):
+def test_missing_root_is_an_error_until_it_appears(tmp_path):
+    root = tmp_path / "later"
+    walker = Walker(str(root))
+    for _ in range(2):
+        with pytest.raises(FileNotFoundError):
+            walker.step(10)
+        assert not walker.done
+    tracker = UsageTracker(str(root))
     with pytest.raises(FileNotFoundError):
-        Walker(str(tmp_path / "nope")).step(10)
+        tracker.step(10)
+    assert not tracker.complete and tracker.passes == 0   # never an empty "full" pass
+    make_cache(str(root))
+    while not walker.done:
+        walker.step(10)
+    assert walker.entries > 0
     with pytest.raises(ValueError, match="budget"):
         Walker(str(tmp_path)).step(0)

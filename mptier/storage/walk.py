@@ -24,8 +24,9 @@ a full walk. Facts it relies on:
   memory (layout folders hold at most 4096 names; a leaf a handful).
 
 ``step`` blocks its thread on file-system metadata calls (a slow mount makes it slow);
-it never raises ``OSError`` for entries or folders, only ``FileNotFoundError`` /
-``NotADirectoryError`` when the root itself is missing at the first step.
+it never raises ``OSError`` for entries or folders below the root; it raises the
+``OSError`` of listing the root itself (missing, unmounted) at every step until the
+root can be listed.
 """
 
 from __future__ import annotations
@@ -189,10 +190,12 @@ class Walker:
         return entries
 
     def _start(self) -> None:
-        self.started = True
-        with os.scandir(self.root) as it:  # a missing root is the caller's error
+        # A root that cannot be listed is the caller's error, raised at every step
+        # until it can be: the walk must never look complete (and empty) because of it.
+        with os.scandir(self.root) as it:
             entries = sorted(it, key=_by_name)
         self._stack.append(_Frame((), _ROOT, entries, ""))
+        self.started = True
 
     def step(self, budget: int) -> list[Entry]:
         """Visit at most ``budget`` (>= 1) directory entries; return the classified files
