@@ -133,7 +133,13 @@ class RootMaintainer:
         self.tracker.record_store(path, nbytes)
 
     def record_remove(self, path: str, nbytes: int) -> None:
+        """A block this process removed (not one :meth:`step` evicted: those count)."""
         self.tracker.record_remove(path, nbytes)
+
+    def record_unplaced(self, folder: str, nbytes: int, nblocks: int) -> None:
+        """Blocks created by other processes of this tier, paths unknown: counted high
+        until the walk passes (see :meth:`UsageTracker.record_unplaced`)."""
+        self.tracker.record_unplaced(folder, nbytes, nblocks)
 
     def step(self, budget: int) -> StepReport:
         """Walk at most ``budget`` entries (sweeping and collecting as it goes), then, if
