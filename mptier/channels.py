@@ -1,20 +1,21 @@
 """The pipes between the engine and its workers.
 
-* :class:`TaskQueue` -- one per priority (load, store). The engine writes fixed-size task
-  records into a pipe; idle workers read them. A write of at most ``PIPE_BUF`` bytes is
-  atomic and a read of exactly one record returns exactly one record, so many workers can
-  share a queue with no lock and a worker killed mid-read cannot tear one. When the pipe
-  is full, records wait in an in-process overflow list that every engine call (and the
-  supervisor's tick) pushes on: submission never blocks and never drops a job, whatever
-  the depth.
+* :class:`TaskQueue` -- one per kind of task (lookup, load, store). The engine writes
+  fixed-size task records into a pipe (:class:`RecordWriter`); idle workers read them.
+  A write of at most ``PIPE_BUF`` bytes is atomic and a read of exactly one record
+  returns exactly one record, so many workers can share a queue with no lock and a
+  worker killed mid-read cannot tear one. When the pipe is full, records wait in an
+  in-process overflow list that every engine call pushes on: submission never blocks
+  and never drops a job, whatever the depth. Only the engine writes: a task whose
+  worker died comes back as a RETRY message and the engine queues it again.
 * :class:`CompletionReader` -- the single pipe workers report on; the engine drains it
   without blocking. Messages are length-prefixed and written atomically.
-* the *lifeline* -- a pipe whose write end only the engine holds. Workers poll its read
-  end: when the engine exits (however it dies) or shuts down, they see end-of-file and
-  leave.
+* the *lifeline* -- a pipe whose write end only the engine holds. Workers and the
+  supervisor poll its read end: when the engine exits (however it dies) or shuts down,
+  they see end-of-file and the session is over.
 
-All of them are plain descriptors, so a standalone worker service can be handed named
-FIFOs instead of inherited pipes.
+All of them are plain descriptors, handed to the workers' pool as a
+:class:`~mptier.workers.Session` (over a Unix socket when the pool is a separate service).
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ import array
 import collections
 import contextlib
 import fcntl
-import mmap
 import os
 import select
 import termios
 import threading
 
-from mptier.jobs import TASK_RECORD_BYTES, Message, decode_messages
+from mptier.jobs import TASK_RECORD_BYTES, Message, TaskKind, decode_messages
 
 F_SETPIPE_SZ = 1031
 F_GETPIPE_SZ = 1032
@@ -37,6 +37,8 @@ F_GETPIPE_SZ = 1032
 # 1 MiB holds 256 task records: seconds of work even for small blocks, so the overflow
 # list is rarely touched, while keeping kernel memory per tier small.
 PIPE_BYTES = 1 << 20
+# The lifeline and doorbell carry no data worth queueing: the smallest pipe will do.
+LIFELINE_BYTES = 4096
 
 
 def make_pipe(size: int = PIPE_BYTES) -> tuple[int, int]:
@@ -51,22 +53,18 @@ def set_nonblocking(fd: int) -> None:
     os.set_blocking(fd, False)
 
 
-class TaskQueue:
-    """A priority queue of task records (see module docstring).
+class RecordWriter:
+    """The write end of a queue pipe, for one process: whole records in, never blocks.
 
-    ``put`` may be called from the engine thread and the supervisor thread; a lock
-    keeps the pipe and the overflow list in order. Workers only ever read.
+    A record that does not fit waits in an in-process overflow list, pushed on by
+    :meth:`flush`. Several threads may write (a lock keeps the pipe and the list in
+    order).
     """
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.read_fd, self.write_fd = make_pipe()
-        set_nonblocking(self.read_fd)  # shared by every worker: reads never block
-        set_nonblocking(self.write_fd)  # only the engine writes: submits never block
+    def __init__(self, write_fd: int) -> None:
+        self.write_fd = write_fd
         self.overflow: collections.deque[bytes] = collections.deque()
         self._lock = threading.Lock()
-        self.pipe_bytes = fcntl.fcntl(self.write_fd, F_GETPIPE_SZ)
-        self._fionread = array.array("i", [0])
 
     def put(self, record: bytes) -> None:
         """Enqueue one record; never blocks."""
@@ -80,14 +78,11 @@ class TaskQueue:
         They go into the pipe in one ``write``: one system call for the engine and one
         wake-up. Records are exactly one page and pipe buffers are pages, so a pipe with
         too little room takes a whole number of records and the rest waits in the
-        overflow list. (A write larger than ``PIPE_BUF`` is not atomic against other
-        writers, but every writer holds the lock.)
+        overflow list. (A non-blocking write copies what fits under the pipe's lock, so
+        another writer's records cannot land inside it.)
         """
         with self._lock:
-            if self.overflow:
-                self.overflow.extend(_split(blob))
-                return
-            if not _RECORD_IS_PAGE and len(blob) > self.pipe_bytes - self._queued_bytes():
+            if self.overflow or (not _RECORD_IS_PAGE and len(blob) > self._room()):
                 self.overflow.extend(_split(blob))  # partial writes could split a record
                 return
             try:
@@ -109,6 +104,13 @@ class TaskQueue:
                 self.overflow.popleft()
             return len(self.overflow)
 
+    def take_all(self) -> list[bytes]:
+        """Remove and return the records waiting in the overflow list."""
+        with self._lock:
+            out = list(self.overflow)
+            self.overflow.clear()
+        return out
+
     def _write(self, record: bytes) -> bool:
         try:
             os.write(self.write_fd, record)
@@ -116,44 +118,77 @@ class TaskQueue:
             return False
         return True
 
+    def _room(self) -> int:
+        """Free bytes in the pipe (FIONREAD works on either end of a pipe)."""
+        queued = array.array("i", [0])
+        fcntl.ioctl(self.write_fd, termios.FIONREAD, queued)
+        return fcntl.fcntl(self.write_fd, F_GETPIPE_SZ) - queued[0]
+
+
+# Pipe buffers are pages: when a record is exactly a page, a short write of a run of
+# records always ends on a record boundary.
+_RECORD_IS_PAGE = os.sysconf("SC_PAGE_SIZE") == TASK_RECORD_BYTES
+
+
+def drain_records(read_fd: int) -> list[bytes]:
+    """Take every whole record waiting in a non-blocking queue pipe."""
+    out = []
+    while True:
+        try:
+            record = os.read(read_fd, TASK_RECORD_BYTES)
+        except (BlockingIOError, OSError):
+            break
+        if len(record) != TASK_RECORD_BYTES:
+            break
+        out.append(record)
+    return out
+
+
+class TaskQueue:
+    """A priority queue of task records, as the engine holds it (see module docstring).
+
+    ``put_records`` may be called from the engine's thread and a helper thread; workers
+    only ever read.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.read_fd, write_fd = make_pipe()
+        set_nonblocking(self.read_fd)  # shared by every worker: reads never block
+        set_nonblocking(write_fd)  # submits never block
+        self.writer = RecordWriter(write_fd)
+        self.write_fd = write_fd
+        self.pipe_bytes = fcntl.fcntl(write_fd, F_GETPIPE_SZ)
+        self._fionread = array.array("i", [0])
+
+    def put_records(self, blob: bytes | bytearray) -> None:
+        self.writer.put_records(blob)
+
+    def flush(self) -> int:
+        return self.writer.flush()
+
+    @property
+    def overflow(self) -> collections.deque[bytes]:
+        return self.writer.overflow
+
     def take_all(self) -> list[bytes]:
-        """Remove every queued record (pipe and overflow); used when shutting down."""
-        out = []
-        with self._lock:
-            while True:
-                try:
-                    record = os.read(self.read_fd, TASK_RECORD_BYTES)
-                except BlockingIOError:
-                    break
-                if len(record) != TASK_RECORD_BYTES:
-                    break
-                out.append(record)
-            out.extend(self.overflow)
-            self.overflow.clear()
-        return out
+        """Remove every queued record (pipe and overflow); used when failing them."""
+        return drain_records(self.read_fd) + self.writer.take_all()
 
     @property
     def overflow_depth(self) -> int:
-        return len(self.overflow)
-
-    def _queued_bytes(self) -> int:
-        fcntl.ioctl(self.read_fd, termios.FIONREAD, self._fionread)
-        return self._fionread[0]
+        return len(self.writer.overflow)
 
     def pipe_depth(self) -> int:
         """Records waiting in the pipe."""
-        return self._queued_bytes() // TASK_RECORD_BYTES
+        fcntl.ioctl(self.read_fd, termios.FIONREAD, self._fionread)
+        return self._fionread[0] // TASK_RECORD_BYTES
 
     def close(self) -> None:
         for fd in (self.read_fd, self.write_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.read_fd = self.write_fd = -1
-
-
-# Pipe buffers are pages: when a record is exactly a page, a short write of a run of
-# records always ends on a record boundary.
-_RECORD_IS_PAGE = mmap.PAGESIZE == TASK_RECORD_BYTES
 
 
 def _write_fully(fd: int, data: memoryview) -> int:
@@ -201,3 +236,58 @@ class CompletionReader:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.read_fd = self.write_fd = -1
+
+
+class EngineChannels:
+    """Every pipe an engine owns: a queue per kind of task, the completion pipe, the
+    lifeline (only the engine holds its write end) and the workers' doorbell."""
+
+    def __init__(self) -> None:
+        self.queues: dict[TaskKind, TaskQueue] = {}
+        self.completions: CompletionReader | None = None
+        self.lifeline_r = self.lifeline_w = -1
+        self.doorbell = (-1, -1)
+        try:
+            for kind in TaskKind:
+                self.queues[kind] = TaskQueue(kind.name.lower())
+            self.completions = CompletionReader()
+            self.lifeline_r, self.lifeline_w = make_pipe(LIFELINE_BYTES)
+            self.doorbell = make_pipe(LIFELINE_BYTES)
+            for fd in self.doorbell:
+                set_nonblocking(fd)
+        except BaseException:
+            self.close()
+            raise
+
+    def session(self, *, segments: list, nbytes: int, block_bytes: int,
+                layout: dict, label: str):
+        """The :class:`~mptier.workers.Session` that hands these channels to a pool
+        (descriptors are borrowed: the pool duplicates what it keeps)."""
+        from mptier.workers.session import Session
+
+        assert self.completions is not None
+        return Session(queues={k: q.read_fd for k, q in self.queues.items()},
+                       completion=self.completions.write_fd, lifeline=self.lifeline_r,
+                       doorbell=self.doorbell, segments=segments, nbytes=nbytes,
+                       block_bytes=block_bytes, layout=layout, engine_pid=os.getpid(),
+                       label=label)
+
+    def close_lifeline(self) -> None:
+        """End the session: workers finish their copy, detach, and wait for the next."""
+        if self.lifeline_w >= 0:
+            os.close(self.lifeline_w)
+            self.lifeline_w = -1
+
+    def close(self) -> None:
+        """Close everything. Idempotent."""
+        self.close_lifeline()
+        for queue in self.queues.values():
+            queue.close()
+        if self.completions is not None:
+            self.completions.close()
+        for fd in (self.lifeline_r, *self.doorbell):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.lifeline_r = -1
+        self.doorbell = (-1, -1)

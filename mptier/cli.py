@@ -1,6 +1,7 @@
 """The ``mptier`` command.
 
     mptier run      a verified store/load round trip through the tier (the default job)
+    mptier serve    the worker pool as a service engines attach to (service="NAME")
     mptier bench    mptier vs the in-process thread-pool design vs the raw disk limit
     mptier info     what this installation has: native core, O_DIRECT at a root, defaults
     mptier du       blocks and bytes of a cache root, per folder and rank
@@ -58,6 +59,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from mptier.service import serve
+
+    if args.root:
+        args.set = [*(args.set or []), f"root_dir={json.dumps(args.root)}"]
+    return serve(args.name, _config(args))
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from mptier import native
 
@@ -84,7 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--inflight", type=int, default=8, help="jobs in flight (8)")
     run.add_argument("--root", help="folder to use (default: a new temporary folder, "
                                     "removed afterwards)")
-    for p in (run,):
+    serve = sub.add_parser(
+        "serve", help="run the worker pool as a service that engines attach to",
+        description="Run the worker pool and its supervisor in the foreground until "
+                    "SIGTERM or Ctrl-C. Engines attach with FileSystemTier(buf, "
+                    "service=NAME) (vLLM: the tier option \"service\"). Root, worker "
+                    "counts and I/O settings come from here; the file layout comes from "
+                    "each engine. Listens on <run dir>/NAME.sock (run dir: "
+                    "$MPTIER_RUN_DIR, else /run/mptier, else /tmp/mptier-<uid>).")
+    serve.add_argument("--name", required=True, help="the service's name (engines use it)")
+    serve.add_argument("--root", help="folder the block files go into (root_dir)")
+    serve.set_defaults(func=_cmd_serve)
+    for p in (run, serve):
         p.add_argument("--config", help="TOML file with TierConfig fields")
         p.add_argument("--workers", help="LOAD+STORE worker counts, e.g. 4+4")
         p.add_argument("--set", action="append", metavar="KEY=VALUE",

@@ -59,8 +59,20 @@ class TierConfig:
     prefault: bool = True
     # A worker that has not reported ready by then counts as failed to boot.
     worker_start_timeout_s: float = 60.0
+    # Workers SIGKILL cannot end (stuck in the kernel on a dead mount) that are parked,
+    # each holding a spare slot, before the tier fails I/O on the root fast instead.
+    max_stuck_workers: int = 4
+    # Idle workers are pinged this often; one that answers nothing for as long is
+    # replaced (0 = no heartbeat).
+    heartbeat_s: float = 5.0
+    # A worker whose private memory (RSS less the shared buffer) passes this is
+    # replaced (0 = no limit).
+    max_worker_rss_bytes: int = 0
     # Most keys checked by one lookup task.
     lookup_batch_keys: int = 256
+    # Attach to the worker service of this name (`mptier serve --name NAME`) instead of
+    # starting workers in this process ("" = start them here).
+    service: str = ""
     # File layout fields (vLLM's FileMapper): they name the cache folder.
     model_name: str = "model"
     tokens_per_hash: int = 16
@@ -142,6 +154,14 @@ class TierConfig:
               "n_store_workers >= 1)")
         self.task_bytes = _parse_bytes("task_bytes", self.task_bytes)
         _want(self.task_bytes >= 1, "task_bytes", self.task_bytes, "a positive byte count")
+        _want_int(self, "max_stuck_workers", low=0, high=1024)
+        _want(isinstance(self.heartbeat_s, (int, float)) and not isinstance(
+            self.heartbeat_s, bool) and self.heartbeat_s >= 0, "heartbeat_s",
+            self.heartbeat_s, "a number of seconds >= 0 (0 turns the heartbeat off)")
+        self.max_worker_rss_bytes = _parse_bytes("max_worker_rss_bytes",
+                                                 self.max_worker_rss_bytes)
+        _want(self.max_worker_rss_bytes >= 0, "max_worker_rss_bytes",
+              self.max_worker_rss_bytes, "a byte count >= 0 (0 = no limit)")
         for name in ("io_timeout_s", "worker_start_timeout_s"):
             value = getattr(self, name)
             _want(isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -166,6 +186,13 @@ class TierConfig:
               "worker_cpus", self.worker_cpus, "a list of CPU numbers, e.g. [1]")
         self.worker_cpus = list(self.worker_cpus)
         _want_int(self, "lookup_batch_keys", low=1, high=1 << 20)
+        if self.service:
+            from mptier.rundir import check_name
+
+            try:
+                check_name(self.service)
+            except ConfigError as exc:
+                raise ConfigError(f"TierConfig.service: {exc}") from None
         _want(isinstance(self.model_name, str) and self.model_name != "", "model_name",
               self.model_name, "a non-empty string")
         for name in ("tokens_per_hash", "blocks_per_file", "tp_size", "pp_size", "pcp_size",

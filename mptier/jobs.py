@@ -11,18 +11,22 @@ Wire records (engine <-> workers), all little-endian and fixed-layout:
 
       header  magic "MPT" version(u8) kind(u8) attempt(u8) reserved(u16)
               n_items(u32) task_id(u64)
-      body    n_items x block_id (u64)   [not for EXISTS]
+      body    n_items x block_id (u64)   [not for LOOKUP]
               n_items x key length (u16)
               the keys back to back, then zero padding
 
 * a **message** (worker -> engine) is at most ``PIPE_BUF`` bytes, length-prefixed, and
   also written in one atomic ``write``::
 
-      length(u16) type(u8) version(u8) slot(u16) reserved(u16) pid(u32) errno(i32)
+      length(u16) type(u8) version(u8) slot(u16) attempt(u16) pid(u32) errno(i32)
       n_done(u32) task_id(u64) started_ns(u64) elapsed_ns(u64) payload...
 
-  ``payload`` is a bitmap of existing keys for a finished EXISTS task, or UTF-8 text
-  (an error description) otherwise.
+  ``payload`` is one status byte per key for a finished LOOKUP task (see
+  :mod:`mptier.native`'s lookup statuses), or UTF-8 text (an error description)
+  otherwise.
+
+Worker lifecycle messages (ready, attached, leaving...) do not travel here: they go to
+the supervisor over each worker's control socket (:mod:`mptier.workers.protocol`).
 """
 
 from __future__ import annotations
@@ -34,14 +38,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 TASK_RECORD_BYTES = 4096  # == PIPE_BUF on Linux: larger writes are not atomic
 _TASK_HEADER = struct.Struct("<3sBBBHIQ")
 TASK_HEADER_BYTES = _TASK_HEADER.size
 _TASK_MAGIC = b"MPT"
 # Bytes one item costs in a task record besides the key itself.
-TASK_ITEM_OVERHEAD = 8 + 2
-EXISTS_ITEM_OVERHEAD = 2
+TASK_ITEM_OVERHEAD = 8 + 2  # block id (u64) + key length (u16)
+LOOKUP_ITEM_OVERHEAD = 2  # key length (u16): lookups carry no block ids
 
 _MESSAGE_HEADER = struct.Struct("<HBBHHIiIQQQ")
 MESSAGE_HEADER_BYTES = _MESSAGE_HEADER.size
@@ -52,19 +56,19 @@ MAX_TEXT_BYTES = 1024
 class TaskKind(enum.IntEnum):
     STORE = 1
     LOAD = 2
-    EXISTS = 3
+    LOOKUP = 3
 
 
-_EXISTS = int(TaskKind.EXISTS)
+_LOOKUP = int(TaskKind.LOOKUP)
 
 
 class MessageType(enum.IntEnum):
-    READY = 1  # worker mapped the buffer and waits for tasks
-    DONE = 2  # worker finished a task (errno 0 = success)
-    LEAVING = 3  # worker exits on purpose (shutdown or engine gone)
-    LOST = 4  # supervisor: a worker died or hung holding this task; it was not retried
-    WORKER_DIED = 5  # supervisor: a worker ended unexpectedly (informational)
-    BOOT_FAILED = 6  # worker could not start; payload says why
+    DONE = 2  # a worker finished a task (errno 0 = success)
+    LOST = 4  # the supervisor or the engine gave up on a task (worker died, hung, pool
+    #           unavailable, shutdown); it will not be reported again
+    RETRY = 5  # the supervisor: the worker holding this task died; run it again as
+    #            ``attempt`` -- unless it was already reported (only the engine knows:
+    #            a worker may have sent DONE just before it died)
 
 
 class LookupResult(enum.Enum):
@@ -129,7 +133,7 @@ class Task:
 
 def task_record_capacity(kind: TaskKind, key_len: int) -> int:
     """How many items of ``key_len``-byte keys fit in one task record."""
-    per_item = key_len + (EXISTS_ITEM_OVERHEAD if kind == TaskKind.EXISTS
+    per_item = key_len + (LOOKUP_ITEM_OVERHEAD if kind == TaskKind.LOOKUP
                           else TASK_ITEM_OVERHEAD)
     return (TASK_RECORD_BYTES - TASK_HEADER_BYTES) // per_item
 
@@ -141,7 +145,7 @@ def encode_task(kind: TaskKind, task_id: int, keys: Sequence[bytes],
     ``block_ids`` may be a list or an ``array('q')`` slice (the engine's hot path).
     """
     header = _TASK_HEADER.pack(_TASK_MAGIC, WIRE_VERSION, kind, attempt, 0, len(keys), task_id)
-    ids = b"" if kind == TaskKind.EXISTS else array.array("Q", block_ids).tobytes()
+    ids = b"" if kind == TaskKind.LOOKUP else array.array("Q", block_ids).tobytes()
     record = b"".join((header, ids, array.array("H", map(len, keys)).tobytes(), *keys))
     pad = TASK_RECORD_BYTES - len(record)
     if pad < 0:
@@ -157,7 +161,7 @@ def _record_struct(kind: int, m: int, key_len: int) -> struct.Struct:
     """The layout of a record of ``m`` items with ``key_len``-byte keys (cached)."""
     layout = _record_structs.get((kind, m, key_len))
     if layout is None:
-        ids = "" if kind == _EXISTS else f"{m}Q"
+        ids = "" if kind == _LOOKUP else f"{m}Q"
         layout = struct.Struct(f"<3sBBBHIQ{ids}{m}H{m * key_len}s")
         if layout.size > TASK_RECORD_BYTES:
             raise ValueError(f"{m} items of {key_len}-byte keys do not fit a task record")
@@ -183,7 +187,7 @@ def encode_job(kind: TaskKind, first_task_id: int, keys: Sequence[bytes],
     if lengths.count(key_len) != n:
         return _encode_job_mixed(out, kind, first_task_id, keys, block_ids, per_task)
     all_keys = b"".join(keys)
-    ids = block_ids.tolist() if kind != _EXISTS else ()
+    ids = block_ids.tolist() if kind != _LOOKUP else ()
     pos = 0
     task_id = first_task_id
     for start in range(0, n, per_task):
@@ -203,7 +207,7 @@ def _encode_job_mixed(out: bytearray, kind: int, first_task_id: int,
                       per_task: int) -> bytearray:
     for t, start in enumerate(range(0, len(keys), per_task)):
         record = encode_task(TaskKind(kind), first_task_id + t, keys[start:start + per_task],
-                             block_ids[start:start + per_task] if kind != _EXISTS else ())
+                             block_ids[start:start + per_task] if kind != _LOOKUP else ())
         out[t * TASK_RECORD_BYTES:(t + 1) * TASK_RECORD_BYTES] = record
     return out
 
@@ -216,13 +220,6 @@ def peek_task(record: bytes | memoryview) -> tuple[TaskKind, int, int] | None:
     return TaskKind(kind), task_id, attempt
 
 
-def with_attempt(record: bytes | memoryview, attempt: int) -> bytes:
-    """A copy of ``record`` with its attempt counter set."""
-    copy = bytearray(record)
-    copy[5] = min(attempt, 255)
-    return bytes(copy)
-
-
 def decode_task(record: bytes | memoryview) -> Task:
     magic, version, kind, attempt, _, n, task_id = _TASK_HEADER.unpack_from(record, 0)
     if magic != _TASK_MAGIC or version != WIRE_VERSION:
@@ -230,7 +227,7 @@ def decode_task(record: bytes | memoryview) -> Task:
     kind = TaskKind(kind)
     pos = TASK_HEADER_BYTES
     block_ids: list[int] = []
-    if kind != TaskKind.EXISTS:
+    if kind != TaskKind.LOOKUP:
         ids = array.array("Q")
         ids.frombytes(record[pos:pos + 8 * n])
         block_ids = ids.tolist()
@@ -260,6 +257,7 @@ class Message:
     started_ns: int = 0
     elapsed_ns: int = 0
     payload: bytes = b""
+    attempt: int = 0
 
     @property
     def text(self) -> str:
@@ -268,13 +266,14 @@ class Message:
 
 def encode_message(type_: MessageType, slot: int, pid: int, *, errno: int = 0,
                    n_done: int = 0, task_id: int = 0, started_ns: int = 0,
-                   elapsed_ns: int = 0, payload: bytes | str = b"") -> bytes:
+                   elapsed_ns: int = 0, payload: bytes | str = b"", attempt: int = 0
+                   ) -> bytes:
     if isinstance(payload, str):
         payload = payload.encode("utf-8", "replace")[:MAX_TEXT_BYTES]
     length = MESSAGE_HEADER_BYTES + len(payload)
     if length > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
-    return _MESSAGE_HEADER.pack(length, int(type_), WIRE_VERSION, slot, 0, pid, errno,
+    return _MESSAGE_HEADER.pack(length, int(type_), WIRE_VERSION, slot, attempt, pid, errno,
                                 n_done, task_id, started_ns, elapsed_ns) + payload
 
 
@@ -284,7 +283,7 @@ def decode_messages(buffer: bytearray) -> list[Message]:
     pos = 0
     end = len(buffer)
     while end - pos >= MESSAGE_HEADER_BYTES:
-        (length, type_, version, slot, _, pid, err, n_done, task_id, started, elapsed
+        (length, type_, version, slot, attempt, pid, err, n_done, task_id, started, elapsed
          ) = _MESSAGE_HEADER.unpack_from(buffer, pos)
         if end - pos < length:
             break
@@ -293,19 +292,7 @@ def decode_messages(buffer: bytearray) -> list[Message]:
                              f"length {length}")
         payload = bytes(buffer[pos + MESSAGE_HEADER_BYTES:pos + length])
         out.append(Message(MessageType(type_), slot, pid, err, n_done, task_id, started,
-                           elapsed, payload))
+                           elapsed, payload, attempt))
         pos += length
     del buffer[:pos]
     return out
-
-
-def pack_bitmap(flags: Sequence[bool]) -> bytes:
-    out = bytearray((len(flags) + 7) // 8)
-    for i, flag in enumerate(flags):
-        if flag:
-            out[i >> 3] |= 1 << (i & 7)
-    return bytes(out)
-
-
-def unpack_bitmap(data: bytes, n: int) -> list[bool]:
-    return [bool(data[i >> 3] & (1 << (i & 7))) for i in range(n)]

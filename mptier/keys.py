@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 GROUP_IDX_BYTES = 4
-# Longest key accepted: keys travel in 4 KiB task records (vLLM's are 36 bytes).
-MAX_KEY_BYTES = 1024
+# The longest file name the file system takes (Linux NAME_MAX).
+NAME_MAX = 255
+# A block file is "<hex of the block hash>.bin"; while it is written it may be named
+# "<that>.<16-char lease tag>.<counter, up to 20 digits>.tmp".
+BLOCK_SUFFIX = ".bin"
+TEMP_SUFFIX_MAX_BYTES = len(".") + 16 + len(".") + 20 + len(".tmp")
+# Longest key accepted: the longest whose block file and temporary name still fit in
+# NAME_MAX (each hash byte is two hex digits). vLLM's keys are 36 bytes.
+MAX_KEY_BYTES = (NAME_MAX - len(BLOCK_SUFFIX) - TEMP_SUFFIX_MAX_BYTES) // 2 + GROUP_IDX_BYTES
 
 
 def make_key(block_hash: bytes, group_idx: int = 0) -> bytes:
@@ -42,7 +49,10 @@ def check_key(key: object) -> bytes:
             f"a key must be bytes (block_hash + 4-byte group index, see mptier.make_key), "
             f"got {type(key).__name__}: {key!r:.60}")
     if len(raw) > MAX_KEY_BYTES:
-        raise ValueError(f"a key must be at most {MAX_KEY_BYTES} bytes, got {len(raw)}")
+        raise ValueError(
+            f"a key must be at most {MAX_KEY_BYTES} bytes (its block file name, two hex "
+            f"digits per hash byte plus a temporary suffix, must fit the file system's "
+            f"{NAME_MAX}-byte name limit), got {len(raw)}")
     if len(raw) <= GROUP_IDX_BYTES:
         raise ValueError(
             f"a key must be longer than {GROUP_IDX_BYTES} bytes (block_hash + 4-byte group "

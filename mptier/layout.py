@@ -1,6 +1,7 @@
 """Where blocks live on disk: a file layout byte-compatible with vLLM's file-system tier.
 
     <root>/<model name, "/" -> "_">_<12 hex of sha256(fields)>/config.json
+    <root>/<same>/mptier.json        mptier's record: {"block_bytes": N}
     <root>/<same>_r<rank>/<h[0:3]>/<h[3:5]>_g<group>/<h>.bin     h = block_hash.hex()
 
 The twelve hex digits hash the JSON of :attr:`FileMapper.fields` written with sorted
@@ -18,6 +19,9 @@ from typing import Any
 from mptier.keys import key_block_hash, key_group_idx
 
 CONFIG_FILENAME = "config.json"
+# mptier's own record beside config.json (vLLM reads only config.json and block files):
+# the block size, so two tiers with different block sizes never share a folder.
+RECORD_FILENAME = "mptier.json"
 BASE_HASH_HEX_DIGITS = 12
 
 
@@ -78,49 +82,6 @@ class FileMapper:
         self.base_path = f"{self.root_dir}/{model_name.replace('/', '_')}_{digest}"
         self.blocks_dir = f"{self.base_path}_r{rank}"
 
-    @classmethod
-    def from_offloading_spec(cls, root_dir: str, offloading_spec: Any,
-                             blocks_per_file: int = 1,
-                             parallel_agnostic: bool = False) -> FileMapper:
-        """Build the mapper vLLM's own file-system tier builds for ``offloading_spec``.
-
-        ``parallel_agnostic`` is an opt-in: it takes effect only where the spec says the
-        blocks do not depend on the parallel layout (or uses the replicated layout).
-        Works on any object shaped like vLLM 0.33's ``OffloadingSpec``; vLLM is imported
-        only when the spec asks for the canonical layout.
-        """
-        config = offloading_spec.config
-        groups = [
-            {"tokens_per_block": group.tokens_per_block,
-             "layer_names": list(group.layer_names)}
-            for group in config.groups
-        ]
-        parallel = config.parallel
-        canonical_format = None
-        if getattr(config, "canonical_layout", False):
-            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
-                canonical_format_id,
-            )
-            canonical_format = canonical_format_id(config.kv_cache_layout)
-        replicated = bool(getattr(config, "replicated_layout", False))
-        return cls(
-            root_dir=root_dir,
-            model_name=config.model.name,
-            tokens_per_hash=config.cache.tokens_per_hash,
-            blocks_per_file=blocks_per_file,
-            tp_size=parallel.tp_size,
-            pp_size=parallel.pp_size,
-            pcp_size=parallel.pcp_size,
-            dcp_size=parallel.dcp_size,
-            rank=parallel.rank,
-            dtype=config.model.dtype,
-            kv_cache_groups=groups,
-            parallel_agnostic=parallel_agnostic
-            and (bool(parallel.is_parallelism_agnostic) or replicated),
-            replicated_layout=parallel_agnostic and replicated,
-            canonical_format=canonical_format,
-        )
-
     @property
     def fields(self) -> dict[str, Any]:
         """The layout fields (a copy); their hash names the cache folder."""
@@ -140,6 +101,42 @@ class FileMapper:
         """The exact text of ``config.json`` (no trailing newline, as vLLM writes it)."""
         return json.dumps(self._fields, indent=2, sort_keys=True)
 
+    @property
+    def record_path(self) -> str:
+        return f"{self.base_path}/{RECORD_FILENAME}"
+
+    def prepare(self, block_bytes: int) -> None:
+        """Make the folders, write ``config.json`` once and check the block size.
+
+        A folder whose record names another block size was written by a tier with
+        other blocks: sharing it would serve truncated blocks or delete the other's as
+        short, so this raises ``ConfigError`` naming both sizes. A folder without the
+        record (new, or written by vLLM's tier) gets one. Raises ``OSError`` naming the
+        path when the root cannot be used.
+        """
+        from mptier.errors import ConfigError
+
+        self.write_config()
+        recorded = self.recorded_block_bytes()
+        if recorded is None:
+            _publish(self.record_path, json.dumps({"block_bytes": block_bytes}))
+            recorded = self.recorded_block_bytes()
+        if recorded is not None and recorded != block_bytes:
+            raise ConfigError(
+                f"{self.base_path} holds blocks of {recorded} bytes (see {RECORD_FILENAME})"
+                f" but this tier's blocks are {block_bytes} bytes; use another root_dir or"
+                " model_name for this buffer, or remove that folder")
+
+    def recorded_block_bytes(self) -> int | None:
+        """The block size in the folder's record, or None if it has none (or it is
+        unreadable: a record half-written by a crashed tier is rewritten)."""
+        try:
+            with open(self.record_path, encoding="utf-8") as f:
+                value = json.load(f).get("block_bytes")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, int) and value > 0 else None
+
     def write_config(self) -> None:
         """Create the cache folders and write ``config.json`` unless it exists.
 
@@ -151,14 +148,20 @@ class FileMapper:
             _make_dirs(directory)
         if os.path.exists(self.config_path):
             return
-        tmp = f"{self.config_path}.tmp.{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(self.config_text())
-        try:
-            os.replace(tmp, self.config_path)
-        except OSError:
-            os.unlink(tmp)
-            raise
+        _publish(self.config_path, self.config_text())
+
+
+def _publish(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename, so a reader
+    never sees half of it."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        os.unlink(tmp)
+        raise
 
 
 def _make_dirs(directory: str) -> None:

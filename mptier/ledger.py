@@ -10,14 +10,19 @@ once" hold.
 
 from __future__ import annotations
 
+import array
 import collections
 import errno
 import os
 import time
 from dataclasses import dataclass, field
 
-from mptier.jobs import JobResult, Message, MessageType, TaskKind, TierEvent, unpack_bitmap
+from mptier.jobs import JobResult, Message, MessageType, TaskKind, TierEvent, encode_task
 from mptier.lookup import LookupTable
+
+# A lookup task's DONE payload holds one status byte per key; this one means "present"
+# (a regular file of exactly the block size). Any other status is a miss.
+LOOKUP_PRESENT = 1
 
 # Recent job latencies kept for stats() percentiles.
 LATENCY_WINDOW = 4096
@@ -28,6 +33,7 @@ class Job:
     job_id: int
     kind: TaskKind
     keys: list[bytes]
+    block_ids: array.array
     submitted_ns: int
     tasks_left: int
     ok: bytearray  # per key: 1 when it succeeded
@@ -71,8 +77,8 @@ class JobLedger:
         self.jobs: dict[int, Job] = {}
         self.groups: dict[int, Group] = {}
         self._next_group = 1
-        self.finished: list[JobResult] = []
-        self.events: list[TierEvent] = []
+        self._finished: list[JobResult] = []
+        self._events: list[TierEvent] = []
         self.counters = Counters()
         self.latency: dict[str, collections.deque[float]] = {
             "store": collections.deque(maxlen=LATENCY_WINDOW),
@@ -81,11 +87,12 @@ class JobLedger:
         self._lookups = lookups
         self._stored_events = stored_events
 
-    def add_job(self, job_id: int, kind: TaskKind, keys: list[bytes], per_task: int) -> int:
+    def add_job(self, job_id: int, kind: TaskKind, keys: list[bytes],
+                block_ids: array.array, per_task: int) -> int:
         """Record a job; returns the id of its first task (0 for an empty job, which is
         finished at once). Raises ``ValueError`` if it would need too many tasks."""
         n = len(keys)
-        job = Job(job_id, kind, keys, time.monotonic_ns(), 0, bytearray(n))
+        job = Job(job_id, kind, keys, block_ids, time.monotonic_ns(), 0, bytearray(n))
         self.counters.jobs_submitted["store" if kind == TaskKind.STORE else "load"] += 1
         if not n:
             self._finish(job)
@@ -97,6 +104,42 @@ class JobLedger:
         job.tasks_left = n_tasks
         self.jobs[job_id] = job
         return self._add_group(job, keys, per_task, n_tasks)
+
+    def take_finished(self) -> list[JobResult]:
+        """Results of jobs finished since the last call, in the order they finished."""
+        out, self._finished = self._finished, []
+        return out
+
+    def has_finished(self) -> bool:
+        return bool(self._finished)
+
+    def take_events(self) -> list[TierEvent]:
+        out, self._events = self._events, []
+        return out
+
+    def retry_record(self, task_id: int, attempt: int) -> tuple[TaskKind, bytes] | None:
+        """The record to queue again for a task whose worker died, or None if the task
+        was reported already (its worker sent DONE just before dying: running it again
+        could write into slots the engine has since reused) or belongs to no job."""
+        group = self.groups.get(task_id >> TASK_INDEX_BITS)
+        index = task_id & TASK_INDEX_MASK
+        if group is None or index >= len(group.done) or group.done[index]:
+            return None
+        start = index * group.per_task
+        keys = group.keys[start:start + group.per_task]
+        job = group.job
+        if job is None:
+            return TaskKind.LOOKUP, encode_task(TaskKind.LOOKUP, task_id, keys,
+                                                attempt=attempt)
+        ids = job.block_ids[start:start + group.per_task]
+        return job.kind, encode_task(job.kind, task_id, keys, ids, attempt=attempt)
+
+    def fail_group(self, first_task: int, err: int, text: str) -> None:
+        """Fail every task of the group that starts at ``first_task`` (a job refused
+        before it was queued: the pool cannot serve)."""
+        group = self.groups.get(first_task >> TASK_INDEX_BITS)
+        for index in range(len(group.done) if group else 0):
+            self.fail_task(first_task | index, err, text)
 
     def add_lookups(self, keys: list[bytes], per_task: int) -> int:
         """Record a batch of existence checks; returns its first task id."""
@@ -137,21 +180,21 @@ class JobLedger:
         keys = group.keys[start:start + group.per_task]
         job = group.job
         if job is None:
-            exists = unpack_bitmap(m.payload, len(keys)) if m.type == MessageType.DONE \
-                and not m.errno else [False] * len(keys)
+            exists = [status == LOOKUP_PRESENT for status in m.payload[:len(keys)]] \
+                if m.type == MessageType.DONE and not m.errno else [False] * len(keys)
             self.counters.keys_checked += len(keys)
             self.counters.keys_found += sum(exists)
             self._lookups.answer(keys, exists)
             return
-        n_ok = m.n_done if m.type == MessageType.DONE else 0
-        if n_ok:
-            job.ok[start:start + n_ok] = b"\1" * n_ok
+        n_done = m.n_done if m.type == MessageType.DONE else 0
+        if n_done:
+            job.ok[start:start + n_done] = b"\1" * n_done
         if m.errno:
             if not job.errno:
                 job.errno, job.error = m.errno, m.text or os.strerror(m.errno)
             if m.errno == errno.ENODATA and job.kind == TaskKind.LOAD:
                 self.counters.corrupt_removed += 1
-                self.events.append(TierEvent("removed", (keys[n_ok],),
+                self._events.append(TierEvent("removed", (keys[n_done],),
                                               {"reason": "corrupt"}))
         if m.started_ns:
             end = m.started_ns + m.elapsed_ns
@@ -165,23 +208,23 @@ class JobLedger:
             self._finish(job)
 
     def _finish(self, job: Job) -> None:
-        n_ok = job.ok.count(1)
+        n_done = job.ok.count(1)
         n = len(job.keys)
-        success = n_ok == n
+        success = n_done == n
         name = "store" if job.kind == TaskKind.STORE else "load"
         successful_keys = None
         if not success:
             self.counters.jobs_failed[name] += 1
             if job.kind == TaskKind.LOAD:
                 self._lookups.mark_miss(k for k, ok in zip(job.keys, job.ok) if not ok)
-                if n_ok:
+                if n_done:
                     successful_keys = tuple(k for k, ok in zip(job.keys, job.ok) if ok)
         elif job.kind == TaskKind.STORE and self._stored_events and n:
-            self.events.append(TierEvent("stored", tuple(job.keys)))
-        nbytes = n_ok * self._block_bytes
+            self._events.append(TierEvent("stored", tuple(job.keys)))
+        nbytes = n_done * self._block_bytes
         self.counters.bytes_done[name] += nbytes
         now = time.monotonic_ns()
         self.latency[name].append((now - job.submitted_ns) / 1e9)
         elapsed = (job.last_end_ns - job.first_start_ns) / 1e9 if job.first_start_ns else 0.0
-        self.finished.append(JobResult(job.job_id, success, successful_keys, elapsed, nbytes,
+        self._finished.append(JobResult(job.job_id, success, successful_keys, elapsed, nbytes,
                                         job.errno, job.error))

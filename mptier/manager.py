@@ -1,33 +1,37 @@
-"""``FileSystemTier``: the engine-side manager. Every public method is non-blocking
-(except ``drain_jobs`` and ``shutdown``, which exist to block) and runs on the engine's
-scheduler thread.
+"""``FileSystemTier``: the engine-side manager. Every public method runs on the engine's
+scheduler thread and never blocks, except ``drain_jobs`` and ``shutdown`` (which exist
+to wait) and the constructor (bounded: the workers boot and take the session).
 
 ::
 
-    engine process                                           worker processes
-    ┌───────────────────────────────────────────┐           ┌───────────────────────────┐
-    │ scheduler thread                          │  lookup   │ map primary buffer once   │
-    │  submit_store/_load ─ split into tasks ─▶ │══ pipe ══▶│ take: lookup > own > other│
-    │  lookup ─ on_schedule_end ─ exists tasks ▶│  load     │ native batch I/O (no GIL) │
-    │                                           │══ pipe ══▶│ files under root_dir      │
-    │  get_finished_jobs ◀─ drain, no block ────│  store    │                           │
-    │                                           │══ pipe ══▶│                           │
-    │                                           │◀═ completion pipe (messages) ═════════│
-    │ supervisor thread: pidfds, io_timeout,    │           │ slot in the control block │
-    │   retries, respawn, overflow flush        │◀═ shared memory: who holds which task │
-    └───────────────────────────────────────────┘           └───────────────────────────┘
+    engine process                                            worker processes
+    ┌────────────────────────────────────────────┐           ┌───────────────────────────┐
+    │ scheduler thread                           │  lookup   │ map primary buffer once   │
+    │  submit_store/_load ─ split into tasks ──▶ │══ pipe ══▶│ take: lookup > own > other│
+    │  lookup ─ on_schedule_end ─ lookup tasks ─▶│  load     │ native batch I/O (no GIL) │
+    │                                            │══ pipe ══▶│ files under root_dir      │
+    │  get_finished_jobs ◀─ drain, no block ─────│  store    │                           │
+    │                                            │══ pipe ══▶│                           │
+    │                                            │◀═ completion pipe (messages) ═════════│
+    │ the pool (mptier.workers): a supervisor    │◀─ control sockets (ready, heartbeat) ─│
+    │  thread -- deaths, hangs, stuck workers,   │◀═ control block (shared memory): who  │
+    │  retries, respawn                          │   holds which task; the pool's state  │
+    └────────────────────────────────────────────┘           └───────────────────────────┘
       the primary KV buffer is mapped by both sides: no block data crosses a pipe
 
 Who blocks where:
 
 * the scheduler thread blocks nowhere: task records go into non-blocking pipes (or an
-  overflow list when a pipe is full) and completions are read with non-blocking reads;
-* workers block in ``poll()`` on their queues and the lifeline, and in file I/O;
-* the supervisor thread blocks in ``poll()`` on worker pidfds and a wake-up pipe, and
-  ticks every 0.1 s; it holds the GIL only for microseconds at a time.
+  overflow list when a pipe is full), completions are read with non-blocking reads, and
+  only when a message counter in shared memory moved;
+* workers block in ``epoll`` on their queues, lifeline and control socket, and in file I/O;
+* the supervisor thread blocks in ``poll()`` on worker pidfds, control sockets and a
+  wake-up pipe, ticking every 0.5 s; it holds the GIL only for moments.
 
 Every job appears in ``get_finished_jobs()`` exactly once: task ids are unique, the first
-report of a task counts and any later one (a retried store's twin) is ignored.
+report of a task counts and any later one (a retried store's twin) is ignored. When the
+pool cannot serve (workers cannot boot, the file system stopped responding) jobs fail at
+once with the reason, and lookups answer MISS: never silence.
 """
 
 from __future__ import annotations
@@ -40,16 +44,14 @@ import errno
 import logging
 import os
 import select
-import time
 import weakref
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import asdict
 from typing import Any
 
-from mptier import native
-from mptier.channels import CompletionReader, TaskQueue, make_pipe
+from mptier.channels import EngineChannels
 from mptier.config import TierConfig
-from mptier.errors import ConfigError, MptierError, TierClosedError
+from mptier.errors import ConfigError, TierClosedError
 from mptier.jobs import (
     JobResult,
     LookupResult,
@@ -66,9 +68,7 @@ from mptier.layout import FileMapper
 from mptier.ledger import JobLedger
 from mptier.lookup import LookupTable
 from mptier.shm import SharedKVBuffer, cleanup_stale
-from mptier.workers.control import ControlBlock
-from mptier.workers.launcher import LaunchSpec
-from mptier.workers.pool import ProcessPool, ThreadPool
+from mptier.workers import PoolSettings, open_pool
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,16 @@ def _shutdown_live_tiers() -> None:
     for tier in list(_live_tiers):
         with contextlib.suppress(Exception):
             tier.shutdown()
+
+
 _NO_IDS = array.array("q")
 _BYTES_ONLY = {bytes}
+# Shortest valid key: a block hash of at least one byte plus the 4-byte group index.
+_MIN_KEY_BYTES = 5
+# errno of jobs the engine fails itself: queued work dropped at shutdown.
+ERR_CANCELLED = errno.ECANCELED
+
+
 class FileSystemTier:
     """A secondary KV tier on a file system, served by worker processes.
 
@@ -92,13 +100,15 @@ class FileSystemTier:
     :class:`SharedKVBuffer` or the engine's own memory (see
     :meth:`SharedKVBuffer.from_memoryview`); keyword overrides apply on top of ``config``
     (a :class:`TierConfig`, defaults otherwise). The constructor blocks until every worker
-    is ready and raises :class:`MptierError` if they cannot start, ``OSError`` naming the
-    path if ``root_dir`` cannot be used.
+    is ready and has mapped the buffer, and raises :class:`MptierError` if they cannot
+    start, ``OSError`` naming the path if ``root_dir`` cannot be used, ``ConfigError``
+    for a bad setting or a folder holding blocks of another size. A failed construction
+    leaves nothing behind.
     """
 
     def __init__(self, buffer: SharedKVBuffer | Any, config: TierConfig | None = None,
                  **overrides: Any) -> None:
-        self._closed = True  # until fully constructed, so shutdown() is safe on failure
+        self._closed = self._shut_down = True  # until constructed: shutdown() is a no-op
         cfg = TierConfig.from_dict(overrides, base=config) if overrides or config is None \
             else config
         if not cfg.root_dir:
@@ -111,98 +121,58 @@ class FileSystemTier:
         self._block_bytes = buffer.block_bytes
         self._num_blocks = buffer.num_blocks
         self.mapper = FileMapper(cfg.root_dir, **cfg.layout_kwargs())
-        self.mapper.write_config()
-        if cfg.use_o_direct == "auto":
-            self.use_o_direct = native.probe_o_direct(self.mapper.blocks_dir)
-        else:
-            self.use_o_direct = bool(cfg.use_o_direct)
-        self.native = cfg.native and native.HAS_NATIVE
-        cleanup_stale()
-
-        self._lookups = LookupTable()
-        self._ledger = JobLedger(self._block_bytes, self._lookups, cfg.enable_events)
-        self._boot_errors: list[str] = []
-        self._ready = 0
         self._per_task = max(1, cfg.task_bytes // self._block_bytes)
         # Keys up to this length always fit self._per_task items in a record.
-        self._fast_key_len = next((k for k in range(4096, 0, -1) if task_record_capacity(
-            TaskKind.STORE, k) >= self._per_task), 0)
-        self._queues = {kind: TaskQueue(name) for kind, name in (
-            (TaskKind.EXISTS, "lookup"), (TaskKind.LOAD, "load"), (TaskKind.STORE, "store"))}
-        self._lookup_q, self._load_q, self._store_q = self._queues.values()
-        self._completions = CompletionReader()
-        self._lifeline_r, self._lifeline_w = make_pipe(4096)
-        self._doorbell = make_pipe(4096)  # workers wake each other for queued tasks
-        for fd in self._doorbell:
-            os.set_blocking(fd, False)
-        self._segment_fds: list[int] = []
-        roles = ["load"] * cfg.n_load_workers + ["store"] * cfg.n_store_workers
-        # Two slots per worker: a hung worker keeps its slot until it is reaped.
-        self._control = ControlBlock(2 * len(roles) + 2)
-        self._seen_counts = self._control.counters_snapshot()
-        self._closed = False
-        self._shut_down = False
-        _live_tiers.add(self)
-        try:
-            self._pool = self._make_pool(roles)
+        self._fast_key_len = next((k for k in range(MAX_KEY_BYTES, 0, -1)
+                                   if task_record_capacity(TaskKind.STORE, k)
+                                   >= self._per_task), 0)
+        self._lookups = LookupTable()
+        self._ledger = JobLedger(self._block_bytes, self._lookups, cfg.enable_events)
+        self._final_pool_stats: dict[str, Any] | None = None
+        cleanup_stale()
+        with contextlib.ExitStack() as stack:
+            self._channels = EngineChannels()
+            stack.callback(_quietly, self._channels.close)
+            self._queues = self._channels.queues
+            self._completions = self._channels.completions
+            self._pool = self._open_pool(cfg, buffer)
+            stack.callback(_quietly, self._pool.stop)
+            self.mode = self._pool.mode
             self._pool.start()
-            self._wait_ready(len(roles))
-        except BaseException:
-            self.shutdown()
-            raise
+            segments = buffer.open_segments() if buffer.shareable else []
+            try:
+                session = self._channels.session(
+                    segments=segments, nbytes=buffer.nbytes, block_bytes=self._block_bytes,
+                    layout=cfg.layout_kwargs(), label=f"engine pid {os.getpid()}")
+                self._io = self._pool.attach(session)
+            finally:
+                for seg in segments:  # the pool keeps copies of its own
+                    os.close(seg.fd)
+            self.use_o_direct = self._io.use_o_direct
+            self.backend = self._io.backend
+            if self._io.root_dir != cfg.root_dir:  # a service's root
+                self.mapper = FileMapper(self._io.root_dir, **cfg.layout_kwargs())
+            self._seen_counts = self._pool.control.counters_snapshot()
+            self._cleanup = stack.pop_all()
+        self._closed = self._shut_down = False
+        _live_tiers.add(self)
 
-    def _make_pool(self, roles: list[str]) -> ProcessPool | ThreadPool:
-        cfg = self.config
-        q = self._queues
-        if not self._buffer.shareable:
-            global _warned_threads
-            if not _warned_threads:
-                _warned_threads = True
-                log.warning("mptier: the primary buffer cannot be shared with worker "
-                            "processes (%s); running I/O on %d threads in this process "
-                            "instead (io_timeout_s is not enforced there)",
-                            self._buffer.unshareable_reason, len(roles))
-            self.mode = "threads"
-            return ThreadPool(
-                roles=roles, control=self._control,
-                memory=memoryview(self._buffer.view).cast("B"),
-                lookup_queue=q[TaskKind.EXISTS], load_queue=q[TaskKind.LOAD],
-                store_queue=q[TaskKind.STORE], completion_fd=self._completions.write_fd,
-                lifeline_fd=self._lifeline_r, doorbell=self._doorbell, mapper=self.mapper,
-                backend=native.get_backend("native" if self.native else "python"),
-                use_o_direct=self.use_o_direct, block_bytes=self._block_bytes)
-        self.mode = "processes"
-        segments = self._buffer.open_segments()
-        self._segment_fds = [s.fd for s in segments]
-        spec = LaunchSpec(
-            n_slots=self._control.n_slots, control_fd=self._control.fd,
-            lookup_queue_fd=q[TaskKind.EXISTS].read_fd, load_queue_fd=q[TaskKind.LOAD].read_fd,
-            store_queue_fd=q[TaskKind.STORE].read_fd,
-            completion_fd=self._completions.write_fd, lifeline_fd=self._lifeline_r,
-            doorbell_fd=self._doorbell[0], doorbell_write_fd=self._doorbell[1],
-            segments=segments, nbytes=self._buffer.nbytes, block_bytes=self._block_bytes,
-            layout={"root_dir": cfg.root_dir, **cfg.layout_kwargs()},
-            use_o_direct=self.use_o_direct, native=self.native, nice=cfg.worker_nice,
-            cpus=cfg.worker_cpus, prefault=cfg.prefault)
-        return ProcessPool(
-            spec=spec, roles=roles, control=self._control, lookup_queue=q[TaskKind.EXISTS],
-            load_queue=q[TaskKind.LOAD], store_queue=q[TaskKind.STORE],
-            completion_fd=self._completions.write_fd, mapper=self.mapper,
-            io_timeout_s=cfg.io_timeout_s, max_task_retries=cfg.max_task_retries,
-            start_timeout_s=cfg.worker_start_timeout_s)
+    @staticmethod
+    def _open_pool(cfg: TierConfig, buffer: SharedKVBuffer) -> Any:
+        if cfg.service:
+            if not buffer.shareable:
+                raise ConfigError(f"service={cfg.service!r} needs a buffer other processes "
+                                  f"can map, but this one cannot be shared "
+                                  f"({buffer.unshareable_reason}); use SharedKVBuffer or "
+                                  "a file-backed shared mapping")
+            from mptier.service import ServiceLink
 
-    def _wait_ready(self, n_workers: int) -> None:
-        deadline = time.monotonic() + self.config.worker_start_timeout_s
-        while self._ready < n_workers:
-            if self._pool.broken_reason:
-                raise MptierError(f"mptier workers could not start: "
-                                  f"{self._pool.broken_reason}")
-            if time.monotonic() > deadline:
-                raise MptierError(f"only {self._ready} of {n_workers} mptier workers "
-                                  f"reported ready within {self.config.worker_start_timeout_s}"
-                                  f" s; errors: {self._boot_errors or 'none reported'}")
-            select.select([self._completions.read_fd], [], [], 0.05)
-            self._pump()
+            return ServiceLink(cfg.service, wait_s=cfg.worker_start_timeout_s)
+        memory = None
+        if not buffer.shareable:
+            memory = memoryview(buffer.view).cast("B")
+            _warn_threads(buffer.unshareable_reason, len(PoolSettings.from_config(cfg).roles))
+        return open_pool(PoolSettings.from_config(cfg), memory)
 
     # -- submitting ------------------------------------------------------------------------
 
@@ -217,7 +187,8 @@ class FileSystemTier:
     def submit_load(self, job: TransferJob) -> None:
         """Queue a load of ``job.keys`` into slots ``job.block_ids``. Never blocks.
 
-        Raises ``ValueError`` like :meth:`submit_store`.
+        Raises ``ValueError`` like :meth:`submit_store`, and also when the job names a
+        block id twice (two keys cannot both land in one slot).
         """
         self._submit(TaskKind.LOAD, job)
 
@@ -238,39 +209,54 @@ class FileSystemTier:
         if len(block_ids) != n:
             raise ValueError(f"job {job_id}: {n} keys but {len(block_ids)} block_ids; "
                              "each key needs exactly one block id")
+        key_len = 0
         if n:
             lengths = list(map(len, keys)) if set(map(type, keys)) == _BYTES_ONLY else ()
             key_len = max(lengths) if lengths else 0
-            if not lengths or key_len > MAX_KEY_BYTES or min(lengths) <= 4:
+            if not lengths or key_len > MAX_KEY_BYTES or min(lengths) < _MIN_KEY_BYTES:
                 keys = [check_key(k) for k in keys]  # raises ValueError naming the key
                 key_len = max(map(len, keys))
-        else:
-            key_len = 0
-        if n:
             low, high = min(block_ids), max(block_ids)
             if low < 0 or high >= self._num_blocks:
                 bad = low if low < 0 else high
                 raise ValueError(f"job {job_id}: block id {bad} is outside the primary "
                                  f"buffer (valid ids: 0..{self._num_blocks - 1})")
+            if kind == TaskKind.LOAD and len(set(block_ids)) != n:
+                twice = next(b for b, c in collections.Counter(block_ids).items() if c > 1)
+                raise ValueError(f"job {job_id}: block id {twice} appears more than once; "
+                                 "a load needs one slot per key")
         per_task = self._per_task if key_len <= self._fast_key_len else \
             min(self._per_task, task_record_capacity(kind, key_len))
-        if per_task < 1:
-            raise ValueError(f"job {job_id}: a {key_len}-byte key is too long for a task")
-        first_task = self._ledger.add_job(job_id, kind, keys, per_task)
-        if first_task:
-            self._queues[kind].put_records(
-                encode_job(kind, first_task, keys, block_ids, per_task))
+        first_task = self._ledger.add_job(job_id, kind, keys, block_ids, per_task)
+        if not first_task:
+            return
+        if not self._pool.control.pool_serving():
+            self._fail_unserved(first_task)
+            return
+        self._queues[kind].put_records(encode_job(kind, first_task, keys, block_ids, per_task))
+
+    def _fail_unserved(self, first_task: int) -> None:
+        _, err, reason = self._pool.control.pool_state()
+        self._ledger.fail_group(first_task, err or errno.EHOSTDOWN, reason)
 
     # -- lookups -----------------------------------------------------------------------
 
     def lookup(self, key: bytes, req_id: Hashable = None) -> LookupResult:
         """HIT, MISS, or RETRY while the key waits for the next batched check. Never
-        blocks: the check runs in a worker after :meth:`on_schedule_end`."""
+        blocks: the check runs in a worker after :meth:`on_schedule_end`; answers that
+        arrived since are applied here (a moved message counter says so, without a
+        system call). MISS while the pool cannot serve."""
         if self._closed:
             raise TierClosedError("the tier was shut down")
-        if type(key) is not bytes or not 4 < len(key) <= MAX_KEY_BYTES:
+        if type(key) is not bytes or not _MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
             key = check_key(key)
-        return self._lookups.lookup(key, req_id)
+        if self._pool.control.counters_snapshot() != self._seen_counts:
+            self._poll()
+        answer = self._lookups.lookup(key, req_id)
+        if answer is LookupResult.RETRY and not self._pool.control.pool_serving():
+            self._lookups.answer([key], [False])
+            return LookupResult.MISS
+        return answer
 
     def on_schedule_end(self) -> None:
         """Collect finished checks, then send this step's unchecked keys to the workers."""
@@ -280,11 +266,14 @@ class FileSystemTier:
         keys = self._lookups.take_unsent()
         if not keys:
             return
+        if not self._pool.control.pool_serving():
+            self._lookups.answer(keys, [False] * len(keys))
+            return
         per_task = min(self.config.lookup_batch_keys,
-                       task_record_capacity(TaskKind.EXISTS, max(map(len, keys))))
+                       task_record_capacity(TaskKind.LOOKUP, max(map(len, keys))))
         first_task = self._ledger.add_lookups(keys, per_task)
-        self._lookup_q.put_records(
-            encode_job(TaskKind.EXISTS, first_task, keys, _NO_IDS, per_task))
+        self._queues[TaskKind.LOOKUP].put_records(
+            encode_job(TaskKind.LOOKUP, first_task, keys, _NO_IDS, per_task))
 
     def mark_miss(self, keys: Iterable[bytes]) -> None:
         """Make every request that holds a HIT for ``keys`` see MISS from now on (a load
@@ -304,16 +293,11 @@ class FileSystemTier:
         """
         if not self._closed:
             self._poll()
-        ledger = self._ledger
-        if not ledger.finished:
-            return []
-        out, ledger.finished = ledger.finished, []
-        return out
+        return self._ledger.take_finished() if self._ledger.has_finished() else []
 
     def take_events(self) -> list[TierEvent]:
         """"stored" events (when ``enable_events``) and "removed" events since last call."""
-        out, self._ledger.events = self._ledger.events, []
-        return out
+        return self._ledger.take_events()
 
     def fileno(self) -> int:
         """The completion pipe's read end: readable when there may be news."""
@@ -330,36 +314,69 @@ class FileSystemTier:
 
     def _poll(self) -> None:
         """Read the completion pipe only if a message counter moved (no system call when
-        nothing happened); push overflowed tasks on."""
-        counts = self._control.counters_snapshot()
+        nothing happened); push overflowed tasks on, or fail them if nobody can run
+        them."""
+        counts = self._pool.control.counters_snapshot()
         if counts != self._seen_counts:
             self._seen_counts = counts
             self._pump()
-        elif self._lookup_q.overflow or self._load_q.overflow or self._store_q.overflow:
+        elif any(q.overflow for q in self._queues.values()):
             self._flush_overflow()
 
     def _flush_overflow(self) -> None:
+        if not self._pool.control.pool_serving():
+            _, err, reason = self._pool.control.pool_state()
+            for queue in self._queues.values():
+                for record in queue.writer.take_all():
+                    self._ledger.fail_task(decode_task(record).task_id, err, reason)
+            return
         for queue in self._queues.values():
             queue.flush()
 
     def _pump(self) -> None:
         self._flush_overflow()
-        messages = self._completions.read_available()
-        for message in messages:
+        self._read_completions()
+        lost = self._pool.take_lost()
+        if lost is not None:
+            self._fail_in_flight(lost)
+
+    def _fail_in_flight(self, reason: str) -> None:
+        """The workers' side went away (a service stopped or died): fail every job in
+        flight and everything still queued, then let the link attach again."""
+        err = self._pool.unavailable()[1] or errno.ECONNRESET
+        for queue in self._queues.values():
+            queue.take_all()
+        for task_id in self._ledger.unfinished_task_ids():
+            self._ledger.fail_task(task_id, err, reason)
+        self._pool.allow_reattach()
+
+    def _read_completions(self) -> None:
+        for message in self._completions.read_available():
             if message.type == MessageType.DONE or message.type == MessageType.LOST:
                 self._ledger.task_finished(message)
-            elif message.type == MessageType.READY:
-                self._ready += 1
-                self._pool.mark_ready(message.slot, message.pid)
-            elif message.type == MessageType.BOOT_FAILED:
-                self._boot_errors.append(f"pid {message.pid}: {message.text}")
-                log.error("mptier worker pid %d failed to start: %s", message.pid,
-                          message.text)
+            elif message.type == MessageType.RETRY:
+                self._retry(message)
+
+    def _retry(self, message: Any) -> None:
+        """Queue a task again whose worker died, unless it was reported meanwhile."""
+        again = self._ledger.retry_record(message.task_id, message.attempt)
+        if again is None:
+            return
+        kind, record = again
+        if self._closed:
+            self._ledger.fail_task(message.task_id, ERR_CANCELLED,
+                                   f"{message.text}; not retried: the tier shut down")
+        elif not self._pool.control.pool_serving():
+            _, err, reason = self._pool.control.pool_state()
+            self._ledger.fail_task(message.task_id, err, reason)
+        else:
+            self._queues[kind].writer.put(record)
 
     # -- introspection -------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Counters, queue depths, latency percentiles and one entry per worker."""
+        """Counters, queue depths, latency percentiles and one entry per worker. Never
+        blocks; works after :meth:`shutdown` (the workers' last figures)."""
         def percentiles(samples: collections.deque[float]) -> dict[str, float | None]:
             ordered = sorted(samples)
 
@@ -373,14 +390,17 @@ class FileSystemTier:
         if not self._closed:
             queues = {q.name: q.pipe_depth() + q.overflow_depth
                       for q in self._queues.values()}
+        pool = self._final_pool_stats or self._pool.stats()
         return {
-            "mode": self.mode if hasattr(self, "mode") else "none",
+            "mode": self.mode,
             "closed": self._closed,
             "root": self.mapper.base_path,
             "o_direct": self.use_o_direct,
-            "native": self.native,
+            "backend": self.backend,
+            "native": self.backend == "native",
             "block_bytes": self._block_bytes,
             "blocks_per_task": self._per_task,
+            "unavailable": pool["unavailable"],
             "jobs_in_flight": len(self._ledger.jobs),
             "tasks_in_flight": self._ledger.tasks_in_flight,
             "queued_tasks": queues,
@@ -388,12 +408,14 @@ class FileSystemTier:
             "lookup_keys_pending": self._lookups.pending_keys,
             **asdict(self._ledger.counters),
             "latency": {k: percentiles(v) for k, v in self._ledger.latency.items()},
-            "pool": asdict(self._pool.counters) if hasattr(self, "_pool") else {},
-            "workers": self._pool.worker_stats() if hasattr(self, "_pool") else [],
+            "pool": pool["counters"],
+            "workers": pool["workers"],
+            **({"service": {k: v for k, v in pool.items() if k not in (
+                "counters", "workers", "mode", "unavailable")}} if "service" in pool else {}),
         }
 
     def worker_pids(self) -> list[int]:
-        return self._pool.pids() if hasattr(self, "_pool") else []
+        return self._pool.pids()
 
     # -- shutting down -------------------------------------------------------------------
 
@@ -403,46 +425,25 @@ class FileSystemTier:
 
         Blocks for at most the time in-flight tasks take (then escalates to SIGKILL).
         """
-        if getattr(self, "_shut_down", False):
+        if self._shut_down:
             return
-        self._shut_down = True
-        self._closed = True
+        self._shut_down = self._closed = True
         _live_tiers.discard(self)
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.begin_stop()
-        for queue in getattr(self, "_queues", {}).values():
+        for queue in self._queues.values():
             for record in queue.take_all():
-                self._ledger.fail_task(decode_task(record).task_id, errno.ECANCELED,
-                                "cancelled: the tier shut down before the task ran")
-        if hasattr(self, "_lifeline_w"):
-            os.close(self._lifeline_w)
-        forced = pool.stop(on_wait=self._read_completions) if pool is not None else []
+                self._ledger.fail_task(decode_task(record).task_id, ERR_CANCELLED,
+                                       "cancelled: the tier shut down before the task ran")
+        self._channels.close_lifeline()  # workers finish their copy and detach
+        self._pool.end_session(on_wait=self._read_completions)
+        self._final_pool_stats = self._pool.stats()
+        forced = self._pool.stop(on_wait=self._read_completions)
         if forced:
             log.warning("mptier shutdown: %s", "; ".join(forced))
-        if hasattr(self, "_completions"):
-            self._read_completions()
-        ledger = getattr(self, "_ledger", None)
-        for task_id in ledger.unfinished_task_ids() if ledger else ():
-            ledger.fail_task(task_id, errno.ECANCELED,
-                             "the tier shut down while the task was running")
-        for queue in getattr(self, "_queues", {}).values():
-            queue.close()
-        if hasattr(self, "_completions"):
-            self._completions.close()
-        for fd in (getattr(self, "_lifeline_r", -1), *getattr(self, "_doorbell", ())):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        for fd in getattr(self, "_segment_fds", []):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        if getattr(self, "_control", None) is not None:
-            self._control.close()
-
-    def _read_completions(self) -> None:
-        for message in self._completions.read_available():
-            if message.type in (MessageType.DONE, MessageType.LOST):
-                self._ledger.task_finished(message)
+        self._read_completions()
+        for task_id in self._ledger.unfinished_task_ids():
+            self._ledger.fail_task(task_id, ERR_CANCELLED,
+                                   "the tier shut down while the task was running")
+        self._cleanup.close()
 
     def __enter__(self) -> FileSystemTier:
         return self
@@ -455,3 +456,20 @@ class FileSystemTier:
             with contextlib.suppress(Exception):
                 self.shutdown()
 
+
+def _quietly(fn: Callable[[], object]) -> None:
+    """Run a clean-up step; log instead of raising, so the error that made us clean up
+    is the one the caller sees."""
+    try:
+        fn()
+    except Exception:
+        log.exception("mptier: clean-up step %s failed", getattr(fn, "__qualname__", fn))
+
+
+def _warn_threads(reason: str, n_threads: int) -> None:
+    global _warned_threads
+    if not _warned_threads:
+        _warned_threads = True
+        log.warning("mptier: the primary buffer cannot be shared with worker processes "
+                    "(%s); running I/O on %d threads in this process instead (io_timeout_s"
+                    " is not enforced there)", reason, n_threads)

@@ -12,19 +12,22 @@
   else (anonymous or private memory) cannot be shared: ``shareable`` is False and the
   tier runs its I/O on threads instead.
 
-Names carry the owner's pid and its start time, so :func:`cleanup_stale` can tell the
-objects of a dead engine from those of a live one even after the pid is reused.
+Whoever creates or attaches an object holds a shared lock on it while using it, so
+:func:`cleanup_stale` can tell the objects of dead engines (nobody holds them) from live
+ones -- even those of a process in another PID namespace. Names carry the creator's pid
+and start time for the reader, not for liveness.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
-import re
 import secrets
-from collections.abc import Iterator
+import stat
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +40,9 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "mptier."
-_NAME_RE = re.compile(r"^mptier\.(\d+)\.(\d+)\.[0-9a-f]+\.[a-z]+$")
+# An object younger than this is never removed as stale: covers the moment between its
+# creation and its creator taking the lock.
+STALE_GRACE_S = 5.0
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -58,29 +63,54 @@ def unique_name(kind: str) -> str:
     return f"{NAME_PREFIX}{pid}.{process_start_ticks(pid) or 0}.{secrets.token_hex(4)}.{kind}"
 
 
-def owner_alive(name: str) -> bool | None:
-    """Whether the process that created object ``name`` still runs (None: not ours)."""
-    match = _NAME_RE.match(name)
-    if not match:
-        return None
-    pid, ticks = int(match.group(1)), int(match.group(2))
-    current = process_start_ticks(pid)
-    return current is not None and (ticks == 0 or current == ticks)
+def hold(fd: int) -> None:
+    """Mark the object behind ``fd`` as in use by this process: a shared lock, held
+    while the descriptor stays open (every holder can hold one at once)."""
+    fcntl.flock(fd, fcntl.LOCK_SH)
 
 
-def cleanup_stale(directory: str = SHM_DIR) -> list[str]:
-    """Remove mptier objects whose creating process is gone. Returns their names."""
+def cleanup_stale(directory: str = SHM_DIR, min_age_s: float | None = None) -> list[str]:
+    """Remove mptier objects nobody holds. Returns their names.
+
+    Liveness is proven by locks, never by whether the creator's pid is visible: the
+    creator and every attacher hold a shared ``flock`` on the object for as long as they
+    use it (file locks work across PID namespaces on one kernel, so a container sharing
+    ``/dev/shm`` keeps its buffers), and an object is removed only when an exclusive lock
+    can be taken. Objects younger than ``min_age_s`` are left alone: their creator may
+    not have taken its lock yet.
+    """
+    grace = STALE_GRACE_S if min_age_s is None else min_age_s
     removed = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
+    now = time.time()
     for name in names:
-        if name.startswith(NAME_PREFIX) and owner_alive(name) is False:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, name))
+        if not name.startswith(NAME_PREFIX):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            held = os.fstat(fd)
+            if not stat.S_ISREG(held.st_mode) or now - held.st_ctime < grace:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # someone holds it: alive
+            named = os.stat(path, follow_symlinks=False)
+            if (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+                os.unlink(path)
                 removed.append(name)
-                log.info("removed stale shared-memory object %s (its owner is gone)", name)
+                log.info("removed stale shared-memory object %s (nobody holds it)", name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -173,14 +203,16 @@ class SharedKVBuffer:
             shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=nbytes)
         except posix_ipc.ExistentialError:
             raise MptierError(f"shared-memory object {name!r} already exists") from None
+        fd = shm.fd
         try:
-            mapping = mmap.mmap(shm.fd, nbytes)
+            os.set_inheritable(fd, False)
+            hold(fd)
+            mapping = mmap.mmap(fd, nbytes)
         except BaseException:
             shm.close_fd()
             posix_ipc.unlink_shared_memory("/" + name)
             raise
-        shm.close_fd()
-        return cls._from_mmap(mapping, name, owner=True, num_blocks=num_blocks,
+        return cls._from_mmap(mapping, name, fd, owner=True, num_blocks=num_blocks,
                               block_bytes=block_bytes)
 
     @classmethod
@@ -190,25 +222,29 @@ class SharedKVBuffer:
             shm = posix_ipc.SharedMemory("/" + name.lstrip("/"))
         except posix_ipc.ExistentialError:
             raise MptierError(f"no shared-memory object named {name!r}") from None
+        fd = shm.fd
         try:
+            os.set_inheritable(fd, False)
+            hold(fd)
             size = shm.size
-            mapping = mmap.mmap(shm.fd, size)
-        finally:
+            if size % block_bytes:
+                raise ConfigError(f"buffer {name!r} is {size} bytes, not a multiple of "
+                                  f"block_bytes={block_bytes}")
+            mapping = mmap.mmap(fd, size)
+        except BaseException:
             shm.close_fd()
-        if size % block_bytes:
-            mapping.close()
-            raise ConfigError(f"buffer {name!r} is {size} bytes, not a multiple of "
-                              f"block_bytes={block_bytes}")
-        return cls._from_mmap(mapping, name.lstrip("/"), owner=False,
+            raise
+        return cls._from_mmap(mapping, name.lstrip("/"), fd, owner=False,
                               num_blocks=size // block_bytes, block_bytes=block_bytes)
 
     @classmethod
-    def _from_mmap(cls, mapping: mmap.mmap, name: str, *, owner: bool, num_blocks: int,
-                   block_bytes: int) -> SharedKVBuffer:
+    def _from_mmap(cls, mapping: mmap.mmap, name: str, fd: int, *, owner: bool,
+                   num_blocks: int, block_bytes: int) -> SharedKVBuffer:
         view = np.frombuffer(mapping, dtype=np.uint8, count=num_blocks * block_bytes)
         view = view.reshape(num_blocks, block_bytes)
-        # Workers open the object by path; the descriptor is opened when a tier needs it.
-        segment = Segment(fd=-1, file_offset=0, length=num_blocks * block_bytes,
+        # The descriptor stays open while the buffer is: it holds the lock that proves
+        # the object alive, and workers get duplicates of it.
+        segment = Segment(fd=fd, file_offset=0, length=num_blocks * block_bytes,
                           buffer_offset=0, path=os.path.join(SHM_DIR, name))
         return cls(view=view, name=name, owner=owner, segments=[segment], shareable=True,
                    mapping=mapping)
@@ -271,7 +307,8 @@ class SharedKVBuffer:
     # -- lifetime ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Drop this process's mapping (kept alive while numpy views of it exist)."""
+        """Drop this process's mapping (kept alive while numpy views of it exist) and
+        its hold on the object."""
         if self._closed:
             return
         self._closed = True
@@ -358,12 +395,4 @@ def _merge(segments: list[Segment]) -> list[Segment]:
     return merged
 
 
-def iter_mptier_objects(directory: str = SHM_DIR) -> Iterator[str]:
-    """Names of mptier objects present in ``directory`` (for leak checks)."""
-    with contextlib.suppress(OSError):
-        for name in os.listdir(directory):
-            if name.startswith(NAME_PREFIX):
-                yield name
-
-
-__all__ = ["PAGE_SIZE", "SharedKVBuffer", "cleanup_stale", "iter_mptier_objects"]
+__all__ = ["PAGE_SIZE", "SharedKVBuffer", "cleanup_stale"]

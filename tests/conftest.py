@@ -85,9 +85,22 @@ def make_buffer() -> Iterator[Callable]:
         buf.unlink()
 
 
+@pytest.fixture(params=["native", "python"])
+def backend(request) -> str:
+    """The I/O backend a test's tiers use; every test that makes a tier runs on both."""
+    from mptier import native
+
+    if request.param == "native" and not native.HAS_NATIVE:
+        pytest.skip(f"native core not built: {native.NATIVE_IMPORT_ERROR}")
+    if request.param == "native" and native.BACKEND != "native":
+        pytest.skip("MPTIER_NATIVE=0 switches the native core off in this process")
+    return request.param
+
+
 @pytest.fixture
-def make_tier(root) -> Iterator[Callable]:
-    """``make_tier(buffer, **overrides)`` -> a FileSystemTier shut down at teardown."""
+def make_tier(root, backend) -> Iterator[Callable]:
+    """``make_tier(buffer, **overrides)`` -> a FileSystemTier shut down at teardown,
+    running on the ``backend`` fixture's I/O backend -- checked in every worker."""
     from mptier import FileSystemTier
 
     made = []
@@ -95,8 +108,12 @@ def make_tier(root) -> Iterator[Callable]:
     def factory(buffer, **overrides):
         overrides.setdefault("root_dir", root)
         overrides.setdefault("prefault", False)
+        overrides.setdefault("native", backend == "native")
         tier = FileSystemTier(buffer, **overrides)
         made.append(tier)
+        want = "native" if overrides["native"] else "python"
+        running = {w["backend"] for w in tier.stats()["workers"]}
+        assert running == {want}, f"workers run {running}, the test asked for {want}"
         return tier
 
     yield factory

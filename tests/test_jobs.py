@@ -16,11 +16,8 @@ from mptier.jobs import (
     encode_job,
     encode_message,
     encode_task,
-    pack_bitmap,
     peek_task,
     task_record_capacity,
-    unpack_bitmap,
-    with_attempt,
 )
 
 
@@ -37,7 +34,7 @@ def test_job_records_decode_from_bytes_and_memoryview(kind):
             task = decode_task(record)
             assert (task.kind, task.task_id, task.attempt) == (kind, 7 + t, 0)
             assert task.keys == keys[4 * t:4 * t + 4]
-            expected_ids = [] if kind == TaskKind.EXISTS else list(ids[4 * t:4 * t + 4])
+            expected_ids = [] if kind == TaskKind.LOOKUP else list(ids[4 * t:4 * t + 4])
             assert task.block_ids == expected_ids
     assert encode_task(kind, 7, keys[:4], ids[:4]) == bytes(blob[:TASK_RECORD_BYTES])
 
@@ -54,14 +51,15 @@ def test_capacity_is_exact_and_overflow_is_refused():
 def test_attempt_and_peek():
     record = encode_task(TaskKind.LOAD, 99, [b"abcdefgh"], [3])
     assert peek_task(record) == (TaskKind.LOAD, 99, 0)
-    assert peek_task(with_attempt(record, 2)) == (TaskKind.LOAD, 99, 2)
+    assert peek_task(encode_task(TaskKind.LOAD, 99, [b"abcdefgh"], [3], attempt=2)) == \
+        (TaskKind.LOAD, 99, 2)
     assert peek_task(bytes(TASK_RECORD_BYTES)) is None
 
 
 def test_messages_split_across_reads():
     stream = (encode_message(MessageType.DONE, 3, 1234, errno=2, n_done=5, task_id=9,
                              started_ns=10, elapsed_ns=20, payload="boom")
-              + encode_message(MessageType.READY, 1, 42))
+              + encode_message(MessageType.LOST, 1, 42, task_id=8, payload="gone"))
     buffer = bytearray(stream[:10])
     assert decode_messages(buffer) == []
     buffer += stream[10:]
@@ -69,9 +67,5 @@ def test_messages_split_across_reads():
     assert (first.type, first.slot, first.pid, first.errno, first.n_done, first.task_id,
             first.started_ns, first.elapsed_ns, first.text) == \
         (MessageType.DONE, 3, 1234, 2, 5, 9, 10, 20, "boom")
-    assert second.type == MessageType.READY and buffer == bytearray()
-
-
-def test_bitmap_round_trip():
-    flags = [bool(i % 3) for i in range(21)]
-    assert unpack_bitmap(pack_bitmap(flags), 21) == flags
+    assert (second.type, second.task_id, second.text) == (MessageType.LOST, 8, "gone")
+    assert buffer == bytearray()

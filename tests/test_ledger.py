@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import array
 import errno
 
-from mptier.jobs import LookupResult, Message, MessageType, TaskKind
-from mptier.ledger import TASK_INDEX_BITS, JobLedger
+from mptier.jobs import LookupResult, Message, MessageType, TaskKind, decode_task
+from mptier.ledger import LOOKUP_PRESENT, TASK_INDEX_BITS, JobLedger
 from mptier.lookup import LookupTable
 
 KEYS = [bytes([i]) * 36 for i in range(10)]
+
+
+def ids(keys: list[bytes]) -> array.array:
+    return array.array("q", range(100, 100 + len(keys)))
 
 
 def done(task_id: int, n_done: int, err: int = 0) -> Message:
@@ -18,18 +23,19 @@ def done(task_id: int, n_done: int, err: int = 0) -> Message:
 
 def test_job_finishes_with_its_last_task_and_twins_are_ignored():
     ledger = JobLedger(4096, LookupTable(), stored_events=True)
-    first = ledger.add_job(7, TaskKind.STORE, KEYS, per_task=4)  # tasks of 4, 4, 2
+    first = ledger.add_job(7, TaskKind.STORE, KEYS, ids(KEYS), per_task=4)  # tasks of 4, 4, 2
     assert first >> TASK_INDEX_BITS == 1 and ledger.tasks_in_flight == 3
     ledger.task_finished(done(first + 2, 2))
     ledger.task_finished(done(first, 4))
     ledger.task_finished(done(first, 4))  # a retried store's twin
-    assert ledger.finished == [] and ledger.tasks_in_flight == 1
+    assert ledger.take_finished() == [] and ledger.tasks_in_flight == 1
     ledger.task_finished(done(first + 1, 4))
-    (result,) = ledger.finished
+    (result,) = ledger.take_finished()
     assert result.job_id == 7 and result.success and result.transfer_bytes == 10 * 4096
-    assert [e.kind for e in ledger.events] == ["stored"]
+    assert [e.kind for e in ledger.take_events()] == ["stored"]
+    assert ledger.take_events() == []
     ledger.task_finished(done(first + 1, 4))  # late report of a finished job
-    assert len(ledger.finished) == 1 and not ledger.jobs and not ledger.groups
+    assert ledger.take_finished() == [] and not ledger.jobs and not ledger.groups
 
 
 def test_partial_load_reports_loaded_keys_and_marks_the_rest_missed():
@@ -38,26 +44,64 @@ def test_partial_load_reports_loaded_keys_and_marks_the_rest_missed():
         lookups.lookup(key, "r")
     lookups.answer(KEYS[:4], [True] * 4)
     ledger = JobLedger(4096, lookups, stored_events=False)
-    first = ledger.add_job(1, TaskKind.LOAD, KEYS[:4], per_task=2)
+    first = ledger.add_job(1, TaskKind.LOAD, KEYS[:4], ids(KEYS[:4]), per_task=2)
     ledger.task_finished(done(first, 1, err=errno.ENODATA))  # block 1 short: deleted
     ledger.task_finished(done(first + 1, 2))
-    (result,) = ledger.finished
+    (result,) = ledger.take_finished()
     assert not result.success and result.errno == errno.ENODATA
     assert result.successful_keys == (KEYS[0], KEYS[2], KEYS[3])
     assert [lookups.lookup(k, "r") for k in KEYS[:4]] == [
         LookupResult.HIT, LookupResult.MISS, LookupResult.HIT, LookupResult.HIT]
-    assert [(e.kind, e.keys) for e in ledger.events] == [("removed", (KEYS[1],))]
+    assert [(e.kind, e.keys) for e in ledger.take_events()] == [("removed", (KEYS[1],))]
 
 
 def test_empty_job_finishes_at_once_and_sweep_fails_the_rest():
     ledger = JobLedger(4096, LookupTable(), stored_events=False)
-    assert ledger.add_job(1, TaskKind.STORE, [], per_task=4) == 0
-    assert ledger.finished[0].success
-    first = ledger.add_job(2, TaskKind.STORE, KEYS, per_task=5)
+    assert ledger.add_job(1, TaskKind.STORE, [], ids([]), per_task=4) == 0
+    assert ledger.take_finished()[0].success
+    first = ledger.add_job(2, TaskKind.STORE, KEYS, ids(KEYS), per_task=5)
     ledger.task_finished(done(first, 5))
     for task_id in ledger.unfinished_task_ids():
         ledger.fail_task(task_id, errno.ECANCELED, "shut down")
-    result = ledger.finished[-1]
+    (result,) = ledger.take_finished()
     assert result.job_id == 2 and not result.success and result.errno == errno.ECANCELED
     assert result.successful_keys is None  # stores never report partial keys
     assert ledger.counters.jobs_failed["store"] == 1
+
+
+def test_lookup_answers_come_from_status_bytes():
+    lookups = LookupTable()
+    for key in KEYS[:3]:
+        lookups.lookup(key, "r")
+    ledger = JobLedger(4096, lookups, stored_events=False)
+    first = ledger.add_lookups(lookups.take_unsent(), per_task=3)
+    present = LOOKUP_PRESENT
+    ledger.task_finished(Message(MessageType.DONE, 0, 1, task_id=first,
+                                 payload=bytes([present, 0, present + 1])))
+    assert [lookups.lookup(k, "r") for k in KEYS[:3]] == [
+        LookupResult.HIT, LookupResult.MISS, LookupResult.MISS]
+    assert ledger.counters.keys_checked == 3 and ledger.counters.keys_found == 1
+
+
+def test_fail_group_fails_a_refused_job_at_once():
+    ledger = JobLedger(4096, LookupTable(), stored_events=False)
+    first = ledger.add_job(3, TaskKind.LOAD, KEYS, ids(KEYS), per_task=4)
+    ledger.fail_group(first, errno.EHOSTDOWN, "the pool cannot serve: reason")
+    (result,) = ledger.take_finished()
+    assert (result.job_id, result.success, result.errno) == (3, False, errno.EHOSTDOWN)
+    assert "reason" in result.error and not ledger.jobs and not ledger.groups
+
+
+def test_a_dead_workers_task_is_retried_only_if_unreported():
+    ledger = JobLedger(4096, LookupTable(), stored_events=False)
+    first = ledger.add_job(5, TaskKind.LOAD, KEYS[:4], ids(KEYS[:4]), per_task=2)
+    kind, record = ledger.retry_record(first + 1, attempt=1)
+    task = decode_task(record)
+    assert (kind, task.kind, task.task_id, task.attempt) == (TaskKind.LOAD, TaskKind.LOAD,
+                                                             first + 1, 1)
+    assert task.keys == KEYS[2:4] and task.block_ids == [102, 103]
+    ledger.task_finished(done(first, 2))  # its worker sent DONE before it died
+    assert ledger.retry_record(first, attempt=1) is None
+    ledger.task_finished(done(first + 1, 2))
+    assert ledger.retry_record(first + 1, attempt=1) is None  # the job is gone
+    assert ledger.take_finished()[0].success

@@ -21,12 +21,11 @@ def keys_for(n: int, seed: int = 0) -> list[bytes]:
     return [make_key(rng.randbytes(32), rng.randrange(3)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
-def test_round_trip_1200_blocks_in_mixed_jobs(make_buffer, make_tier, native):
+def test_round_trip_1200_blocks_in_mixed_jobs(make_buffer, make_tier):
     n = 600
     buf = make_buffer(2 * n, 16 * KB)
     fill_random(buf.view, range(n), seed=1)
-    tier = make_tier(buf, native=native, task_bytes=64 * KB)
+    tier = make_tier(buf, task_bytes=64 * KB)
     keys = keys_for(n, seed=2)
     rng = random.Random(3)
     stores: dict[int, tuple[int, int]] = {}
@@ -189,7 +188,8 @@ def test_short_file_is_removed_and_reported(make_buffer, make_tier):
     (dict(keys=["not bytes"], block_ids=[0]), "a key must be bytes"),
     (dict(keys=[b"abc"], block_ids=[0]), "longer than 4 bytes"),
     (dict(keys=keys_for(1), block_ids=[1.5]), "must be whole numbers"),
-    (dict(keys=[b"k" * 2000], block_ids=[0]), "at most 1024 bytes"),
+    (dict(keys=[b"k" * 2000], block_ids=[0]), "at most 108 bytes"),
+    (dict(keys=[b"k" * 109], block_ids=[0]), "at most 108 bytes .*255-byte name limit"),
 ])
 def test_bad_input_raises_and_tier_keeps_working(make_buffer, make_tier, bad, message):
     buf = make_buffer(8, 4 * KB)
@@ -201,6 +201,53 @@ def test_bad_input_raises_and_tier_keeps_working(make_buffer, make_tier, bad, me
     tier.submit_store(TransferJob(1, keys_for(1), [0]))
     assert wait_results(tier, [1])[1].success
     assert tier.stats()["jobs_in_flight"] == 0
+
+
+def test_longest_key_is_stored_and_loaded_and_one_longer_refused_everywhere(
+        make_buffer, make_tier):
+    from mptier.keys import MAX_KEY_BYTES
+
+    buf = make_buffer(4, 4 * KB)
+    fill_random(buf.view, [0])
+    tier = make_tier(buf)
+    longest = make_key(b"h" * (MAX_KEY_BYTES - 4), 7)
+    tier.submit_store(TransferJob(1, [longest], [0]))
+    tier.submit_load(TransferJob(2, [longest], [1]))
+    results = wait_results(tier, [1, 2])
+    assert results[1].success, results[1]
+    if not results[2].success:  # the load may have overtaken the store: once more
+        tier.submit_load(TransferJob(3, [longest], [1]))
+        assert wait_results(tier, [3])[3].success
+    assert np.array_equal(buf.view[1], buf.view[0])
+    too_long = longest + b"x"
+    for call in (lambda: tier.submit_store(TransferJob(4, [too_long], [0])),
+                 lambda: tier.submit_load(TransferJob(4, [too_long], [0])),
+                 lambda: tier.lookup(too_long, "r")):
+        with pytest.raises(ValueError, match=f"at most {MAX_KEY_BYTES} bytes"):
+            call()
+
+
+def test_load_naming_a_block_id_twice_is_refused(make_buffer, make_tier):
+    buf = make_buffer(8, 4 * KB)
+    tier = make_tier(buf)
+    keys = keys_for(3)
+    with pytest.raises(ValueError, match="block id 5 appears more than once"):
+        tier.submit_load(TransferJob(1, keys, [5, 2, 5]))
+    assert tier.stats()["jobs_in_flight"] == 0
+    tier.submit_store(TransferJob(1, keys, [5, 2, 5]))  # a store may read a slot twice
+    assert wait_results(tier, [1])[1].success
+
+
+def test_stats_after_shutdown(make_buffer, make_tier):
+    buf = make_buffer(8, 4 * KB)
+    tier = make_tier(buf, n_load_workers=1, n_store_workers=1)
+    tier.submit_store(TransferJob(1, keys_for(2), [0, 1]))
+    wait_results(tier, [1])
+    tier.shutdown()
+    stats = tier.stats()
+    assert stats["closed"] and stats["jobs_in_flight"] == 0
+    assert sum(w["tasks_done"] for w in stats["workers"]) >= 1
+    assert stats["bytes_done"]["store"] == 2 * 4 * KB
 
 
 def test_job_id_in_flight_is_rejected(make_buffer, make_tier):
@@ -326,3 +373,26 @@ def test_deep_queue_overflows_without_blocking_or_dropping(make_buffer, make_tie
     assert queued > 256, "the overflow list should hold what the pipe cannot"
     results = wait_results(tier, range(1000), timeout=60)
     assert all(r.success for r in results.values())
+
+
+ENV_BACKEND = """
+import json, sys
+from mptier import FileSystemTier, SharedKVBuffer
+with SharedKVBuffer.create(4, 4096) as buf, FileSystemTier(
+        buf, root_dir=sys.argv[1], native=True, n_load_workers=1, n_store_workers=1,
+        prefault=False) as tier:
+    stats = tier.stats()
+    print(json.dumps([stats["backend"], sorted({w["backend"] for w in stats["workers"]})]))
+"""
+
+
+def test_mptier_native_0_reaches_the_workers(root):
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MPTIER_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", ENV_BACKEND, root], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == ["python", ["python"]]

@@ -13,7 +13,7 @@ from conftest import fill_random, wait_results
 
 from mptier import ConfigError, SharedKVBuffer, TransferJob, make_key
 from mptier.mapping import MappedBuffer, Segment
-from mptier.shm import cleanup_stale, owner_alive, unique_name
+from mptier.shm import cleanup_stale, hold, unique_name
 
 KB = 1 << 10
 
@@ -55,7 +55,7 @@ def test_create_attach_and_unlink():
     with SharedKVBuffer.create(4, 8 * KB) as buf:
         assert buf.view.shape == (4, 8 * KB) and buf.view.dtype == np.uint8
         assert os.path.exists(f"/dev/shm/{buf.name}")
-        assert str(os.getpid()) in buf.name and owner_alive(buf.name)
+        assert str(os.getpid()) in buf.name
         buf.view[2, :5] = [1, 2, 3, 4, 5]
         other = SharedKVBuffer.attach(buf.name, block_bytes=8 * KB)
         assert list(other.view[2, :5]) == [1, 2, 3, 4, 5]
@@ -72,17 +72,109 @@ def test_create_rejects_bad_sizes(num_blocks, block_bytes):
         SharedKVBuffer.create(num_blocks, block_bytes)
 
 
-def test_stale_objects_of_dead_owners_are_removed():
-    live = unique_name("buf")
-    dead = "mptier.999999999.1.deadbeef.buf"  # no such pid
-    for name in (live, dead):
-        open(f"/dev/shm/{name}", "wb").close()
+def test_stale_objects_are_those_nobody_holds():
+    held, orphan, young = (unique_name("buf") for _ in range(3))
+    paths = {n: f"/dev/shm/{n}" for n in (held, orphan, young)}
+    fds = {}
     try:
-        removed = cleanup_stale()
-        assert dead in removed and live not in removed
-        assert os.path.exists(f"/dev/shm/{live}") and not os.path.exists(f"/dev/shm/{dead}")
+        for name, path in paths.items():
+            fds[name] = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        hold(fds[held])
+        for name in (orphan, young):
+            os.close(fds.pop(name))
+        old = os.stat(paths[held]).st_ctime
+        removed = cleanup_stale(min_age_s=0)
+        assert orphan in removed and held not in removed and young in removed
+        # a fresh object (its creator may not have locked it yet) is left alone
+        fd = os.open(paths[young], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.close(fd)
+        assert young not in cleanup_stale(min_age_s=3600)
+        assert os.path.exists(paths[held]) and os.stat(paths[held]).st_ctime == old
+        os.close(fds.pop(held))  # its holder goes away: now it is stale
+        assert held in cleanup_stale(min_age_s=0)
     finally:
-        for name in (live, dead):
+        for fd in fds.values():
+            os.close(fd)
+        for path in paths.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+ATTACHER = """
+import sys, time
+from mptier import SharedKVBuffer
+buf = SharedKVBuffer.attach(sys.argv[1], block_bytes=4096)
+print(bytes(buf.view[0, :4]).hex(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_an_attached_buffer_survives_its_creator_and_cleanup():
+    import subprocess
+    import sys
+
+    buf = SharedKVBuffer.create(2, 4096)
+    name = buf.name
+    buf.view[0, :4] = [1, 2, 3, 4]
+    attacher = subprocess.Popen([sys.executable, "-c", ATTACHER, name],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert attacher.stdout.readline().strip() == "01020304"
+        buf.close()  # the creator lets go without unlinking (as a crashed engine would)
+        assert name not in cleanup_stale(min_age_s=0), "another process still uses it"
+        assert os.path.exists(f"/dev/shm/{name}")
+        attacher.stdin.write("\n")
+        attacher.stdin.flush()
+        attacher.wait(30)
+        assert name in cleanup_stale(min_age_s=0)
+    finally:
+        attacher.kill()
+        attacher.wait()
+        attacher.stdin.close()
+        attacher.stdout.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
+
+
+NAMESPACED = """
+import sys
+from mptier import SharedKVBuffer
+buf = SharedKVBuffer.create(2, 4096)
+import os
+print(buf.name, os.getpid(), flush=True)
+sys.stdin.readline()
+buf.close()
+buf.unlink()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="unshare --pid needs root")
+def test_buffer_of_a_process_in_another_pid_namespace_survives_cleanup():
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    inner = subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-c", NAMESPACED],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    name = ""
+    try:
+        name, inner_pid = inner.stdout.readline().split()
+        assert inner_pid == "1"  # it sees itself as init of its own namespace
+        assert name in os.listdir("/dev/shm")
+        assert name not in cleanup_stale(min_age_s=0)
+        assert os.path.exists(f"/dev/shm/{name}")
+        inner.stdin.write("\n")
+        inner.stdin.flush()
+        assert inner.wait(30) == 0
+        assert not os.path.exists(f"/dev/shm/{name}")  # its owner removed it itself
+    finally:
+        inner.kill()
+        inner.wait()
+        inner.stdin.close()
+        inner.stdout.close()
+        if name:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{name}")
 

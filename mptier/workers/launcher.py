@@ -1,63 +1,49 @@
 """Starting one worker process: a fresh interpreter (no fork of the engine, whose
-threads and locks must not be copied), handed exactly the descriptors it needs."""
+threads and locks must not be copied), handed exactly two descriptors -- its end of a
+control socket and the pool's control block. Everything else (queues, pipes, the
+buffer) arrives later over the control socket, one session at a time."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
-from mptier.mapping import Segment
+from mptier.workers.protocol import control_pair
 
 
 @dataclass
-class LaunchSpec:
-    """Everything a worker needs, except its slot and role (see :func:`launch`)."""
+class BootSpec:
+    """What every worker of one pool starts with."""
 
     n_slots: int
-    control_fd: int
-    lookup_queue_fd: int
-    load_queue_fd: int
-    store_queue_fd: int
-    completion_fd: int
-    lifeline_fd: int
-    doorbell_fd: int
-    doorbell_write_fd: int
-    segments: list[Segment]
-    nbytes: int
-    block_bytes: int
-    layout: dict[str, Any]
-    use_o_direct: bool
-    native: bool
+    control_block_fd: int
+    backend: str = "native"
     nice: int = 0
     cpus: list[int] = field(default_factory=list)
-    prefault: bool = True
-
-    def descriptors(self) -> tuple[int, ...]:
-        return (self.control_fd, self.lookup_queue_fd, self.load_queue_fd,
-                self.store_queue_fd,
-                self.completion_fd, self.lifeline_fd, self.doorbell_fd,
-                self.doorbell_write_fd, *(s.fd for s in self.segments))
 
 
-def launch(spec: LaunchSpec, slot: int, role: str) -> subprocess.Popen:
-    """Start a worker for ``slot``; returns at once (the worker reports READY itself)."""
-    own, other = ((spec.load_queue_fd, spec.store_queue_fd) if role == "load"
-                  else (spec.store_queue_fd, spec.load_queue_fd))
-    payload = {
-        "slot": slot, "role": role, "n_slots": spec.n_slots, "control_fd": spec.control_fd,
-        "lookup_fd": spec.lookup_queue_fd, "own_fd": own, "other_fd": other,
-        "completion_fd": spec.completion_fd,
-        "lifeline_fd": spec.lifeline_fd, "doorbell_fd": spec.doorbell_fd,
-        "doorbell_write_fd": spec.doorbell_write_fd, "segments": [asdict(s) for s in spec.segments],
-        "nbytes": spec.nbytes, "block_bytes": spec.block_bytes, "layout": spec.layout,
-        "use_o_direct": spec.use_o_direct, "native": spec.native, "nice": spec.nice,
-        "cpus": spec.cpus, "prefault": spec.prefault, "parent_pid": os.getpid(),
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "mptier.workers.worker", json.dumps(payload)],
-        pass_fds=spec.descriptors(), stdin=subprocess.DEVNULL, close_fds=True,
-    )
+def launch(boot: BootSpec, slot: int, role: str) -> tuple[subprocess.Popen, socket.socket]:
+    """Start a worker for ``slot``; returns the process and the supervisor's end of its
+    control socket at once (the worker says ``ready`` itself). Raises ``OSError``."""
+    supervisor_end, worker_end = control_pair()
+    try:
+        spec = {
+            "slot": slot, "role": role, "n_slots": boot.n_slots,
+            "control_block": boot.control_block_fd, "control_socket": worker_end.fileno(),
+            "backend": boot.backend, "nice": boot.nice, "cpus": boot.cpus,
+            "parent_pid": os.getpid(),
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mptier.workers.worker", json.dumps(spec)],
+            pass_fds=(boot.control_block_fd, worker_end.fileno()),
+            stdin=subprocess.DEVNULL, close_fds=True)
+    except BaseException:
+        supervisor_end.close()
+        raise
+    finally:
+        worker_end.close()
+    return proc, supervisor_end

@@ -1,457 +1,382 @@
-"""The supervisor: keeps the pool at size and makes sure no task is lost.
+"""The worker pool: what an engine (or a service) talks to. See :mod:`mptier.workers`.
 
-One thread in the engine process (it never touches the scheduler's state) waits on a
-wake-up pipe and on every worker's pidfd, and ticks every :data:`TICK_S` to
+:class:`WorkerPool` runs worker processes and the supervisor thread that keeps them
+(:mod:`mptier.workers.supervisor`). :class:`ThreadWorkers` runs the same serving loop on
+threads of the engine, for a buffer that cannot be shared with other processes. Both::
 
-* notice a worker that died (SIGKILL, OOM): a store task it held is put back on the
-  store queue (stores are idempotent; at most ``max_task_retries`` times); a load or
-  lookup it had *started* is reported LOST (its keys become a miss); one it had only
-  dequeued goes back on its queue. The dead worker's temporary files are removed and a
-  new worker takes the slot;
-* kill a worker whose task has run longer than ``io_timeout_s`` (a hung mount) and treat
-  it as dead at once -- without waiting for a process stuck in the kernel to go;
-* push tasks waiting in the queues' overflow lists into the pipes;
-* stop respawning after :data:`MAX_BOOT_FAILURES` workers in a row failed to boot (that
-  is a broken installation, not a crash), and fail queued work instead of letting it wait.
+    pool = open_pool(settings, memory)    # WorkerPool, or ThreadWorkers when memory given
+    pool.start()                          # workers boot; raises MptierError if they cannot
+    io = pool.attach(session)             # prepares the root; every worker takes the session
+    ...                                   # the engine queues tasks; workers report
+    pool.end_session()                    # after the engine closed its lifeline
+    pool.stop()                           # workers leave (escalating); idempotent
 
-Workers ask the kernel to kill them if this thread exits, so it lives until every worker
-has left (see :meth:`ProcessPool.stop`).
-
-:class:`ThreadPool` runs the same worker loop on threads, for buffers that cannot be
-shared with other processes; it cannot enforce ``io_timeout_s``.
+``start``, ``attach``, ``end_session`` and ``stop`` block (each for a bounded time);
+``stats``, ``pids`` and ``unavailable`` do not.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import glob
 import logging
 import os
-import select
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mptier.channels import TaskQueue
-from mptier.errors import describe_exit
-from mptier.jobs import MessageType, TaskKind, decode_task, encode_message, with_attempt
+from mptier import native
+from mptier.errors import MptierError
 from mptier.layout import FileMapper
 from mptier.workers.control import ControlBlock, SlotState, SlotWriter
-from mptier.workers.launcher import LaunchSpec, launch
-from mptier.workers.worker import WorkerContext, run_worker
+from mptier.workers.launcher import BootSpec
+from mptier.workers.session import IoSettings, Session, WorkerSession
+from mptier.workers.supervisor import (
+    Phase,
+    PoolCounters,
+    Supervisor,
+    SupervisorSettings,
+)
+from mptier.workers.worker import WorkerContext, serve
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mptier.workers")
 
-# Supervisor tick: bounds how late a hung task is noticed past io_timeout_s and how long
-# overflowed tasks wait when the engine is not calling in (deaths wake it at once, through
-# the pidfds). Every tick takes the GIL from the scheduler thread for a moment -- and on a
-# busy machine getting it back can cost the scheduler milliseconds -- so ticks are rare.
-TICK_S = 0.5
-# Consecutive workers that die before reporting ready before we stop respawning.
-MAX_BOOT_FAILURES = 3
-# How long stop() waits at each step of ask -> terminate -> kill.
+# stop(): how long workers get to finish their copy and leave when asked, then after
+# SIGTERM, then after SIGKILL (a worker stuck in the kernel is then left behind).
 STOP_GRACE_S = 10.0
+TERM_GRACE_S = 2.0
 KILL_GRACE_S = 2.0
-# errno values put on tasks the supervisor fails.
-ERR_WORKER_DIED = errno.EOWNERDEAD
-ERR_TIMED_OUT = errno.ETIMEDOUT
-ERR_NO_WORKERS = errno.ECHILD
+# How long end_session() waits for workers to report they detached.
+DETACH_GRACE_S = 10.0
 
 
 @dataclass
-class WorkerHandle:
-    slot: int
-    role: str
-    proc: subprocess.Popen | None
-    pidfd: int
-    started_at: float
-    generation: int
-    ready: bool = False
-    abandoned: bool = False  # killed while hung; slot kept until it is reaped
+class PoolSettings:
+    """How a pool runs; built from a :class:`~mptier.config.TierConfig` by
+    :meth:`from_config` (a service's config in a service, the engine's otherwise)."""
+
+    root_dir: str
+    n_load_workers: int = 2
+    n_store_workers: int = 2
+    use_o_direct: bool | str = "auto"
+    backend: str = "native"
+    prefault: bool = True
+    nice: int = 0
+    cpus: list[int] = field(default_factory=list)
+    io_timeout_s: float = 60.0
+    max_task_retries: int = 2
+    start_timeout_s: float = 60.0
+    max_stuck_workers: int = 4
+    heartbeat_s: float = 5.0
+    max_worker_rss_bytes: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> PoolSettings:
+        return cls(root_dir=cfg.root_dir, n_load_workers=cfg.n_load_workers,
+                   n_store_workers=cfg.n_store_workers, use_o_direct=cfg.use_o_direct,
+                   backend=backend_name(cfg.native), prefault=cfg.prefault,
+                   nice=cfg.worker_nice, cpus=list(cfg.worker_cpus),
+                   io_timeout_s=cfg.io_timeout_s, max_task_retries=cfg.max_task_retries,
+                   start_timeout_s=cfg.worker_start_timeout_s,
+                   max_stuck_workers=cfg.max_stuck_workers, heartbeat_s=cfg.heartbeat_s,
+                   max_worker_rss_bytes=cfg.max_worker_rss_bytes)
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc else 0
+    def roles(self) -> list[str]:
+        return ["load"] * self.n_load_workers + ["store"] * self.n_store_workers
 
 
-@dataclass
-class PoolCounters:
-    spawned: int = 0
-    deaths: int = 0
-    timeouts: int = 0
-    tasks_retried: int = 0
-    tasks_lost: int = 0
-    boot_failures: int = 0
-    last_deaths: list[str] = field(default_factory=list)
+def backend_name(prefer_native: bool) -> str:
+    """The I/O backend a tier uses: native when asked for, built, and not switched off
+    for the whole process with ``MPTIER_NATIVE=0``."""
+    return "native" if prefer_native and native.BACKEND == "native" else "python"
 
 
-class ProcessPool:
-    """Worker processes plus the supervisor thread that keeps them."""
+def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
+               ) -> IoSettings:
+    """Make the cache folder for ``layout`` under the root, check its block size and
+    probe O_DIRECT; returns the settings workers use. Raises ``OSError`` naming the path
+    or ``ConfigError`` (a block-size clash)."""
+    mapper = FileMapper(settings.root_dir, **layout)
+    mapper.prepare(block_bytes)
+    o_direct = settings.use_o_direct
+    if o_direct == "auto":
+        o_direct = native.get_backend(settings.backend).probe_o_direct(mapper.blocks_dir)
+        if not o_direct:
+            log.warning("mptier: O_DIRECT is not supported under %s; using buffered I/O",
+                        settings.root_dir)
+    return IoSettings(root_dir=settings.root_dir, use_o_direct=bool(o_direct),
+                      backend=settings.backend, prefault=settings.prefault)
 
-    def __init__(self, *, spec: LaunchSpec, roles: list[str], control: ControlBlock,
-                 lookup_queue: TaskQueue, load_queue: TaskQueue, store_queue: TaskQueue,
-                 completion_fd: int, mapper: FileMapper, io_timeout_s: float, max_task_retries: int,
-                 start_timeout_s: float) -> None:
-        self._spec = spec
-        self._roles = roles
-        self._control = control
-        self._queues = {"lookup": lookup_queue, "load": load_queue, "store": store_queue}
-        self._completion_fd = completion_fd
-        self._mapper = mapper
-        self._io_timeout_ns = int(io_timeout_s * 1e9)
-        self._max_retries = max_task_retries
-        self._start_timeout_s = start_timeout_s
-        self._handles: list[WorkerHandle] = []  # by role position; replaced in place
-        self._abandoned: list[WorkerHandle] = []
-        self._free_slots = list(range(control.n_slots - 1, -1, -1))
-        self._lock = threading.Lock()  # guards handles and counters for stats()
-        self.counters = PoolCounters()
-        self._consecutive_boot_failures = 0
-        self.broken_reason = ""
-        self._stopping = False
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._thread = threading.Thread(target=self._supervise, name="mptier-supervisor",
-                                        daemon=True)
-        self._started = threading.Event()
 
-    # -- public ------------------------------------------------------------------------
+def _bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """Run ``fn`` on a helper thread and wait at most ``timeout_s`` (a root on a hung
+    mount must not hang the caller forever). Raises ``MptierError`` on timeout."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name="mptier-prepare", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise MptierError(f"{what} did not finish within io_timeout_s={timeout_s:g} s: "
+                          "the file system is not responding")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+class WorkerPool:
+    """Worker processes kept by a supervisor thread (see module docstring)."""
+
+    mode = "processes"
+
+    def __init__(self, settings: PoolSettings) -> None:
+        self.settings = settings
+        n_workers = len(settings.roles)
+        # A parked (stuck) worker keeps its slot; its replacement needs another.
+        self.control = ControlBlock(n_workers + settings.max_stuck_workers)
+        boot = BootSpec(n_slots=self.control.n_slots, control_block_fd=self.control.fd,
+                        backend=settings.backend, nice=settings.nice, cpus=settings.cpus)
+        self._supervisor = Supervisor(SupervisorSettings(
+            roles=settings.roles, boot=boot, io_timeout_s=settings.io_timeout_s,
+            max_task_retries=settings.max_task_retries,
+            start_timeout_s=settings.start_timeout_s,
+            max_stuck_workers=settings.max_stuck_workers, heartbeat_s=settings.heartbeat_s,
+            max_worker_rss_bytes=settings.max_worker_rss_bytes,
+            root_label=settings.root_dir), self.control)
+        self._started = self._stopped = False
+        self._last_stats: dict[str, Any] | None = None
+        self.io: IoSettings | None = None
+
+    @property
+    def counters(self) -> PoolCounters:
+        return self._supervisor.counters
 
     def start(self) -> None:
-        """Spawn every worker (from the supervisor thread) and return at once."""
-        self._thread.start()
-        self._started.wait()
+        """Start every worker; blocks until all are ready. Raises ``MptierError`` naming
+        the cause when they cannot start (after cleaning up)."""
+        sup = self._supervisor
+        self._started = True
+        sup.start()
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        want = len(self.settings.roles)
+        with sup.changed:
+            while True:
+                ready = sum(1 for w in sup.workers if w.phase is not Phase.BOOTING
+                            and w.alive)
+                if ready >= want:
+                    return
+                reason, _ = sup.unavailable()
+                if reason:  # boot failures in a row: a broken installation or setting
+                    raise MptierError(f"mptier workers could not start: {reason}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise MptierError(
+                        f"only {ready} of {want} mptier workers were ready within "
+                        f"worker_start_timeout_s={self.settings.start_timeout_s:g} s")
+                sup.changed.wait(min(left, 0.5))
 
-    @property
-    def supervised(self) -> bool:
-        return True
+    def attach(self, session: Session) -> IoSettings:
+        """Prepare the root for the session's layout and hand the session to every
+        worker; blocks until all have taken it. The pool keeps its own copies of the
+        session's descriptors. Raises ``MptierError`` (or ``OSError``/``ConfigError``
+        from the root) and leaves no session behind on failure."""
+        sup = self._supervisor
+        io = _bounded(lambda: prepare_io(self.settings, session.layout, session.block_bytes),
+                      self.settings.io_timeout_s, f"preparing {self.settings.root_dir}")
+        self.io = io
+        own = session.dup()
+        ids: list[int] = []
+        sup.call_soon(lambda: ids.append(sup.attach(own, io)))
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        with sup.changed:
+            while True:
+                errors = list(sup.attach_errors)
+                if ids and not errors:
+                    live = [w for w in sup.workers if w.alive]
+                    if live and all(w.phase is Phase.SERVING and w.session_id == ids[0]
+                                    for w in live):
+                        return io
+                if errors or time.monotonic() > deadline:
+                    break
+                sup.changed.wait(0.5)
+        self.end_session(ask_workers=True)
+        if errors:
+            raise MptierError(f"mptier workers could not attach to the buffer: {errors[0]}")
+        raise MptierError(f"mptier workers did not attach within "
+                          f"worker_start_timeout_s={self.settings.start_timeout_s:g} s")
+
+    def end_session(self, ask_workers: bool = False, timeout_s: float = DETACH_GRACE_S,
+                    on_wait: Callable[[], object] | None = None) -> None:
+        """End the current session and wait (bounded) until no worker serves it: after
+        the engine closed its lifeline, or with ``ask_workers`` to make them stop."""
+        sup = self._supervisor
+        sup.call_soon(lambda: sup.end_session(ask_workers))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with sup.changed:
+                if sup.session is None and not any(
+                        w.phase in (Phase.SERVING, Phase.ATTACHING) for w in sup.workers):
+                    return
+                sup.changed.wait(0.05)
+            if on_wait is not None:
+                on_wait()
+
+    def unavailable(self) -> tuple[str, int]:
+        """``(reason, errno)`` when the pool cannot serve now, else ``("", 0)``."""
+        return self._supervisor.unavailable()
+
+    def take_lost(self) -> str | None:
+        """A pool in this process never loses its session wholesale (see ServiceLink)."""
+        return None
+
+    def allow_reattach(self) -> None:
+        pass
+
+    def pids(self) -> list[int]:
+        with self._supervisor.lock:
+            return [w.pid for w in self._supervisor.workers]
 
     def worker_stats(self) -> list[dict[str, Any]]:
-        with self._lock:
-            handles = list(self._handles)
+        """One entry per worker (parked ones included, in state ``"stuck"``)."""
+        sup = self._supervisor
+        with sup.lock:
+            workers = list(sup.workers)
+        now = time.monotonic_ns()
         out = []
-        for h in handles:
-            snap = self._control.snapshot(h.slot)
-            alive = h.proc is not None and h.proc.poll() is None and not h.abandoned
-            ready = h.ready or snap.state in (SlotState.IDLE, SlotState.BUSY)
+        for w in workers:
+            snap = self.control.snapshot(w.slot)
+            busy = snap.state == SlotState.BUSY and snap.started_ns
+            state = w.phase.value
+            if w.phase is Phase.SERVING:
+                state = "busy" if busy else "idle"
             out.append({
-                "pid": h.pid, "role": h.role, "slot": h.slot, "alive": alive,
-                "ready": ready, "state": snap.state.name.lower(),
-                "tasks_done": snap.tasks_done, "bytes_done": snap.bytes_done,
-                "busy_s": snap.busy_ns / 1e9, "errors": snap.errors,
-                "generation": h.generation,
+                "pid": w.pid, "role": w.role, "slot": w.slot, "state": state,
+                "alive": w.alive, "ready": w.phase in (Phase.IDLE, Phase.SERVING),
+                "tasks_done": snap.tasks_done, "tasks_failed": snap.tasks_failed,
+                "bytes_done": snap.bytes_done, "busy_s": snap.busy_ns / 1e9,
+                "task_age_s": (now - snap.started_ns) / 1e9 if busy else None,
+                "generation": w.generation, "backend": w.backend,
             })
         return out
 
-    def pids(self) -> list[int]:
-        with self._lock:
-            return [h.pid for h in self._handles + self._abandoned if h.proc]
-
-    def mark_ready(self, slot: int, pid: int) -> None:
-        with self._lock:
-            for h in self._handles:
-                if h.slot == slot and h.pid == pid:
-                    h.ready = True
-                    self._consecutive_boot_failures = 0
-
-    def begin_stop(self) -> None:
-        """No more respawns or retries from here on."""
-        self._stopping = True
-        self._wake()
+    def stats(self) -> dict[str, Any]:
+        """Counters, state and workers; after :meth:`stop`, the last figures."""
+        if self._last_stats is not None:
+            return self._last_stats
+        with self._supervisor.lock:
+            counters = asdict(self.counters)
+        reason, _ = self.unavailable()
+        return {"mode": self.mode, "counters": counters, "unavailable": reason,
+                "workers": self.worker_stats()}
 
     def stop(self, grace_s: float = STOP_GRACE_S,
              on_wait: Callable[[], object] | None = None) -> list[str]:
-        """Wait for workers to leave (the caller closed the lifeline), escalating to
-        SIGTERM and SIGKILL; ``on_wait`` runs between checks (the engine drains the
-        completion pipe there). Returns descriptions of workers that had to be forced."""
-        self.begin_stop()
-        forced = []
-        with self._lock:
-            handles = [h for h in self._handles + self._abandoned if h.proc]
-        for sig, wait_s in ((None, grace_s), (signal.SIGTERM, KILL_GRACE_S),
-                            (signal.SIGKILL, KILL_GRACE_S)):
-            alive = [h for h in handles if h.proc.poll() is None]
-            if not alive:
-                break
-            if sig is not None:
-                for h in alive:
-                    with contextlib.suppress(ProcessLookupError):
-                        h.proc.send_signal(sig)
-                    forced.append(f"{h.role} worker pid {h.pid} needed {sig.name}")
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and any(h.proc.poll() is None for h in alive):
-                if on_wait is not None:
-                    on_wait()
-                time.sleep(0.01)
-        self._thread_exit = True
-        self._wake()
-        self._thread.join(timeout=5)
-        for h in handles:
-            if h.pidfd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(h.pidfd)
-                h.pidfd = -1
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Ask every worker to leave, then escalate (SIGTERM, SIGKILL); ``on_wait`` runs
+        between checks. Returns descriptions of workers that had to be forced or were
+        left behind (stuck in the kernel). Idempotent."""
+        if self._stopped:
+            return []
+        self._stopped = True
+        sup = self._supervisor
+        forced: list[str] = []
+        if self._started:
+            sup.begin_stop()
+            sup.call_soon(sup.ask_to_leave)
+            for sig, wait_s in ((None, grace_s), (signal.SIGTERM, TERM_GRACE_S),
+                                (signal.SIGKILL, KILL_GRACE_S)):
+                with sup.lock:
+                    left = [w for w in sup.workers if w.phase is not Phase.STUCK]
+                if not left:
+                    break
+                if sig is not None:
+                    for w in left:
+                        with contextlib.suppress(OSError):
+                            w.proc.send_signal(sig)
+                        forced.append(f"{w.role} worker pid {w.pid} needed {sig.name}")
+                deadline = time.monotonic() + wait_s
+                while time.monotonic() < deadline:
+                    with sup.changed:
+                        if not any(w in sup.workers for w in left):
+                            break
+                        sup.changed.wait(0.02)
+                    if on_wait is not None:
+                        on_wait()
+            with sup.lock:
+                forced += [f"{w.role} worker pid {w.pid} is stuck in the kernel and was "
+                           "left behind" for w in sup.workers]
+        self._last_stats = self.stats()
+        sup.finish()
+        self.control.close()
         return forced
 
-    # -- supervisor thread ---------------------------------------------------------------
 
-    _thread_exit = False
+class ThreadWorkers:
+    """The serving loop on threads of the engine (a buffer other processes cannot map).
 
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+    Same methods as :class:`WorkerPool`. Nothing supervises the threads: a hung I/O
+    call cannot be interrupted, so ``io_timeout_s`` is not enforced here.
+    """
 
-    def _supervise(self) -> None:
-        try:
-            for position, role in enumerate(self._roles):
-                self._handles.append(self._spawn(role, generation=0))
-                del position
-        finally:
-            self._started.set()
-        poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
-        registered: set[int] = set()
-        while not self._thread_exit:
-            with self._lock:
-                live = [h for h in self._handles + self._abandoned if h.pidfd >= 0]
-            for h in live:
-                if h.pidfd not in registered:
-                    poller.register(h.pidfd, select.POLLIN)
-                    registered.add(h.pidfd)
-            poller.poll(TICK_S * 1000)
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_r, 4096)
-            if self._thread_exit:
-                break
-            self._reap(poller, registered)
-            if self._stopping:
-                continue
-            self._check_timeouts()
-            for queue in self._queues.values():
-                queue.flush()
-            if self.broken_reason:
-                self._fail_queued()
+    mode = "threads"
 
-    def _spawn(self, role: str, generation: int) -> WorkerHandle:
-        slot = self._free_slots.pop()
-        self._control.reset(slot, role)
-        try:
-            proc = launch(self._spec, slot, role)
-            pidfd = os.pidfd_open(proc.pid)
-        except OSError as exc:
-            self._free_slots.append(slot)
-            log.error("could not start a %s worker: %s", role, exc)
-            self._boot_failed(f"could not start a worker process: {exc}")
-            return WorkerHandle(slot=-1, role=role, proc=None, pidfd=-1,
-                                started_at=time.monotonic(), generation=generation)
-        self.counters.spawned += 1
-        return WorkerHandle(slot=slot, role=role, proc=proc, pidfd=pidfd,
-                            started_at=time.monotonic(), generation=generation)
-
-    def _reap(self, poller: select.poll, registered: set[int]) -> None:
-        with self._lock:
-            candidates = list(self._handles) + list(self._abandoned)
-        for h in candidates:
-            if h.proc is None or h.proc.poll() is None:
-                continue
-            if h.pidfd >= 0:
-                with contextlib.suppress(KeyError, ValueError):
-                    poller.unregister(h.pidfd)
-                registered.discard(h.pidfd)
-                os.close(h.pidfd)
-                h.pidfd = -1
-            if h.abandoned:
-                with self._lock:
-                    self._abandoned.remove(h)
-                self._free_slots.append(h.slot)
-                continue
-            if self._stopping:
-                continue
-            self._worker_gone(h, describe_exit(h.proc.returncode), ERR_WORKER_DIED)
-            self._free_slots.append(h.slot)
-
-    def _check_timeouts(self) -> None:
-        now = time.monotonic_ns()
-        with self._lock:
-            handles = list(self._handles)
-        for h in handles:
-            if h.proc is None:
-                self._replace(h)  # a spawn that failed earlier: try again
-                continue
-            snap = self._control.snapshot(h.slot)
-            if not h.ready and snap.state in (SlotState.IDLE, SlotState.BUSY):
-                h.ready = True
-                self._consecutive_boot_failures = 0
-            if snap.state == SlotState.BOOTING and not h.ready and \
-                    time.monotonic() - h.started_at > self._start_timeout_s:
-                with contextlib.suppress(ProcessLookupError):
-                    h.proc.kill()
-                continue  # reaped (and counted as a boot failure) next tick
-            if snap.started_ns and snap.held_task and \
-                    now - snap.started_ns > self._io_timeout_ns:
-                with contextlib.suppress(ProcessLookupError):
-                    h.proc.kill()
-                self.counters.timeouts += 1
-                h.abandoned = True  # may sit in the kernel; do not wait for it
-                with self._lock:
-                    self._abandoned.append(h)
-                self._worker_gone(
-                    h, f"was killed after its task ran {(now - snap.started_ns) / 1e9:.1f} s "
-                       f"(io_timeout_s={self._io_timeout_ns / 1e9:g})", ERR_TIMED_OUT)
-
-    def _worker_gone(self, h: WorkerHandle, how: str, err: int) -> None:
-        """Handle the task ``h`` held, then put a new worker in its place."""
-        snap = self._control.snapshot(h.slot)
-        description = f"{h.role} worker pid {h.pid} {how}"
-        booting = snap.state == SlotState.BOOTING and not h.ready
-        if booting:
-            self._boot_failed(f"{description} before it was ready")
-        else:
-            self._consecutive_boot_failures = 0
-            self.counters.deaths += 1
-            log.warning("%s", description)
-        self.counters.last_deaths = ([*self.counters.last_deaths, description])[-10:]
-        held = snap.held_task
-        if held is not None:
-            self._handle_held_task(h, self._control.full_record(h.slot), held,
-                                   snap.started_ns, description, err)
-        self._control.clear_record(h.slot)
-        self._control.bump(self._control.supervisor_counter)
-        self._replace(h)
-
-    def _replace(self, h: WorkerHandle) -> None:
-        if self._stopping or self.broken_reason:
-            return
-        new = self._spawn(h.role, h.generation + 1)
-        with self._lock:
-            self._handles[self._handles.index(h)] = new
-
-    def _handle_held_task(self, h: WorkerHandle, record: bytes, held: tuple,
-                          started_ns: int, description: str, err: int) -> None:
-        kind, task_id, attempt = held
-        task = decode_task(record)
-        if kind == TaskKind.STORE:
-            self._remove_temp_files(task.keys, h.pid)
-        retry = attempt < self._max_retries and (kind == TaskKind.STORE or not started_ns)
-        if retry:
-            queue = self._queues[{TaskKind.STORE: "store", TaskKind.LOAD: "load",
-                                  TaskKind.EXISTS: "lookup"}[kind]]
-            queue.put(with_attempt(record, attempt + 1))
-            self.counters.tasks_retried += 1
-            return
-        self.counters.tasks_lost += 1
-        self._post_lost(task_id, err, f"{description} while running this task")
-
-    def _post_lost(self, task_id: int, err: int, text: str) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._completion_fd, encode_message(
-                MessageType.LOST, 0xFFFF, os.getpid(), errno=err, task_id=task_id,
-                payload=text))
-        self._control.bump(self._control.supervisor_counter)
-
-    def _remove_temp_files(self, keys: list[bytes], pid: int) -> None:
-        """A killed store leaves ``<final>.<pid>.*.tmp`` files; nothing reads them."""
-        for key in keys:
-            for path in glob.glob(glob.escape(self._mapper.path_for(key)) + f".{pid}.*.tmp"):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-
-    def _boot_failed(self, description: str) -> None:
-        self.counters.boot_failures += 1
-        self._consecutive_boot_failures += 1
-        log.error("%s", description)
-        if self._consecutive_boot_failures >= MAX_BOOT_FAILURES and not self.broken_reason:
-            self.broken_reason = (f"{MAX_BOOT_FAILURES} workers in a row failed to start; "
-                                  f"last: {description}")
-            log.error("mptier: giving up on respawning workers: %s", self.broken_reason)
-
-    def _fail_queued(self) -> None:
-        """No worker will ever run queued tasks: fail them rather than let jobs hang."""
-        if any(h.proc is not None and h.proc.poll() is None and h.ready
-               for h in self._handles):
-            return
-        for queue in self._queues.values():
-            for record in queue.take_all():
-                self.counters.tasks_lost += 1
-                self._post_lost(decode_task(record).task_id, ERR_NO_WORKERS,
-                                self.broken_reason)
-
-
-class ThreadPool:
-    """The same worker loop on threads in the engine process (unshareable buffer)."""
-
-    def __init__(self, *, roles: list[str], control: ControlBlock, memory: memoryview,
-                 lookup_queue: TaskQueue,
-                 load_queue: TaskQueue, store_queue: TaskQueue, completion_fd: int,
-                 lifeline_fd: int, doorbell: tuple[int, int], mapper: FileMapper,
-                 backend: Any, use_o_direct: bool, block_bytes: int) -> None:
-        self._contexts = []
-        self._threads = []
-        for slot, role in enumerate(roles):
-            own, other = ((load_queue.read_fd, store_queue.read_fd) if role == "load"
-                          else (store_queue.read_fd, load_queue.read_fd))
-            writer = SlotWriter(control, slot, role)
-            ctx = WorkerContext(slot=slot, role=role, lookup_fd=lookup_queue.read_fd,
-                                own_fd=own, other_fd=other,
-                                completion_fd=completion_fd, lifeline_fd=lifeline_fd,
-                                doorbell_fd=doorbell[0], doorbell_write_fd=doorbell[1],
-                                memory=memory, slot_writer=writer, mapper=mapper,
-                                backend=backend, use_o_direct=use_o_direct,
-                                block_bytes=block_bytes)
-            self._contexts.append(ctx)
-            self._threads.append(threading.Thread(target=self._run, args=(ctx,),
-                                                  name=f"mptier-{role}-{slot}", daemon=True))
+    def __init__(self, settings: PoolSettings, memory: memoryview) -> None:
+        self.settings = settings
+        self.control = ControlBlock(len(settings.roles))
         self.counters = PoolCounters()
-        self.broken_reason = ""
-
-    @property
-    def supervised(self) -> bool:
-        return False
-
-    def _run(self, ctx: WorkerContext) -> None:
-        try:
-            reason = run_worker(ctx)
-        except Exception as exc:  # report, so the engine does not wait on this thread
-            log.exception("mptier I/O thread %s failed", ctx.slot)
-            reason = f"failed: {exc}"
-        with contextlib.suppress(OSError):
-            os.write(ctx.completion_fd, encode_message(MessageType.LEAVING, ctx.slot,
-                                                       os.getpid(), payload=reason))
-            ctx.slot_writer.message_sent()
+        self._memory = memory
+        self._contexts: list[WorkerContext] = []
+        self._threads: list[threading.Thread] = []
+        self._stopped = False
+        self._last_stats: dict[str, Any] | None = None
+        self.io: IoSettings | None = None
 
     def start(self) -> None:
-        for thread in self._threads:
+        pass
+
+    def attach(self, session: Session) -> IoSettings:
+        self.io = io = _bounded(
+            lambda: prepare_io(self.settings, session.layout, session.block_bytes),
+            self.settings.io_timeout_s, f"preparing {self.settings.root_dir}")
+        backend = native.get_backend(io.backend)
+        shared = WorkerSession(queues=session.queues, completion=session.completion,
+                               lifeline=session.lifeline, doorbell=session.doorbell,
+                               segments=[], nbytes=session.nbytes,
+                               block_bytes=session.block_bytes, layout=session.layout,
+                               engine_pid=session.engine_pid, label=session.label)
+        for slot, role in enumerate(self.settings.roles):
+            self.control.reset(slot, role)
+            ctx = WorkerContext.open(role=role, slot_writer=SlotWriter(self.control, slot, role),
+                                     session=shared, io=io, backend=backend,
+                                     memory=self._memory)
+            thread = threading.Thread(target=self._run, args=(ctx,),
+                                      name=f"mptier-{role}-{slot}", daemon=True)
+            self._contexts.append(ctx)
+            self._threads.append(thread)
             thread.start()
+        return io
 
-    def mark_ready(self, slot: int, pid: int) -> None:
-        pass
+    @staticmethod
+    def _run(ctx: WorkerContext) -> None:
+        try:
+            serve(ctx, None)
+        except Exception:  # nothing to report to; the engine's drain will time out
+            log.exception("mptier I/O thread %d failed", ctx.slot_writer.slot)
 
-    def pids(self) -> list[int]:
-        return []
+    def end_session(self, ask_workers: bool = False, timeout_s: float = DETACH_GRACE_S,
+                    on_wait: Callable[[], object] | None = None) -> None:
+        self._join(timeout_s, on_wait)
 
-    def worker_stats(self) -> list[dict[str, Any]]:
-        out = []
-        for ctx, thread in zip(self._contexts, self._threads):
-            w = ctx.slot_writer
-            out.append({"pid": os.getpid(), "role": ctx.role, "slot": ctx.slot,
-                        "alive": thread.is_alive(), "ready": True, "state": "thread",
-                        "tasks_done": w.tasks_done, "bytes_done": w.bytes_done,
-                        "busy_s": w.busy_ns / 1e9, "errors": w.errors, "generation": 0})
-        return out
-
-    def begin_stop(self) -> None:
-        pass
-
-    def stop(self, grace_s: float = STOP_GRACE_S,
-             on_wait: Callable[[], object] | None = None) -> list[str]:
-        deadline = time.monotonic() + grace_s
+    def _join(self, timeout_s: float, on_wait: Callable[[], object] | None) -> list[str]:
+        deadline = time.monotonic() + timeout_s
         stuck = []
         for thread in self._threads:
             while thread.is_alive() and time.monotonic() < deadline:
@@ -461,3 +386,51 @@ class ThreadPool:
             if thread.is_alive():
                 stuck.append(f"I/O thread {thread.name} still running (hung I/O?)")
         return stuck
+
+    def unavailable(self) -> tuple[str, int]:
+        return "", 0
+
+    def take_lost(self) -> str | None:
+        return None
+
+    def allow_reattach(self) -> None:
+        pass
+
+    def pids(self) -> list[int]:
+        return []
+
+    def worker_stats(self) -> list[dict[str, Any]]:
+        out = []
+        for ctx, thread in zip(self._contexts, self._threads):
+            w = ctx.slot_writer
+            out.append({"pid": os.getpid(), "role": ctx.role, "slot": w.slot,
+                        "state": "thread", "alive": thread.is_alive(), "ready": True,
+                        "tasks_done": w.tasks_done, "tasks_failed": w.tasks_failed,
+                        "bytes_done": w.bytes_done, "busy_s": w.busy_ns / 1e9,
+                        "task_age_s": None, "generation": 0,
+                        "backend": ctx.backend.name})
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        if self._last_stats is not None:
+            return self._last_stats
+        return {"mode": self.mode, "counters": asdict(self.counters), "unavailable": "",
+                "workers": self.worker_stats()}
+
+    def stop(self, grace_s: float = STOP_GRACE_S,
+             on_wait: Callable[[], object] | None = None) -> list[str]:
+        if self._stopped:
+            return []
+        self._stopped = True
+        stuck = self._join(grace_s, on_wait)
+        self._last_stats = self.stats()
+        if not stuck:
+            self.control.close()
+        return stuck
+
+
+def open_pool(settings: PoolSettings, memory: memoryview | None = None
+              ) -> WorkerPool | ThreadWorkers:
+    """A :class:`WorkerPool`, or :class:`ThreadWorkers` over ``memory`` when the
+    buffer cannot be shared with other processes."""
+    return WorkerPool(settings) if memory is None else ThreadWorkers(settings, memory)

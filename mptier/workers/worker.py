@@ -1,21 +1,28 @@
-"""The worker loop: take a task record, run one native batch call, report, repeat.
+"""The worker: takes task records, runs one native batch call each, reports, repeats.
 
-A worker (a process, or a thread when the buffer cannot be shared) owns one slot of the
-control block. It polls three descriptors and blocks only there:
+A worker is a process (or, for a buffer that cannot be shared, a thread of the engine)
+that owns one slot of the control block. Its life::
+
+    boot ─▶ ready ─▶ ( attach ─▶ serve ─▶ detach )* ─▶ leave
+            │         └ an engine's session: queues, completion pipe, lifeline, buffer
+            └ over its control socket (mptier.workers.protocol)
+
+While serving it blocks only in ``epoll`` on its queues and the doorbell (exclusive
+wake-ups), the lifeline and the control socket, and in file I/O::
 
     lookup queue ─┐
     own queue    ─┤
-    other queue  ─┼─ poll() ─▶ read one record into the slot ─▶ batch I/O ─▶ message ─▶ pipe
-    lifeline     ─┘            (lookups, own queue, other)       (no GIL)
+    other queue  ─┼─ epoll ─▶ read one record into the slot ─▶ batch I/O ─▶ message ─▶ pipe
+    doorbell     ─┤           (lookups, own queue, other)       (no GIL)
+    lifeline, control socket ─▶ end of session, heartbeat, detach/exit requests
 
-Existence checks (lookups) are tiny and gate the engine's scheduling, so every worker
-takes them first; then its own priority's queue; then the other one.
+Lookups are tiny and gate the engine's scheduling, so every worker takes them first;
+then its own priority's queue; then the other one (see ``session.QUEUE_ORDER``).
 
-It leaves when the lifeline reaches end-of-file (the engine shut down or died), after
-sending LEAVING, so a planned exit is never mistaken for a crash. The I/O never blocks
-the engine: if it hangs, the supervisor kills this process and handles the held task.
+The I/O never blocks the engine: if it hangs, the supervisor kills this process and
+handles the task its slot holds.
 
-Run as a process: ``python -m mptier.workers.worker '<json spec>'`` (see
+Run as a process: ``python -m mptier.workers.worker '<json boot spec>'`` (see
 :mod:`mptier.workers.launcher`).
 """
 
@@ -30,31 +37,35 @@ import json
 import os
 import select
 import signal
+import socket
 import sys
 import termios
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mptier.errors import BatchIOError
-from mptier.jobs import (
-    TASK_RECORD_BYTES,
-    MessageType,
-    TaskKind,
-    decode_task,
-    encode_message,
-    pack_bitmap,
-)
+from mptier.jobs import TASK_RECORD_BYTES, MessageType, TaskKind, decode_task, encode_message
 from mptier.layout import FileMapper
-from mptier.workers.control import SlotState, SlotWriter
+from mptier.workers import protocol
+from mptier.workers.control import ControlBlock, SlotState, SlotWriter
+from mptier.workers.session import QUEUE_ORDER, IoSettings, WorkerSession
 
-_POLL_S = 1.0  # idle wake-up, a backstop for the lifeline's end-of-file event
+# Idle wake-up: a backstop for the lifeline's end-of-file event; nothing depends on it.
+IDLE_POLL_S = 1.0
 _EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 0)
 _PR_SET_PDEATHSIG = 1
 # Fault injection for tests: MPTIER_FAULT_STALL="store:0.5,load:2" makes the worker sleep
 # that long at the start of each task of that kind, as a slow or hung file system would.
 STALL_ENV = "MPTIER_FAULT_STALL"
+
+# Why serve() returned.
+ENDED_LIFELINE = "the engine closed its lifeline"
+ENDED_ENGINE_GONE = "the engine's completion pipe is closed"
+ENDED_DETACH = "the supervisor ended the session"
+ENDED_EXIT = "the supervisor asked the worker to leave"
+ENDED_SUPERVISOR_GONE = "the supervisor is gone"
+_LEAVE = (ENDED_EXIT, ENDED_SUPERVISOR_GONE)
 
 
 def _parse_stalls(spec: str) -> dict[TaskKind, float]:
@@ -66,95 +77,169 @@ def _parse_stalls(spec: str) -> dict[TaskKind, float]:
 
 
 _STALLS = _parse_stalls(os.environ.get(STALL_ENV, ""))
+# Fault injection for tests: a worker fails its boot while the file MPTIER_FAULT_BOOT
+# names exists (a broken installation that may get fixed), and each task makes a worker
+# keep MPTIER_FAULT_GROW more bytes of private memory (a leak).
+BOOT_FAULT_ENV = "MPTIER_FAULT_BOOT"
+GROW_FAULT_ENV = "MPTIER_FAULT_GROW"
+_GROW = int(os.environ.get(GROW_FAULT_ENV, "0") or 0)
+_leaked: list[bytearray] = []
 
 
 @dataclass
 class WorkerContext:
-    slot: int
+    """Everything one worker needs to serve one session. Built by :meth:`open` only."""
+
     role: str
-    lookup_fd: int
-    own_fd: int
-    other_fd: int
+    slot_writer: SlotWriter
+    queues: tuple[int, ...]  # read ends, in this role's QUEUE_ORDER
     completion_fd: int
     lifeline_fd: int
     doorbell_fd: int
     doorbell_write_fd: int
     memory: memoryview
-    slot_writer: SlotWriter
+    block_bytes: int
     mapper: FileMapper
     backend: Any
-    use_o_direct: bool
-    block_bytes: int
+    io: IoSettings
+    session: WorkerSession
+    mapped: Any = None  # the MappedBuffer when this worker mapped the buffer itself
+    owns_descriptors: bool = True  # False for threads: the fds are the engine's
     fionread: array.array = field(default_factory=lambda: array.array("i", [0]))
 
+    @classmethod
+    def open(cls, *, role: str, slot_writer: SlotWriter, session: WorkerSession,
+             io: IoSettings, backend: Any, memory: memoryview | None = None
+             ) -> WorkerContext:
+        """Map the session's buffer (unless ``memory`` is given: thread workers use the
+        engine's own) and get ready to serve it. Raises on failure, having released
+        what it took; the session's descriptors stay the caller's to close."""
+        from mptier.mapping import MappedBuffer
 
-def run_worker(ctx: WorkerContext) -> str:
-    """Serve tasks until the lifeline closes. Returns why the worker left."""
-    with select.epoll() as poller:
+        mapped = None
+        if memory is None:
+            mapped = MappedBuffer(session.segments, session.nbytes)
+            for seg in session.segments:  # mapped: the descriptors are no longer needed
+                os.close(seg.fd)
+            session.segments = [replace(s, fd=-1) for s in session.segments]
+            if io.prefault:
+                mapped.prefault()
+            memory = mapped.memory
+        try:
+            mapper = FileMapper(io.root_dir, **session.layout)
+        except BaseException:
+            if mapped is not None:
+                mapped.close()
+            raise
+        return cls(role=role, slot_writer=slot_writer,
+                   queues=tuple(session.queues[k] for k in QUEUE_ORDER[role]),
+                   completion_fd=session.completion, lifeline_fd=session.lifeline,
+                   doorbell_fd=session.doorbell[0], doorbell_write_fd=session.doorbell[1],
+                   memory=memory, block_bytes=session.block_bytes, mapper=mapper,
+                   backend=backend, io=io, session=session, mapped=mapped,
+                   owns_descriptors=mapped is not None)
+
+    def close(self) -> None:
+        """Unmap the buffer and close the session's descriptors (process workers)."""
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
+        if self.owns_descriptors:
+            self.session.close()
+
+
+def serve(ctx: WorkerContext, control: socket.socket | None) -> str:
+    """Serve tasks until the session ends; returns why (one of the ``ENDED_*`` texts)."""
+    writer = ctx.slot_writer
+    record = writer.record
+    pid = os.getpid()
+    with select.epoll() as work, select.epoll() as news:
         # Wake-ups are exclusive: the engine's one write of a job's tasks wakes one idle
         # worker, not the whole pool, so the engine's thread pays for one wake-up. A
         # worker that takes a task and sees more waiting rings the doorbell, which wakes
-        # one more idle worker: the job fans out over the pool in a chain, paid for by
-        # the workers. The lifeline wakes everyone.
-        for fd in (ctx.lookup_fd, ctx.own_fd, ctx.other_fd, ctx.doorbell_fd):
-            poller.register(fd, select.EPOLLIN | _EPOLLEXCLUSIVE)
-        poller.register(ctx.lifeline_fd, select.EPOLLIN)
-        return _serve(ctx, poller)
+        # one more idle worker: a job fans out over the pool in a chain paid for by the
+        # workers. The lifeline and the control socket wake everyone.
+        for fd in (*ctx.queues, ctx.doorbell_fd):
+            work.register(fd, select.EPOLLIN | _EPOLLEXCLUSIVE)
+        for poller in (work, news):
+            poller.register(ctx.lifeline_fd, select.EPOLLIN)
+            if control is not None:
+                poller.register(control.fileno(), select.EPOLLIN)
+        writer.set_state(SlotState.IDLE)
+        while True:
+            took = _take(ctx.queues, record)
+            if not took:
+                for fd, _ in work.poll(IDLE_POLL_S):
+                    ended = _news(ctx, control, fd)
+                    if ended:
+                        return ended
+                continue
+            if _more_waiting(ctx):
+                with contextlib.suppress(BlockingIOError):
+                    os.write(ctx.doorbell_write_fd, b"!")
+            started = time.monotonic_ns()
+            writer.mark_started(started)
+            message, nbytes, failed = _run_task(ctx, record, started, pid)
+            # Report first, then let go of the task: a death in between leaves the task
+            # in the slot, and the engine ignores the supervisor's second report of it.
+            writer.account(nbytes, time.monotonic_ns() - started, failed, started)
+            try:
+                os.write(ctx.completion_fd, message)
+            except BrokenPipeError:
+                writer.release()
+                return ENDED_ENGINE_GONE
+            writer.message_sent()
+            writer.release()
+            for fd, _ in news.poll(0):  # one cheap check per task: session over? asked?
+                ended = _news(ctx, control, fd)
+                if ended:
+                    return ended
 
 
-def _serve(ctx: WorkerContext, poller: select.epoll) -> str:
-    record = ctx.slot_writer.record
-    pid = os.getpid()
-    ctx.slot_writer.set_state(SlotState.IDLE)
-    _send(ctx, encode_message(MessageType.READY, ctx.slot, pid))
-    while True:
-        took = (_take(ctx.lookup_fd, record) or _take(ctx.own_fd, record)
-                or _take(ctx.other_fd, record))
-        if not took:
-            for fd, _ in poller.poll(_POLL_S):
-                if fd == ctx.lifeline_fd:
-                    return "engine closed the lifeline"
-                if fd == ctx.doorbell_fd:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(ctx.doorbell_fd, 4096)
+def _news(ctx: WorkerContext, control: socket.socket | None, fd: int) -> str:
+    """Handle a readable non-queue descriptor; returns why serving ends, or ""."""
+    if fd == ctx.lifeline_fd:
+        return ENDED_LIFELINE
+    if fd == ctx.doorbell_fd:
+        with contextlib.suppress(BlockingIOError):
+            os.read(ctx.doorbell_fd, 4096)
+        return ""
+    if control is not None and fd == control.fileno():
+        got = protocol.receive(control)
+        if got is None:
+            return ENDED_SUPERVISOR_GONE
+        message, fds = got
+        for extra in fds:  # nothing sent while serving carries descriptors
+            os.close(extra)
+        op = message["op"]
+        if op == protocol.PING:
+            protocol.send(control, protocol.PONG, seq=message.get("seq", 0))
+        elif op == protocol.DETACH:
+            return ENDED_DETACH
+        elif op == protocol.EXIT:
+            return ENDED_EXIT
+    return ""
+
+
+def _take(queues: tuple[int, ...], record: memoryview) -> bool:
+    for fd in queues:
+        try:
+            n = os.readv(fd, [record])
+        except BlockingIOError:
             continue
-        if _more_waiting(ctx):
-            with contextlib.suppress(BlockingIOError):
-                os.write(ctx.doorbell_write_fd, b"!")
-        started = time.monotonic_ns()
-        ctx.slot_writer.mark_started(started)
-        message, nbytes, failed = _run_task(ctx, record, started, pid)
-        # Report first, then let go of the task: a death in between leaves the task in
-        # the slot, and the engine ignores the supervisor's second report of it.
-        ctx.slot_writer.account(nbytes, time.monotonic_ns() - started, failed)
-        _send(ctx, message)
-        ctx.slot_writer.release()
-
-
-def _take(fd: int, record: memoryview) -> bool:
-    try:
-        n = os.readv(fd, [record])
-    except BlockingIOError:
-        return False
-    if n != TASK_RECORD_BYTES:  # cannot happen with whole-record writes; never run half
-        record[:16] = bytes(16)
-        return False
-    return True
+        if n == TASK_RECORD_BYTES:
+            return True
+        record[:16] = bytes(16)  # cannot happen with whole-record writes; never run half
+    return False
 
 
 def _more_waiting(ctx: WorkerContext) -> bool:
     fionread = ctx.fionread
-    for fd in (ctx.lookup_fd, ctx.own_fd, ctx.other_fd):
+    for fd in ctx.queues:
         fcntl.ioctl(fd, termios.FIONREAD, fionread)
         if fionread[0] >= TASK_RECORD_BYTES:
             return True
     return False
-
-
-def _send(ctx: WorkerContext, message: bytes) -> None:
-    """Write a message, then count it: the engine reads the pipe only when a count moved."""
-    os.write(ctx.completion_fd, message)
-    ctx.slot_writer.message_sent()
 
 
 def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
@@ -162,32 +247,36 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
     task = decode_task(record)
     if _STALLS and task.kind in _STALLS:
         time.sleep(_STALLS[task.kind])
+    if _GROW:
+        _leaked.append(bytearray(b"\1" * _GROW))
     paths = [ctx.mapper.path_for(key) for key in task.keys]
     err = 0
     n_done = len(paths)
     payload: bytes | str = b""
     try:
-        if task.kind == TaskKind.EXISTS:
-            payload = pack_bitmap(ctx.backend.batch_exists(paths))
+        if task.kind == TaskKind.LOOKUP:
+            payload = bytes(ctx.backend.batch_exists(paths))
         else:
             offsets = [block_id * ctx.block_bytes for block_id in task.block_ids]
             io = ctx.backend.batch_store if task.kind == TaskKind.STORE \
                 else ctx.backend.batch_load
-            io(paths, ctx.memory, offsets, ctx.block_bytes, use_o_direct=ctx.use_o_direct)
-    except BatchIOError as exc:
-        err, n_done, payload = exc.errno or errno.EIO, exc.n_succeeded, str(exc)
+            io(paths, ctx.memory, offsets, ctx.block_bytes, use_o_direct=ctx.io.use_o_direct)
+    except OSError as exc:
+        err = exc.errno or errno.EIO
+        n_done = getattr(exc, "n_succeeded", 0)
+        payload = str(exc)
     except Exception as exc:  # a bug or bad input must not kill the worker: report it
         err, n_done = errno.EIO, 0
         payload = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     elapsed = time.monotonic_ns() - started
-    nbytes = 0 if task.kind == TaskKind.EXISTS else n_done * ctx.block_bytes
-    message = encode_message(MessageType.DONE, ctx.slot, pid, errno=err, n_done=n_done,
-                             task_id=task.task_id, started_ns=started, elapsed_ns=elapsed,
-                             payload=payload)
+    nbytes = 0 if task.kind == TaskKind.LOOKUP else n_done * ctx.block_bytes
+    message = encode_message(MessageType.DONE, ctx.slot_writer.slot, pid, errno=err,
+                             n_done=n_done, task_id=task.task_id, started_ns=started,
+                             elapsed_ns=elapsed, payload=payload)
     return message, nbytes, bool(err)
 
 
-# -- process entry ---------------------------------------------------------------------
+# -- the process -------------------------------------------------------------------------
 
 def _die_with_parent(parent_pid: int) -> None:
     """Ask the kernel to SIGKILL us if the thread that spawned us exits (the supervisor)."""
@@ -200,55 +289,95 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-def process_main(spec: dict[str, Any]) -> int:
-    from mptier import native
-    from mptier.mapping import MappedBuffer, Segment
-    from mptier.workers.control import ControlBlock
+def _describe(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
-    _die_with_parent(spec["parent_pid"])
+
+def process_main(boot: dict[str, Any]) -> int:
+    """Boot, then serve sessions as the supervisor hands them over, until told to leave
+    or the supervisor is gone. Returns the exit code."""
+    from mptier import native
+
+    _die_with_parent(boot["parent_pid"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the engine's terminal
-    slot, role = spec["slot"], spec["role"]
-    completion_fd = spec["completion_fd"]
-    control = ControlBlock(spec["n_slots"], fd=spec["control_fd"])
-    writer = SlotWriter(control, slot, role)
+    control = socket.socket(fileno=boot["control_socket"])
+    slot, role = boot["slot"], boot["role"]
     try:
-        if spec.get("nice"):
-            os.setpriority(os.PRIO_PROCESS, 0, spec["nice"])
-        if spec.get("cpus"):
-            os.sched_setaffinity(0, spec["cpus"])
-        segments = [Segment(**seg) for seg in spec["segments"]]
-        buffer = MappedBuffer(segments, spec["nbytes"])
-        for seg in segments:  # mapped: the descriptors are no longer needed
-            os.close(seg.fd)
-        if spec.get("prefault"):
-            buffer.prefault()
-        backend = native.get_backend("native" if spec["native"] and native.HAS_NATIVE
-                                     else "python")
-        mapper = FileMapper(**spec["layout"])
+        fault = os.environ.get(BOOT_FAULT_ENV)
+        if fault and os.path.exists(fault):
+            raise RuntimeError(f"boot failure injected ({BOOT_FAULT_ENV}={fault})")
+        if boot.get("nice"):
+            os.setpriority(os.PRIO_PROCESS, 0, boot["nice"])
+        if boot.get("cpus"):
+            os.sched_setaffinity(0, boot["cpus"])
+        backend = native.get_backend(boot["backend"])
+        block = ControlBlock(boot["n_slots"], fd=boot["control_block"])
+        writer = SlotWriter(block, slot, role)
     except Exception as exc:
-        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        os.write(completion_fd, encode_message(MessageType.BOOT_FAILED, slot, os.getpid(),
-                                               errno=getattr(exc, "errno", 0) or 0,
-                                               payload=text))
-        writer.message_sent()
-        return 3
-    ctx = WorkerContext(slot=slot, role=role, lookup_fd=spec["lookup_fd"],
-                        own_fd=spec["own_fd"],
-                        other_fd=spec["other_fd"], completion_fd=completion_fd,
-                        lifeline_fd=spec["lifeline_fd"], doorbell_fd=spec["doorbell_fd"],
-                        doorbell_write_fd=spec["doorbell_write_fd"], memory=buffer.memory,
-                        slot_writer=writer, mapper=mapper, backend=backend,
-                        use_o_direct=spec["use_o_direct"], block_bytes=spec["block_bytes"])
+        with contextlib.suppress(OSError):
+            protocol.send(control, protocol.BOOT_FAILED, error=_describe(exc),
+                          errno=getattr(exc, "errno", 0) or 0)
+        return protocol.EXIT_BOOT_FAILED
+    writer.set_state(SlotState.IDLE)
     try:
-        reason = run_worker(ctx)
-    except BrokenPipeError:
-        return 0  # the engine is gone; nobody to tell
-    writer.set_state(SlotState.LEAVING)
+        protocol.send(control, protocol.READY, pid=os.getpid())
+        return _between_sessions(control, writer, role, backend)
+    except (BrokenPipeError, ConnectionResetError):
+        return 0  # the supervisor is gone; nobody to tell
+
+
+def _between_sessions(control: socket.socket, writer: SlotWriter, role: str,
+                      backend: Any) -> int:
+    while True:
+        got = protocol.receive(control)
+        if got is None:
+            return 0
+        message, fds = got
+        op = message["op"]
+        if op == protocol.PING:
+            protocol.send(control, protocol.PONG, seq=message.get("seq", 0))
+        elif op == protocol.EXIT:
+            writer.set_state(SlotState.LEAVING)
+            protocol.send(control, protocol.LEAVING)
+            return 0
+        elif op == protocol.DETACH:
+            protocol.send(control, protocol.DETACHED, reason="not attached")
+        elif op == protocol.ATTACH:
+            ended = _attached(control, writer, role, backend, message, fds)
+            if ended in _LEAVE:
+                writer.set_state(SlotState.LEAVING)
+                with contextlib.suppress(OSError):
+                    protocol.send(control, protocol.LEAVING, reason=ended)
+                return 0
+        for extra in fds if op != protocol.ATTACH else ():
+            os.close(extra)
+
+
+def _attached(control: socket.socket, writer: SlotWriter, role: str, backend: Any,
+              message: dict[str, Any], fds: list[int]) -> str:
+    session = None
     try:
-        _send(ctx, encode_message(MessageType.LEAVING, slot, os.getpid(), payload=reason))
-    except BrokenPipeError:
-        pass
-    return 0
+        session = WorkerSession.from_wire(message["session"], fds)
+        ctx = WorkerContext.open(role=role, slot_writer=writer, session=session,
+                                 io=IoSettings.from_wire(message["io"]), backend=backend)
+    except Exception as exc:
+        if session is not None:
+            session.close()
+        else:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        protocol.send(control, protocol.ATTACH_FAILED, error=_describe(exc))
+        return ""
+    protocol.send(control, protocol.ATTACHED, backend=backend.name)
+    try:
+        ended = serve(ctx, control)
+    finally:
+        ctx.close()
+        writer.set_state(SlotState.IDLE)
+    if ended not in _LEAVE:
+        protocol.send(control, protocol.DETACHED, reason=ended)
+    return ended
 
 
 if __name__ == "__main__":

@@ -1,0 +1,326 @@
+"""``mptier serve``: the worker pool as a long-lived service that engines attach to.
+
+::
+
+    engine process                         service process (mptier serve --name NAME)
+    ┌────────────────────────────┐         ┌─────────────────────────────────────────┐
+    │ FileSystemTier(service=)   │ attach  │ main thread: accept on <run>/NAME.sock, │
+    │  its queues, pipes, buffer │─ + fds ▶│   one engine at a time; status replies  │
+    │  ServiceLink thread:       │◀ ctrl ──│ WorkerPool: supervisor thread + workers │
+    │   status every second,     │  block  │   that map the engine's own buffer      │
+    │   notices the service die  │═ link ══│ end of the link = the engine is gone:   │
+    └────────────────────────────┘         │   workers detach, stay up, next engine  │
+                                           └─────────────────────────────────────────┘
+
+The root and the I/O settings come from the service's configuration; the file layout
+comes from each engine. The service creates nothing in /dev/shm (its control block is a
+memfd; the buffer is the engine's). SIGTERM or SIGINT: in-flight copies finish, workers
+leave, the socket is removed, exit 0.
+
+Blocking: the main thread blocks in ``poll()`` on the listening socket, the attached
+engine's link and a signal pipe; an attach blocks it until the workers have taken the
+session (bounded by ``worker_start_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import select
+import signal
+import socket
+import time
+from dataclasses import asdict
+from typing import Any
+
+from mptier import messages
+from mptier.config import TierConfig
+from mptier.errors import MptierError
+from mptier.jobs import TaskKind
+from mptier.mapping import Segment
+from mptier.service.names import lock_path, socket_path
+from mptier.workers import PoolSettings, Session, WorkerPool
+
+log = logging.getLogger("mptier.service")
+
+# Version of the engine <-> service messages; an engine of another version is refused.
+PROTOCOL_VERSION = 1
+# A client must send its first message within this time, or it is dropped.
+FIRST_MESSAGE_S = 5.0
+# Pending connections the kernel queues while the service attaches an engine.
+LISTEN_BACKLOG = 8
+
+ATTACH = "attach"
+STATUS = "status"
+DETACH = "detach"
+DETACHED = "detached"
+
+
+class Service:
+    """A running service. :meth:`run` blocks until a stop signal; see module docstring."""
+
+    def __init__(self, name: str, config: TierConfig) -> None:
+        if not config.root_dir:
+            raise MptierError("mptier serve needs root_dir (in --config, or --set "
+                              "root_dir=/mnt/kv): the folder the block files go into")
+        self.name = name
+        self.config = config
+        self.path = socket_path(name, create=True)
+        self._lock_fd = -1
+        self._listener: socket.socket | None = None
+        self._pool: WorkerPool | None = None
+        self._link: socket.socket | None = None
+        self._engine = ""  # who is attached ("engine pid 1234")
+        self._engine_pid = 0
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._stopping = False
+        self.attaches = 0
+
+    # -- life ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (or :meth:`request_stop`). Returns the exit code."""
+        with contextlib.ExitStack() as stack:
+            stack.callback(self._close)
+            self._claim_name()
+            self._pool = WorkerPool(PoolSettings.from_config(self.config))
+            self._pool.start()
+            self._listen()
+            previous = {sig: signal.signal(sig, self._on_signal)
+                        for sig in (signal.SIGTERM, signal.SIGINT)}
+            stack.callback(lambda: [signal.signal(s, h) for s, h in previous.items()])
+            log.info("mptier service %r ready on %s: %d+%d workers, root %s", self.name,
+                     self.path, self.config.n_load_workers, self.config.n_store_workers,
+                     self.config.root_dir)
+            print(f"mptier service {self.name!r} listening on {self.path}", flush=True)
+            self._loop()
+        return 0
+
+    def request_stop(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._stop_w, b"x")
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.request_stop()
+
+    def _claim_name(self) -> None:
+        """One service per name: hold the name's lock for life; a socket left by a
+        service that died is removed only once its lock is ours."""
+        fd = os.open(lock_path(self.name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise MptierError(f"another mptier service named {self.name!r} is running "
+                              f"(it holds {lock_path(self.name)}); pick another --name"
+                              ) from None
+        self._lock_fd = fd
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _listen(self) -> None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(self.path)
+            os.chmod(self.path, 0o660)
+            listener.listen(LISTEN_BACKLOG)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+
+    def _close(self) -> None:
+        """Stop everything: in-flight copies finish, workers leave, socket removed."""
+        if self._listener is not None:
+            self._listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self._listener = None
+        if self._pool is not None:
+            if self._link is not None:
+                self._pool.end_session(ask_workers=True)
+            self._drop_link()
+            forced = self._pool.stop()
+            if forced:
+                log.warning("mptier service %r: %s", self.name, "; ".join(forced))
+            self._pool = None
+        if self._lock_fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path(self.name))
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+        for fd in (self._stop_r, self._stop_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            watched = [self._listener.fileno(), self._stop_r]
+            if self._link is not None:
+                watched.append(self._link.fileno())
+            try:
+                readable, _, _ = select.select(watched, [], [], 1.0)
+            except InterruptedError:
+                continue
+            if self._stop_r in readable:
+                log.info("mptier service %r stopping", self.name)
+                return
+            if self._link is not None and self._link.fileno() in readable:
+                self._serve_link()
+            if self._listener.fileno() in readable:
+                self._accept()
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
+        conn.settimeout(FIRST_MESSAGE_S)
+        try:
+            got = messages.receive(conn)
+        except (OSError, ValueError):
+            conn.close()
+            return
+        if got is None:
+            conn.close()
+            return
+        message, fds = got
+        op = message.get("op")
+        if op == ATTACH:
+            self._attach(conn, message, fds)
+            return
+        messages.close_all(fds)
+        with contextlib.suppress(OSError):
+            if op == STATUS:
+                messages.send(conn, STATUS, ok=True, figures=self.figures())
+            else:
+                messages.send(conn, op or "error", ok=False,
+                              error=f"unknown request {op!r}")
+        conn.close()
+
+    def _attach(self, conn: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
+        assert self._pool is not None
+        label = message.get("label") or f"engine pid {message.get('engine_pid')}"
+        refusal = ""
+        if message.get("version") != PROTOCOL_VERSION:
+            refusal = (f"protocol version {message.get('version')} is not the service's "
+                       f"{PROTOCOL_VERSION}: run the same mptier on both sides")
+        elif self._link is not None:
+            refusal = (f"mptier service {self.name!r} is attached to {self._engine} "
+                       f"(pid {self._engine_pid}); one engine per service at a time")
+        if refusal:
+            messages.close_all(fds)
+            log.warning("mptier service %r refused %s: %s", self.name, label, refusal)
+            with contextlib.suppress(OSError):
+                messages.send(conn, ATTACH, ok=False, error=refusal)
+            conn.close()
+            return
+        try:
+            session = _session_from(message, fds)
+        except (KeyError, ValueError, TypeError) as exc:
+            messages.close_all(fds)
+            with contextlib.suppress(OSError):
+                messages.send(conn, ATTACH, ok=False, error=f"malformed attach: {exc}")
+            conn.close()
+            return
+        try:
+            io = self._pool.attach(session)
+        except Exception as exc:  # the engine hears why; the service stays up
+            log.error("mptier service %r: attaching %s failed: %s", self.name, label, exc)
+            with contextlib.suppress(OSError):
+                messages.send(conn, ATTACH, ok=False, error=str(exc))
+            conn.close()
+            return
+        finally:
+            session.close()  # the pool keeps copies of its own
+        control = self._pool.control
+        try:
+            messages.send(conn, ATTACH, [control.fd], ok=True, n_slots=control.n_slots,
+                          io=io.to_wire(), service=self.name, pid=os.getpid())
+        except OSError:  # the engine left already
+            self._pool.end_session(ask_workers=True)
+            conn.close()
+            return
+        conn.setblocking(False)
+        self._link = conn
+        self._engine, self._engine_pid = label, int(message.get("engine_pid") or 0)
+        self.attaches += 1
+        log.info("mptier service %r: %s attached", self.name, label)
+
+    def _serve_link(self) -> None:
+        """A message from the attached engine (a status request) or its end."""
+        assert self._link is not None and self._pool is not None
+        try:
+            got = messages.receive(self._link)
+        except BlockingIOError:
+            return
+        except (OSError, ValueError):
+            got = None
+        if got is None:
+            log.info("mptier service %r: %s detached", self.name, self._engine)
+            self._pool.end_session()
+            self._drop_link()
+            return
+        message, fds = got
+        messages.close_all(fds)
+        op = message.get("op")
+        if op == STATUS:
+            with contextlib.suppress(OSError):
+                messages.send(self._link, STATUS, ok=True, figures=self.figures())
+        elif op == DETACH:  # the engine closed its lifeline and waits for its workers
+            self._pool.end_session()
+            with contextlib.suppress(OSError):
+                messages.send(self._link, DETACHED, ok=True)
+
+    def _drop_link(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+            self._engine, self._engine_pid = "", 0
+
+    # -- figures -------------------------------------------------------------------------
+
+    def figures(self) -> dict[str, Any]:
+        """What ``status`` answers: the pool's counters and workers, who is attached."""
+        assert self._pool is not None
+        stats = self._pool.stats()
+        return {"kind": "service", "name": self.name, "pid": os.getpid(),
+                "root": self.config.root_dir, "attached": self._engine or None,
+                "attaches": self.attaches, "time": time.time(),
+                "config": {k: v for k, v in asdict(self.config).items()
+                           if k in _SERVICE_FIELDS}, **stats}
+
+
+# The fields a service takes from its own configuration (the rest is the engine's).
+_SERVICE_FIELDS = frozenset({
+    "root_dir", "n_load_workers", "n_store_workers", "io_timeout_s", "max_task_retries",
+    "use_o_direct", "native", "worker_nice", "worker_cpus", "prefault",
+    "worker_start_timeout_s", "max_stuck_workers", "heartbeat_s", "max_worker_rss_bytes"})
+
+
+def _session_from(message: dict[str, Any], fds: list[int]) -> Session:
+    """The engine's session from its attach message (the descriptors become ours)."""
+    kinds = list(TaskKind)
+    n_fixed = len(kinds) + 4
+    segments = message["segments"]
+    if len(fds) != n_fixed + len(segments):
+        raise ValueError(f"{len(fds)} descriptors for {len(segments)} buffer segments")
+    completion, lifeline, bell_r, bell_w = fds[len(kinds):n_fixed]
+    return Session(
+        queues=dict(zip(kinds, fds[:len(kinds)])), completion=completion, lifeline=lifeline,
+        doorbell=(bell_r, bell_w),
+        segments=[Segment(**{**seg, "fd": fd}) for seg, fd in zip(segments, fds[n_fixed:])],
+        nbytes=int(message["nbytes"]), block_bytes=int(message["block_bytes"]),
+        layout=dict(message["layout"]), engine_pid=int(message["engine_pid"]),
+        label=str(message.get("label", "")))
+
+
+def serve(name: str, config: TierConfig) -> int:
+    """Run a service in the foreground (``mptier serve``). Returns the exit code."""
+    return Service(name, config).run()

@@ -1,0 +1,225 @@
+"""The supervisor under fire, with real processes: kill storms, boot failures, stopped and
+bloated workers. Every job is reported exactly once, no wrong byte is served, and the
+pool comes back by itself."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import wait_for, wait_results
+
+from mptier import LookupResult, TransferJob, make_key
+from mptier.workers import supervisor
+
+KB = 1 << 10
+BLOCK = 16 * KB
+
+
+def content(key: bytes) -> np.ndarray:
+    """The bytes stored under ``key``: derived from the key, so any load can be checked
+    whichever store wrote the file."""
+    seed = int.from_bytes(key[:8], "little")
+    return np.random.default_rng(seed).integers(0, 256, BLOCK, dtype=np.uint8)
+
+
+def full_pool(tier, size: int) -> bool:
+    workers = [w for w in tier.stats()["workers"] if w["state"] != "stuck"]
+    return len(workers) == size and all(w["alive"] and w["ready"] for w in workers)
+
+
+def kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_crash_storm_loses_nothing_and_serves_no_wrong_byte(make_buffer, make_tier):
+    """2,000 mixed jobs while a random worker (booting ones included) is SIGKILLed every
+    50-200 ms for 30 s."""
+    rng = random.Random(1)
+    n_sources, n_targets = 32, 32
+    buf = make_buffer(n_sources + n_targets, BLOCK)
+    tier = make_tier(buf, n_load_workers=2, n_store_workers=2, task_bytes=2 * BLOCK)
+    keys = [make_key(rng.randbytes(32), 0) for _ in range(300)]
+    free_sources = list(range(n_sources))
+    free_targets = list(range(n_sources, n_sources + n_targets))
+    stored: set[bytes] = set()  # keys some store reported done
+    pending: dict[int, tuple[str, list[bytes], list[int]]] = {}
+    results: dict[int, object] = {}
+    wrong: list[tuple[int, bytes]] = []
+    kills = 0
+    next_job = 0
+
+    def collect() -> None:
+        for result in tier.get_finished_jobs():
+            assert result.job_id not in results, f"job {result.job_id} reported twice"
+            results[result.job_id] = result
+            kind, job_keys, slots = pending.pop(result.job_id)
+            if kind == "store":
+                if result.success:
+                    stored.update(job_keys)
+                free_sources.extend(slots)
+                continue
+            loaded = job_keys if result.success else (result.successful_keys or ())
+            for key, slot in zip(job_keys, slots):
+                if key in loaded and not np.array_equal(buf.view[slot], content(key)):
+                    got = buf.view[slot].copy()
+                    with open(tier.mapper.path_for(key), "rb") as f:
+                        disk = np.frombuffer(f.read(), np.uint8)
+                    other = [k for k in keys if np.array_equal(got, content(k))]
+                    wrong.append((result.job_id, key, slot, "disk ok" if np.array_equal(
+                        disk, content(key)) else "disk bad", bool(other),
+                        int((got != content(key)).sum()), int(got.sum())))
+            free_targets.extend(slots)
+
+    storm_ends = time.monotonic() + 30
+    next_kill = time.monotonic() + rng.uniform(0.05, 0.2)
+    while next_job < 2000 or time.monotonic() < storm_ends:
+        now = time.monotonic()
+        if now < storm_ends and now >= next_kill:
+            victims = [w["pid"] for w in tier.stats()["workers"]
+                       if w["alive"] and w["pid"]]
+            if victims:
+                kill_quietly(rng.choice(victims))
+                kills += 1
+            next_kill = now + rng.uniform(0.05, 0.2)
+        if next_job < 2000:
+            choice = rng.random()
+            if choice < 0.45 and len(free_sources) >= 4:
+                n = rng.randint(1, 4)
+                job_keys = rng.sample(keys, n)
+                slots = [free_sources.pop() for _ in range(n)]
+                for key, slot in zip(job_keys, slots):
+                    buf.view[slot] = content(key)
+                pending[next_job] = ("store", job_keys, slots)
+                tier.submit_store(TransferJob(next_job, job_keys, slots))
+                next_job += 1
+            elif choice < 0.9 and stored and len(free_targets) >= 4:
+                n = rng.randint(1, 4)
+                job_keys = rng.sample(sorted(stored), min(n, len(stored)))
+                slots = [free_targets.pop() for _ in job_keys]
+                pending[next_job] = ("load", job_keys, slots)
+                tier.submit_load(TransferJob(next_job, job_keys, slots))
+                next_job += 1
+            else:
+                for key in rng.sample(keys, 8):
+                    tier.lookup(key, req_id=next_job % 7)
+                tier.on_schedule_end()
+        collect()
+        time.sleep(0.002)
+    deadline = time.monotonic() + 120
+    while pending and time.monotonic() < deadline:
+        collect()
+        time.sleep(0.01)
+    assert not pending, f"jobs never reported: {sorted(pending)[:20]}"
+    assert len(results) == next_job >= 2000
+    assert not wrong, f"wrong bytes served: {wrong[:5]}"
+    ok = sum(r.success for r in results.values())
+    assert kills > 30 and ok > 1000, (kills, ok)
+    stats = tier.stats()
+    assert stats["pool"]["boot_failures"] == 0, stats["pool"]
+    wait_for(lambda: full_pool(tier, 4), timeout=15,
+             what="the pool back at full size after the storm")
+    key = make_key(b"after the storm".ljust(32, b"."), 0)
+    buf.view[0] = content(key)
+    tier.submit_store(TransferJob(10**6, [key], [0]))
+    assert wait_results(tier, [10**6])[10**6].success
+    assert not tier.stats()["unavailable"]
+
+
+def test_deaths_while_booting_are_replaced_not_counted_as_boot_failures(
+        make_buffer, make_tier, monkeypatch):
+    monkeypatch.setattr(supervisor, "BACKOFF_MAX_S", 0.4)
+    buf = make_buffer(4, BLOCK)
+    tier = make_tier(buf, n_load_workers=1, n_store_workers=0)
+    killed = while_booting = 0
+    deadline = time.monotonic() + 30
+    while killed < 6 and time.monotonic() < deadline:  # kill each new worker at once
+        for w in tier.stats()["workers"]:
+            if w["generation"] == killed:
+                kill_quietly(w["pid"])
+                killed += 1
+                while_booting += w["state"] == "booting"
+                break
+        time.sleep(0.005)
+    assert killed == 6 and while_booting >= 3, (killed, while_booting)
+    wait_for(lambda: full_pool(tier, 1), timeout=20, what="a worker that boots")
+    stats = tier.stats()
+    assert stats["pool"]["boot_failures"] == 0 and not stats["unavailable"]
+    assert stats["pool"]["deaths"] == 6
+    tier.submit_store(TransferJob(1, [make_key(b"k" * 32)], [0]))
+    assert wait_results(tier, [1])[1].success
+
+
+def test_boot_failures_make_the_pool_unavailable_then_it_tries_again(
+        make_buffer, make_tier, monkeypatch, tmp_path):
+    broken = tmp_path / "broken-install"
+    monkeypatch.setenv("MPTIER_FAULT_BOOT", str(broken))
+    monkeypatch.setattr(supervisor, "BOOT_COOLDOWN_S", 1.0)
+    buf = make_buffer(8, BLOCK)
+    tier = make_tier(buf, n_load_workers=1, n_store_workers=1)
+    keys = [make_key(bytes([i]) * 32) for i in range(3)]
+    tier.submit_store(TransferJob(1, keys[:1], [0]))
+    assert wait_results(tier, [1])[1].success
+    broken.write_text("")  # from now on no worker can boot
+    for w in tier.stats()["workers"]:
+        kill_quietly(w["pid"])
+    wait_for(lambda: tier.stats()["unavailable"], timeout=20, what="an unavailable pool")
+    reason = tier.stats()["unavailable"]
+    assert "failed to boot" in reason and "MPTIER_FAULT_BOOT" in reason
+    started = time.monotonic()
+    tier.submit_store(TransferJob(2, keys[1:2], [1]))  # fails at once, never silence
+    result = wait_results(tier, [2])[2]
+    assert not result.success and result.errno == errno.ECHILD
+    assert "failed to boot" in result.error
+    assert time.monotonic() - started < 5
+    assert tier.lookup(keys[0], "r") is LookupResult.MISS
+    broken.unlink()  # fixed: after the cool-down the pool tries again and recovers
+    wait_for(lambda: not tier.stats()["unavailable"] and full_pool(tier, 2), timeout=30,
+             what="the pool to recover after the cool-down")
+    tier.submit_store(TransferJob(3, keys[2:3], [2]))
+    assert wait_results(tier, [3])[3].success
+    assert tier.stats()["pool"]["boot_failures"] >= 3
+
+
+def test_an_idle_worker_that_stops_answering_is_replaced(make_buffer, make_tier):
+    buf = make_buffer(4, BLOCK)
+    tier = make_tier(buf, n_load_workers=1, n_store_workers=1, heartbeat_s=0.3)
+    victim = tier.stats()["workers"][0]["pid"]
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        wait_for(lambda: tier.stats()["pool"]["heartbeat_kills"] == 1, timeout=15,
+                 what="the stopped worker to be noticed")
+        wait_for(lambda: full_pool(tier, 2), timeout=15, what="its replacement")
+        assert victim not in [w["pid"] for w in tier.stats()["workers"]]
+        assert "heartbeat" in tier.stats()["pool"]["last_deaths"][-1]
+    finally:
+        kill_quietly(victim)
+    tier.submit_store(TransferJob(1, [make_key(b"h" * 32)], [0]))
+    assert wait_results(tier, [1])[1].success
+    assert tier.stats()["pool"]["heartbeat_kills"] == 1  # busy workers are left alone
+
+
+def test_a_worker_past_its_memory_limit_is_replaced(make_buffer, make_tier, monkeypatch):
+    monkeypatch.setenv("MPTIER_FAULT_GROW", str(32 << 20))  # each task leaks 32 MiB
+    buf = make_buffer(4, BLOCK)
+    tier = make_tier(buf, n_load_workers=0, n_store_workers=1,
+                     max_worker_rss_bytes=48 << 20)
+    first = tier.stats()["workers"][0]["pid"]
+    for job in range(2):  # ~10 MiB of its own + 64 MiB leaked
+        tier.submit_store(TransferJob(job, [make_key(bytes([job]) * 32)], [0]))
+        assert wait_results(tier, [job])[job].success
+    wait_for(lambda: tier.stats()["pool"]["memory_kills"] >= 1, timeout=15,
+             what="the bloated worker to be replaced")
+    wait_for(lambda: full_pool(tier, 1), timeout=15, what="its replacement")
+    assert first not in [w["pid"] for w in tier.stats()["workers"]]
+    assert "max_worker_rss_bytes" in tier.stats()["pool"]["last_deaths"][-1]
