@@ -176,3 +176,15 @@ def test_dry_run_removes_nothing_and_sweeper_works_slice_by_slice(tmp_path):
         removed += sum(sweeper.offer(e) for e in walker.step(3))
     assert removed == 20 and not any(p.endswith(".tmp") for p in _files(root))
     assert all(e.kind is not Kind.TEMP for e in Walker(root).walk_all())
+
+
+def test_probe_files_of_a_dead_prober_are_removed_when_old(tmp_path):
+    root = str(tmp_path)
+    os.makedirs(f"{root}/.mptier")
+    old, young = f"{root}/.mptier/lockprobe.{'c' * 16}", f"{root}/.mptier/clock.{'d' * 16}"
+    for path in (old, young):
+        open(path, "w").close()
+    _age(old, 3600)
+    report = sweep_temps(root, locks_work=True)
+    assert report.counts.probes_removed == 1
+    assert not os.path.exists(old) and os.path.exists(young)
