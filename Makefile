@@ -4,7 +4,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 SOURCES := pyproject.toml setup.py mptier/native/build_ffi.py mptier/native/mptier_io.c
 
-.PHONY: run test lint bench vllm-env vllm-test clean
+.PHONY: run test lint bench vllm-env vllm-test test-deps dfs-test clean
 
 $(STAMP): $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,15 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/mptier bench --quick
+
+# System FUSE packages and the JuiceFS binary, so the FUSE and JuiceFS tests run instead
+# of skipping (root, or sudo, for apt-get).
+test-deps: $(STAMP)
+	bash scripts/ci-deps.sh
+	bash scripts/juicefs-env.sh
+
+dfs-test: test-deps
+	$(VENV)/bin/python -m pytest -q -m "dfs or fuse"
 
 vllm-env:
 	bash scripts/vllm-env.sh

@@ -4,6 +4,9 @@
     mptier serve    the worker pool as a service engines attach to (service="NAME")
     mptier bench    mptier vs the in-process thread-pool design vs the raw disk limit
     mptier info     what this installation has: native core, O_DIRECT at a root, defaults
+    mptier status   figures of running tiers and services (their status sockets)
+    mptier monitor  a live view of the same, refreshed every second (q quits)
+    mptier config check FILE   validate a config file and print the effective config
     mptier du       blocks and bytes of a cache root, per folder and rank
     mptier scrub    check every block's size and recorded checksum (--repair removes)
     mptier gc       remove blocks unused for longer than --older-than, stale temp files
@@ -64,6 +67,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.root:
         args.set = [*(args.set or []), f"root_dir={json.dumps(args.root)}"]
+    if args.metrics_port is not None:
+        args.set = [*(args.set or []), f"metrics_port={args.metrics_port}"]
     return serve(args.name, _config(args))
 
 
@@ -103,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "$MPTIER_RUN_DIR, else /run/mptier, else /tmp/mptier-<uid>).")
     serve.add_argument("--name", required=True, help="the service's name (engines use it)")
     serve.add_argument("--root", help="folder the block files go into (root_dir)")
+    serve.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve Prometheus metrics on this port (metrics_addr, "
+                            "default 127.0.0.1)")
     serve.set_defaults(func=_cmd_serve)
     for p in (run, serve):
         p.add_argument("--config", help="TOML file with TierConfig fields")
@@ -115,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--root", help="probe O_DIRECT in this folder")
     info.set_defaults(func=_cmd_info)
 
+    _add_monitoring(sub)
     from mptier.storage.cli import add_commands as add_storage_commands
     add_storage_commands(sub)
 
@@ -130,6 +139,45 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments(bench)
         bench.set_defaults(func=lambda a: run_bench(a, sys.argv[2:]))
     return parser
+
+
+def _add_monitoring(sub: argparse._SubParsersAction) -> None:
+    """status, monitor and config check (their code: mptier.monitor.commands)."""
+    def lazy(name: str):  # rich and psutil load only for these commands
+        def run(args: argparse.Namespace) -> int:
+            from mptier.monitor import commands
+            return getattr(commands, name)(args)
+        return run
+
+    run_dir_help = "folder of the status sockets (default: $MPTIER_RUN_DIR, else " \
+                   "/run/mptier and /tmp/mptier-<uid>)"
+    status = sub.add_parser("status", help="figures of running tiers and services")
+    status.add_argument("--name", help="one endpoint (e.g. engine-1234, a service name, "
+                                       "or a socket path); default: every live one")
+    status.add_argument("--json", action="store_true", help="print JSON (fields: "
+                                                            "docs/monitoring.md)")
+    status.add_argument("--interval", type=float, default=1.0,
+                        help="seconds the rates and CPU %% cover (asks twice; 0: once, "
+                             "rates since the previous asker; default 1)")
+    status.add_argument("--run-dir", help=run_dir_help)
+    status.set_defaults(func=lazy("cmd_status"))
+
+    monitor = sub.add_parser("monitor", help="live view of tiers and services (q quits)")
+    monitor.add_argument("--name", help="one endpoint; default: every live one")
+    monitor.add_argument("--refresh", type=float, default=1.0,
+                         help="seconds between redraws (default 1)")
+    monitor.add_argument("--run-dir", help=run_dir_help)
+    monitor.set_defaults(func=lazy("cmd_monitor"))
+
+    config = sub.add_parser("config", help="configuration files")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="validate FILE and print the effective "
+                                                "config (every field)")
+    check.add_argument("file", help="TOML file with TierConfig fields (see configs/)")
+    check.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="override a field, as `mptier run --set` (repeatable)")
+    check.add_argument("--json", action="store_true", help="print JSON instead of TOML")
+    check.set_defaults(func=lazy("cmd_config_check"), workers=None)
 
 
 def _missing(reason: str) -> int:

@@ -8,6 +8,7 @@ of the same shape. Unknown keys and bad values raise :class:`~mptier.errors.Conf
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -73,6 +74,12 @@ class TierConfig:
     # Attach to the worker service of this name (`mptier serve --name NAME`) instead of
     # starting workers in this process ("" = start them here).
     service: str = ""
+    # Status socket (see mptier.monitor): "auto" = <run dir>/engine-<pid>.status.sock,
+    # "" = none, or a name of your own.
+    status_socket: str = "auto"
+    # Prometheus metrics served by the tier itself on metrics_addr:metrics_port (0 = off).
+    metrics_port: int = 0
+    metrics_addr: str = "127.0.0.1"
     # File layout fields (vLLM's FileMapper): they name the cache folder.
     model_name: str = "model"
     tokens_per_hash: int = 16
@@ -107,8 +114,11 @@ class TierConfig:
         known = set(cls.field_names())
         unknown = sorted(set(values) - known)
         if unknown:
+            hints = [f"{key!r} (did you mean {close[0]!r}?)" if (
+                close := difflib.get_close_matches(key, known, n=1)) else repr(key)
+                for key in unknown]
             raise ConfigError(
-                f"unknown TierConfig key(s) {', '.join(map(repr, unknown))}; "
+                f"unknown TierConfig key(s) {', '.join(hints)}; "
                 f"known keys: {', '.join(sorted(known))}")
         start = dataclasses.asdict(base) if base is not None else {}
         start.update(values)
@@ -193,6 +203,17 @@ class TierConfig:
                 check_name(self.service)
             except ConfigError as exc:
                 raise ConfigError(f"TierConfig.service: {exc}") from None
+        from mptier.rundir import MAX_NAME, NAME_RE
+
+        _want(isinstance(self.status_socket, str) and (
+            self.status_socket in ("", "auto")
+            or NAME_RE.fullmatch(self.status_socket) is not None),
+            "status_socket", self.status_socket,
+            '"auto" (engine-<pid>), "" (no status socket) or a name of letters, digits, '
+            f"'.', '_' and '-' (at most {MAX_NAME} characters, not starting with '.')")
+        _want_int(self, "metrics_port", low=0, high=65535)
+        _want(isinstance(self.metrics_addr, str) and self.metrics_addr != "", "metrics_addr",
+              self.metrics_addr, 'an address to listen on, e.g. "127.0.0.1" or "0.0.0.0"')
         _want(isinstance(self.model_name, str) and self.model_name != "", "model_name",
               self.model_name, "a non-empty string")
         for name in ("tokens_per_hash", "blocks_per_file", "tp_size", "pp_size", "pcp_size",

@@ -67,6 +67,7 @@ from mptier.keys import MAX_KEY_BYTES, check_key
 from mptier.layout import FileMapper
 from mptier.ledger import JobLedger
 from mptier.lookup import LookupTable
+from mptier.monitor.tier import attach_tier
 from mptier.shm import SharedKVBuffer, cleanup_stale
 from mptier.workers import PoolSettings, open_pool
 
@@ -153,6 +154,10 @@ class FileSystemTier:
             if self._io.root_dir != cfg.root_dir:  # a service's root
                 self.mapper = FileMapper(self._io.root_dir, **cfg.layout_kwargs())
             self._seen_counts = self._pool.control.counters_snapshot()
+            # Status socket / metrics (config status_socket, metrics_port): threads that
+            # sleep until an operator asks; see mptier.monitor.
+            self._monitoring = attach_tier(self)
+            stack.callback(_quietly, self._monitoring.close)
             self._cleanup = stack.pop_all()
         self._closed = self._shut_down = False
         _live_tiers.add(self)
@@ -414,6 +419,12 @@ class FileSystemTier:
                 "counters", "workers", "mode", "unavailable")}} if "service" in pool else {}),
         }
 
+    @property
+    def status_name(self) -> str | None:
+        """Name of this tier's status endpoint (``mptier status --name``), or ``None``."""
+        endpoint = self._monitoring.endpoint
+        return endpoint.name if endpoint is not None else None
+
     def worker_pids(self) -> list[int]:
         return self._pool.pids()
 
@@ -429,6 +440,7 @@ class FileSystemTier:
             return
         self._shut_down = self._closed = True
         _live_tiers.discard(self)
+        self._monitoring.close()  # first: nobody reads stats() while the rest closes
         for queue in self._queues.values():
             for record in queue.take_all():
                 self._ledger.fail_task(decode_task(record).task_id, ERR_CANCELLED,

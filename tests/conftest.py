@@ -1,19 +1,82 @@
 """Shared fixtures: a temp root, unique shared buffers, tiers that always shut down, and
 a leak check after every test (no new mptier objects in /dev/shm or /dev/mqueue, no
-child processes left)."""
+status sockets left in the run directory, no child processes left, no mount left under
+the test mount folders, no freezer cgroup of ours left). Fixtures for FUSE, JuiceFS,
+frozen processes and PID namespaces come from ``tests/support`` (see its ``fixtures``
+module)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import psutil
 import pytest
+from support import freezer, mounts
+from support.fixtures import (  # noqa: F401  (fixtures, registered by being imported here)
+    dfs_dirs,
+    fuse_fs,
+    juicefs_pair,
+    juicefs_volume,
+    make_frozen_cgroup,
+    make_fuse_fs,
+    make_juicefs_mount,
+    make_pid_namespace,
+)
 
 LEAK_DIRS = ("/dev/shm", "/dev/mqueue")
+
+# Status sockets of this test session (every tier makes one, status_socket="auto") go to
+# a run directory of its own: tests never see an operator's engines, nor another test
+# session's, and a socket left behind is this session's leak. Subprocesses inherit it.
+RUN_DIR = tempfile.mkdtemp(prefix="mptier-run-")
+os.environ["MPTIER_RUN_DIR"] = RUN_DIR
+atexit.register(shutil.rmtree, RUN_DIR, ignore_errors=True)
+
+
+def run_dir_entries() -> set[str]:
+    """Status sockets and their lock files in the session's run directory."""
+    try:
+        return set(os.listdir(RUN_DIR))
+    except FileNotFoundError:
+        return set()
+
+
+def _lock_held(entry: str) -> bool:
+    """Is the endpoint that ``entry`` belongs to alive (its lock file locked)?"""
+    import fcntl
+
+    name = entry.rsplit(".status.", 1)[0]
+    try:
+        fd = os.open(os.path.join(RUN_DIR, name + ".status.lock"), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def socket_leaks(before: set[str], owners: set[int]) -> set[str]:
+    """New run-directory entries of this test's processes (their pid in the name), or of
+    any endpoint still alive. A process the test killed leaves stale files on purpose;
+    those are removed here, as the next start or discovery would."""
+    new = run_dir_entries() - before
+    leaked = {e for e in new if _owner_pid(e) in owners or _lock_held(e)}
+    if new - leaked:
+        from mptier.monitor.endpoint import remove_stale
+
+        remove_stale(RUN_DIR)
+    return leaked
 
 
 def _owner_pid(name: str) -> int | None:
@@ -46,10 +109,43 @@ def live_children() -> list[psutil.Process]:
     return out
 
 
-@pytest.fixture(autouse=True)
-def no_leaks() -> Iterator[None]:
-    before = mptier_objects()
+def mounts_in_test_roots(basetemp) -> set[str]:
+    """Mounts under this run's folders: the helpers' mount folder and pytest's base temp
+    folder (other runs on the machine have their own, which are never looked at)."""
+    return mounts.mounts_under(mounts.mount_root(), basetemp)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_session_leaks() -> Iterator[None]:
+    """Before the run: detach mounts and remove freezer cgroups that crashed runs left
+    (never a live run's). After it, once every session fixture is gone: fail if any
+    mount or freezer cgroup of this run is still there."""
+    mounts.reap_stale_mounts()
+    freezer.reap_stale_cgroups()
     yield
+    left = mounts.mounts_under(mounts.mount_root())
+    cgroups = freezer.cgroup_dirs(os.getpid())
+    assert not left, f"mounts left behind at the end of the run: {sorted(left)}"
+    assert not cgroups, f"freezer cgroups left behind at the end of the run: {sorted(cgroups)}"
+    shutil.rmtree(mounts.mount_root(), ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(tmp_path_factory) -> Iterator[None]:
+    basetemp = tmp_path_factory.getbasetemp()
+    before = mptier_objects()
+    sockets_before = run_dir_entries()
+    mounts_before = mounts_in_test_roots(basetemp)
+    cgroups_before = freezer.cgroup_dirs(os.getpid())
+    yield
+    # Thaw leaked cgroups and detach leaked mounts first: a frozen child or one stuck in a
+    # hung mount could not be killed below, and one leak must not cascade into later tests.
+    new_cgroups = freezer.cgroup_dirs(os.getpid()) - cgroups_before
+    for path in new_cgroups:
+        freezer.remove_cgroup(path)
+    new_mounts = mounts_in_test_roots(basetemp) - mounts_before
+    for point in new_mounts:
+        mounts.unmount(point)
     owners = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
     deadline = time.monotonic() + 5
     while live_children() and time.monotonic() < deadline:
@@ -60,6 +156,10 @@ def no_leaks() -> Iterator[None]:
     assert not children, f"child processes left behind: {[c.pid for c in children]}"
     leaked = mptier_objects(owners) - before
     assert not leaked, f"IPC objects left behind: {sorted(leaked)}"
+    left = socket_leaks(sockets_before, owners)
+    assert not left, f"status sockets left behind in {RUN_DIR}: {sorted(left)}"
+    assert not new_mounts, f"mounts left behind: {sorted(new_mounts)}"
+    assert not new_cgroups, f"freezer cgroups left behind: {sorted(new_cgroups)}"
 
 
 @pytest.fixture

@@ -134,6 +134,32 @@ def test_lookup_retry_then_hit_or_miss(make_buffer, make_tier):
     assert tier.lookup(stored, req_id="r1") is LookupResult.RETRY
 
 
+def test_lookup_alone_applies_answers_that_arrived_after_the_step_end(make_buffer,
+                                                                     make_tier):
+    """After one step end, a caller that only repeats lookup() gets the answers: nothing
+    else (on_schedule_end, get_finished_jobs, drain_jobs) is called in between."""
+    from conftest import wait_for
+
+    buf = make_buffer(4, 4 * KB)
+    tier = make_tier(buf)
+    stored, absent = keys_for(2, seed=6)
+    tier.submit_store(TransferJob(1, [stored], [0]))
+    wait_results(tier, [1])
+    assert [tier.lookup(k, req_id="r") for k in (stored, absent)] == \
+        [LookupResult.RETRY] * 2
+    tier.on_schedule_end()  # sends the batch; no answer can be there yet
+    answers: list = []
+    wait_for(lambda: answers.append([tier.lookup(k, req_id="r") for k in (stored, absent)])
+             or LookupResult.RETRY not in answers[-1], what="answers through lookup()")
+    assert answers[-1] == [LookupResult.HIT, LookupResult.MISS]
+    assert tier.stats()["keys_checked"] == 2
+    # A job that finished meanwhile is collected by lookup() too, and reported once.
+    tier.submit_store(TransferJob(2, [absent], [1]))
+    wait_for(lambda: tier.lookup(stored, req_id="r") is LookupResult.HIT
+             and tier.stats()["jobs_in_flight"] == 0, what="the store through lookup()")
+    assert [r.job_id for r in tier.get_finished_jobs()] == [2]
+
+
 def test_partial_load_reports_loaded_keys_and_marks_misses(make_buffer, make_tier):
     block = 16 * KB
     buf = make_buffer(16, block)

@@ -243,3 +243,27 @@ def test_status_request_answers_with_the_pools_figures(start_service):
     assert reply["ok"] and figures["kind"] == "service" and figures["name"] == "kv"
     assert figures["attached"] is None and len(figures["workers"]) == 2
     assert json.dumps(figures)  # plain JSON all the way
+
+
+def test_service_is_visible_to_status_and_serves_metrics(start_service, attach, make_buffer,
+                                                         run_dir):
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:  # a free port on this host
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    service = start_service("kv", "--metrics-port", str(port))
+    buf = make_buffer(16, BLOCK)
+    tier = attach(service, buf)
+    round_trip(tier, buf, keys_for(4))
+    out = subprocess.run([sys.executable, "-m", "mptier.cli", "status", "--name", "kv",
+                          "--json", "--interval", "0"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "MPTIER_RUN_DIR": run_dir})
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout)
+    figures = figures[0] if isinstance(figures, list) else figures
+    assert figures["kind"] == "service" and figures["attached"] == f"engine pid {os.getpid()}"
+    assert sorted(w["pid"] for w in figures["workers"]) == sorted(service.worker_pids())
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    assert b"mptier_" in text

@@ -38,10 +38,11 @@ vLLM's metrics front end imports it too, to read
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 try:
@@ -75,7 +76,7 @@ except ImportError as _exc:
 
 from mptier import jobs as mjobs
 from mptier.config import TierConfig, tomllib
-from mptier.errors import ConfigError, MptierError
+from mptier.errors import ConfigError, MptierError, errno_name
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -123,19 +124,18 @@ _COUNTERS = {
 }
 
 
-def layout_from_spec(offloading_spec: OffloadingSpec, root_dir: str
-                     ) -> tuple[dict[str, Any], str]:
-    """The :class:`TierConfig` layout fields vLLM's fs tier would use for this engine,
-    and the base folder vLLM's fs tier computes for them.
-
-    Built from vLLM's own ``FileMapper.from_offloading_spec`` with the arguments its fs
-    tier passes (one file per chunk, and the parallel-agnostic opt-in, which vLLM grants
-    only to parallelism-invariant or replicated layouts), so the base folder is the same
-    by construction.
-    """
-    mapper = VllmFileMapper.from_offloading_spec(
+def vllm_file_mapper(offloading_spec: OffloadingSpec, root_dir: str) -> VllmFileMapper:
+    """vLLM's own ``FileMapper`` for this engine, built with the arguments vLLM's fs tier
+    passes: one file per chunk (``blocks_per_file=spec.blocks_per_chunk``) and the
+    parallel-agnostic opt-in, which vLLM grants only to parallelism-invariant or
+    replicated layouts. Pure computation: creates nothing."""
+    return VllmFileMapper.from_offloading_spec(
         root_dir, offloading_spec, blocks_per_file=offloading_spec.blocks_per_chunk,
         parallel_agnostic=True)
+
+
+def _layout_fields(mapper: VllmFileMapper) -> dict[str, Any]:
+    """The :class:`TierConfig` layout fields that make mptier's mapper equal ``mapper``."""
     fields = mapper.get_run_config()
     return {
         "model_name": fields["model_name"],
@@ -153,7 +153,15 @@ def layout_from_spec(offloading_spec: OffloadingSpec, root_dir: str
         "parallel_agnostic": "parallel_agnostic" not in fields,
         "replicated_layout": bool(fields.get("replicated_layout", False)),
         "canonical_format": fields.get("canonical_format"),
-    }, mapper.base_path
+    }
+
+
+def layout_from_spec(offloading_spec: OffloadingSpec, root_dir: str
+                     ) -> tuple[dict[str, Any], str]:
+    """The :class:`TierConfig` layout fields vLLM's fs tier would use for this engine,
+    and the base folder vLLM's fs tier computes for them (see :func:`vllm_file_mapper`)."""
+    mapper = vllm_file_mapper(offloading_spec, root_dir)
+    return _layout_fields(mapper), mapper.base_path
 
 
 def _toml_fields(path: str) -> dict[str, Any]:
@@ -188,25 +196,35 @@ class MPFileSystemTierManager(SecondaryTierManager):
     they follow vLLM's configuration (in the file they are overridden, and an INFO line
     names those that differ; so is ``enable_events``, with a warning if it was on).
 
-    Behaves like vLLM's ``fs`` tier (``FileSystemTierManager``), with these differences:
+    Behaves like vLLM's ``fs`` tier (``FileSystemTierManager``) and has its public
+    attributes: ``file_mapper`` (vLLM's own ``FileMapper`` for this tier, built as vLLM's
+    fs tier builds it, so ``file_mapper.get_file_name(key)`` is where a block lives) and
+    ``events`` (None when events are off; otherwise the events not yet taken, added by
+    :meth:`get_finished_jobs` and emptied by :meth:`take_events`). It logs what vLLM's
+    tier logs: every failed job at ERROR, a failed load also at DEBUG with its errno (the
+    engine warns of the O_DIRECT fallback, naming ``root_dir``). The differences:
 
     * I/O runs in ``n_load_workers + n_store_workers`` processes that map vLLM's primary
       buffer (the ``/dev/shm/vllm_offload_<engine_id>.mmap`` file behind
       ``primary_kv_view``), not on threads of the scheduler process. A view that is not
       file-backed cannot be shared: the same I/O then runs on threads here, with a
       warning;
-    * a lookup answer belongs to the request that asked; another request checks again;
+    * a lookup answer belongs to the request that asked; another request checks again
+      (vLLM shares a cached answer with every request while one still holds it);
+    * an answer is applied by any call after it arrived (vLLM's: by the first
+      ``lookup`` after a step end, or the next step end);
     * ``shutdown`` reports queued jobs as failed instead of dropping them.
 
     Like vLLM's tier, ``submit_store``/``submit_load`` never raise for a bad job: a job
     mptier refuses (a chunk id outside the primary buffer, a malformed key, a job id
-    still in flight) is logged as a warning and reported failed, once, by the next
+    still in flight) is logged as an error and reported failed, once, by the next
     :meth:`get_finished_jobs`, with ``successful_keys=None``; a refused load also turns
     its keys into a miss for every request holding an answer for them. Events, when
     ``enable_kv_events`` and vLLM's KV cache events are both on, are exactly vLLM's:
     one stored event (``removed=False``, ``Medium.STORAGE``, this tier's locality) per
-    successful store job, keys in job order; none for loads, failed stores or the
-    corrupt blocks mptier deletes on load.
+    successful store job of at least one key, keys in job order; none for loads, failed
+    stores or the corrupt blocks mptier deletes on load. ``transfer_bytes`` is vLLM's
+    figure: the job's keys times the primary row size, None for an empty job.
 
     Raises ``ValueError`` (a :class:`~mptier.errors.ConfigError`) for an unknown or
     misplaced option, a bad ``locality`` or ``config`` file, ``OSError`` if
@@ -221,18 +239,24 @@ class MPFileSystemTierManager(SecondaryTierManager):
         offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
-        backpressure_detector: BackpressureDetector | None = None,
-        *,
         root_dir: str | os.PathLike[str] | None = None,
+        *,
         enable_kv_events: bool = False,
         locality: str | None = None,
+        backpressure_detector: BackpressureDetector | None = None,
         config: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
+        # The first four parameters are where vLLM's fs tier has them; the rest are
+        # keywords (vLLM's factory passes everything by keyword).
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self._tier: FileSystemTier | None = None
         # Refused jobs wait here for the next get_finished_jobs().
         self._refused: list[JobResult] = []
+        # Job id -> (number of keys, is a load), for jobs mptier accepted: vLLM reports
+        # transfer_bytes as keys x row bytes whatever the outcome, and logs a failed
+        # load with its size.
+        self._jobs: dict[int, tuple[int, bool]] = {}
         # Validate everything before any worker starts.
         self.locality = _parse_locality(tier_type, locality)
         for key in options:
@@ -251,7 +275,9 @@ class MPFileSystemTierManager(SecondaryTierManager):
                         "are off (kv_events_config); this tier publishes no events",
                         tier_type)
             events = False
-        self._events_enabled = events
+        # vLLM's attribute: None when events are off, else the events not yet taken
+        # (filled by get_finished_jobs, emptied by take_events).
+        self.events: list[OffloadingEvent] | None = [] if events else None
 
         file_fields: dict[str, Any] = {}
         if config is not None:
@@ -264,7 +290,10 @@ class MPFileSystemTierManager(SecondaryTierManager):
             raise ConfigError(f"{tier_type}: root_dir is required (the folder the block "
                               "files go into), in the tier config or in its config file")
         root_dir = os.fspath(root_dir)
-        layout, vllm_base = layout_from_spec(offloading_spec, root_dir)
+        # vLLM's own mapper, as vLLM's fs tier has it (callers use get_file_name/base_path).
+        self.file_mapper = vllm_file_mapper(offloading_spec, root_dir)
+        layout = _layout_fields(self.file_mapper)
+        vllm_base = self.file_mapper.base_path
         fixed = {**layout, "root_dir": root_dir, "enable_events": events}
         # A copy of configs/default.toml lists every layout field: routine, not alarming.
         overridden = sorted(k for k in _LAYOUT_KEYS & file_fields.keys()
@@ -321,8 +350,6 @@ class MPFileSystemTierManager(SecondaryTierManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Collect finished checks and send this step's new keys to the workers."""
         self.tier.on_schedule_end()
-        if not self._events_enabled:
-            self.tier.take_events()  # nobody drains them: keep the list from growing
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.tier.on_request_finished(req_context.req_id)
@@ -336,6 +363,8 @@ class MPFileSystemTierManager(SecondaryTierManager):
             self.tier.submit_store(_job(job_metadata))
         except ValueError as exc:
             self._refuse(job_metadata, "store", exc)
+        else:
+            self._jobs[job_metadata.job_id] = (len(job_metadata.keys), False)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Queue a load of ``keys`` into primary rows ``chunk_ids``. Never blocks or
@@ -347,35 +376,76 @@ class MPFileSystemTierManager(SecondaryTierManager):
             # Like a load that failed at its first block: requests that were promised
             # these keys must not be promised them again (they would retry forever).
             self.tier.mark_miss(job_metadata.keys)
+        else:
+            self._jobs[job_metadata.job_id] = (len(job_metadata.keys), True)
 
     def _refuse(self, job: TransferJob, kind: str, exc: ValueError) -> None:
-        log.warning("%s: %s job %s (%d keys) failed without being queued: %s",
-                    self.tier_type, kind, job.job_id, len(job.keys), exc)
-        self._refused.append(JobResult(job_id=job.job_id, success=False))
+        # ERROR, as vLLM's thread pool logs every job whose I/O raised.
+        log.error("%s: %s job %s (%d keys) failed without being queued: %s",
+                  self.tier_type, kind, job.job_id, len(job.keys), exc)
+        self._refused.append(JobResult(job_id=job.job_id, success=False, transfer_time=0.0,
+                                       transfer_bytes=self._bytes(len(job.keys))))
+
+    def _bytes(self, n_keys: int) -> int | None:
+        # vLLM's figure: the job's size, whatever moved; None for an empty job.
+        return n_keys * self.block_size_bytes if n_keys else None
+
+    def _log_failure(self, job_id: int, is_load: bool, n_keys: int, n_loaded: int,
+                     err: int, text: str | None) -> None:
+        if err == errno.ECANCELED:
+            # Cancelled by shutdown (vLLM's tier drops such jobs without a word).
+            log.debug("%s: job %s cancelled: %s", self.tier_type, job_id, text)
+            return
+        log.error("%s: %s job %s failed: %s", self.tier_type, "load" if is_load else "store",
+                  job_id, text)
+        if is_load:
+            log.debug("%s: load of %d blocks for job %s failed, %d of them loaded: "
+                      "errno %d (%s): %s", self.tier_type, n_keys, job_id, n_loaded, err,
+                      errno_name(err), text)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        """Every job that finished after the previous call, each reported once. Never
-        blocks."""
-        results = [JobResult(job_id=r.job_id, success=r.success,
-                             successful_keys=r.successful_keys,
-                             transfer_time=r.transfer_time, transfer_bytes=r.transfer_bytes)
-                   for r in self.tier.get_finished_jobs()]
+        """Every job that finished after the previous call, each reported once; adds
+        their stored events to :attr:`events`. Never blocks."""
+        tier = self.tier
+        finished = tier.get_finished_jobs()
+        if not finished and not self._refused:
+            return []  # the common case, every step: no more work than the engine's
+        # Taken in the same breath as the results, so the "stored" events are exactly
+        # those of the jobs above; taking them whenever jobs finish also keeps the
+        # engine's list (which holds "removed" events too, made by loads of corrupt
+        # blocks) from growing when nobody wants events.
+        engine_events = tier.take_events()
+        results = []
+        for r in finished:
+            n_keys, is_load = self._jobs.pop(r.job_id, (0, False))
+            if not r.success:
+                self._log_failure(r.job_id, is_load, n_keys, len(r.successful_keys or ()),
+                                  r.errno, r.error)
+            results.append(JobResult(job_id=r.job_id, success=r.success,
+                                     successful_keys=r.successful_keys,
+                                     transfer_time=r.transfer_time,
+                                     transfer_bytes=self._bytes(n_keys)))
+        if self.events is not None:
+            # The engine emits "stored" for a successful store of at least one key, as
+            # vLLM's tier does; its "removed" events (corrupt blocks deleted on load)
+            # have no counterpart in vLLM's fs tier, which publishes nothing for loads.
+            self.events.extend(
+                OffloadingEvent(keys=list(e.keys), medium=self.medium, removed=False,
+                                locality=self.locality)
+                for e in engine_events if e.kind == "stored")
         if self._refused:
             results += self._refused
             self._refused = []
         return results
 
-    def take_events(self) -> Iterable[OffloadingEvent]:
-        """One stored event per successful store job since the last call, when
-        ``enable_kv_events`` and vLLM's KV cache events are both on."""
-        events = self.tier.take_events()
-        if not self._events_enabled:
-            return []
-        # The engine also reports corrupt blocks it deleted ("removed"); vLLM's fs tier
-        # publishes nothing about loads, so neither does this tier.
-        return [OffloadingEvent(keys=list(e.keys), medium=Medium.STORAGE, removed=False,
-                                locality=self.locality)
-                for e in events if e.kind == "stored"]
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        """Yield the events in :attr:`events`, then empty it (the same list object stays).
+
+        A generator, like vLLM's: nothing is taken until it is iterated to the end."""
+        pending = self.events
+        if pending:
+            yield from pending
+            del pending[:]
 
     def drain_jobs(self) -> None:
         """Wait until every submitted job has finished; results stay queued for
@@ -438,4 +508,4 @@ def _job(job: TransferJob) -> mjobs.TransferJob:
     return mjobs.TransferJob(job.job_id, list(job.keys), job.chunk_ids)
 
 
-__all__ = ["MPFileSystemTierManager", "layout_from_spec"]
+__all__ = ["MPFileSystemTierManager", "layout_from_spec", "vllm_file_mapper"]

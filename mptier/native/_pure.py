@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import errno
 import itertools
+import logging
 import mmap
 import os
 import threading
@@ -30,6 +31,7 @@ DIRECT_ALIGN = 4096  # O_DIRECT alignment of address, length and offset (512 B o
 MKDIR_TRIES = 3  # rounds of "create the parents, open again" against a concurrent rmdir
 NAME_TRIES = 8  # temporary names to try when one is already taken
 
+_log = logging.getLogger("mptier.native")
 _counter = itertools.count()  # next() on a count is atomic under the GIL
 
 
@@ -52,6 +54,18 @@ def _direct_ok(flags: int, address: int, length: int) -> bool:
 def _unlink_quietly(path: bytes) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
+
+
+def _unlink_or_warn(path: bytes, what: str) -> None:
+    """Remove ``path``; if that fails (other than "already gone") the file stays behind,
+    so say so as a warning, as vLLM's tier does. The C core cannot log: it is getting an
+    out-parameter for this, through which ``mptier.native`` will log for both backends."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        _log.warning("mptier: could not remove the %s %s: %s", what, os.fsdecode(path), e)
 
 
 def _mkdirs(directory: bytes) -> int:
@@ -151,7 +165,7 @@ def _store_one(path: bytes, chunk: memoryview, direct: bool) -> int:
         return rc
     finally:
         if not published:
-            _unlink_quietly(tmp)
+            _unlink_or_warn(tmp, "temporary file of a failed store")
 
 
 def _remove_if_same(fd: int, path: bytes) -> None:
@@ -160,7 +174,7 @@ def _remove_if_same(fd: int, path: bytes) -> None:
     except OSError:
         return
     if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
-        _unlink_quietly(path)
+        _unlink_or_warn(path, "short (corrupt) block file")
 
 
 def _load_one(path: bytes, chunk: memoryview, direct: bool) -> int:

@@ -88,6 +88,7 @@ class Service:
             self._pool = WorkerPool(PoolSettings.from_config(self.config))
             self._pool.start()
             self._listen()
+            self._start_monitoring(stack)
             previous = {sig: signal.signal(sig, self._on_signal)
                         for sig in (signal.SIGTERM, signal.SIGINT)}
             stack.callback(lambda: [signal.signal(s, h) for s, h in previous.items()])
@@ -97,6 +98,20 @@ class Service:
             print(f"mptier service {self.name!r} listening on {self.path}", flush=True)
             self._loop()
         return 0
+
+    def _start_monitoring(self, stack: contextlib.ExitStack) -> None:
+        """The status endpoint (``mptier status --name NAME``) and, with
+        ``metrics_port``, Prometheus metrics: the same figures as an in-engine tier's."""
+        from mptier.monitor import Monitor, start_endpoint, start_metrics_server
+
+        monitor = Monitor(self.figures, name=self.name, kind="service")
+        stack.callback(start_endpoint(self.name, monitor.figures, kind="service").close)
+        if self.config.metrics_port:
+            server = start_metrics_server(monitor, self.config.metrics_port,
+                                          self.config.metrics_addr)
+            stack.callback(server.close)
+            log.info("mptier service %r: metrics on http://%s:%d/metrics", self.name,
+                     self.config.metrics_addr, self.config.metrics_port)
 
     def request_stop(self) -> None:
         with contextlib.suppress(OSError):
@@ -301,7 +316,8 @@ class Service:
 _SERVICE_FIELDS = frozenset({
     "root_dir", "n_load_workers", "n_store_workers", "io_timeout_s", "max_task_retries",
     "use_o_direct", "native", "worker_nice", "worker_cpus", "prefault",
-    "worker_start_timeout_s", "max_stuck_workers", "heartbeat_s", "max_worker_rss_bytes"})
+    "worker_start_timeout_s", "max_stuck_workers", "heartbeat_s", "max_worker_rss_bytes",
+    "metrics_port", "metrics_addr"})
 
 
 def _session_from(message: dict[str, Any], fds: list[int]) -> Session:
