@@ -589,17 +589,16 @@ class Supervisor:
         self._post(MessageType.LOST, task_id, err, text)
 
     def _remove_temp_files(self, keys: list[bytes], w: Worker) -> None:
-        """A killed store may leave ``<final>.<tag>.*.tmp`` (or, from an older core,
-        ``<final>.<pid>.*.tmp``) files: remove the ones of this worker."""
-        if self._mapper is None:
+        """A killed store may leave ``<final>.<tag>.*.tmp`` files (where blocks are not
+        written as O_TMPFILE files): remove this worker's right away. The sweeper would
+        find them too, once the worker's lease is free."""
+        if self._mapper is None or not w.temp_tag:
             return
-        marks = [m for m in (w.temp_tag, str(w.pid)) if m]
         for key in keys:
             final = glob.escape(self._mapper.path_for(key))
-            for mark in marks:
-                for path in glob.glob(f"{final}.{mark}.*.tmp"):
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
+            for path in glob.glob(f"{final}.{w.temp_tag}.*.tmp"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     def _post(self, type_: MessageType, task_id: int, err: int, text: str,
               attempt: int = 0) -> None:

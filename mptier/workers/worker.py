@@ -34,6 +34,7 @@ import ctypes
 import errno
 import fcntl
 import json
+import logging
 import os
 import select
 import signal
@@ -45,6 +46,7 @@ import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from mptier import native
 from mptier.jobs import TASK_RECORD_BYTES, MessageType, TaskKind, decode_task, encode_message
 from mptier.layout import FileMapper
 from mptier.workers import protocol
@@ -54,6 +56,7 @@ from mptier.workers.session import QUEUE_ORDER, IoSettings, WorkerSession
 # Idle wake-up: a backstop for the lifeline's end-of-file event; nothing depends on it.
 IDLE_POLL_S = 1.0
 _EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 0)
+log = logging.getLogger("mptier.workers")
 _PR_SET_PDEATHSIG = 1
 # Fault injection for tests: MPTIER_FAULT_STALL="store:0.5,load:2" makes the worker sleep
 # that long at the start of each task of that kind, as a slow or hung file system would.
@@ -103,6 +106,9 @@ class WorkerContext:
     backend: Any
     io: IoSettings
     session: WorkerSession
+    root_fd: int  # the blocks folder: every path resolves beneath it, no symlinks
+    flags: int  # the native layer's flags (O_DIRECT, CHECKSUM, TOUCH, TMPFILE)
+    tag: bytes  # names this writer's temporary files (its lease)
     mapped: Any = None  # the MappedBuffer when this worker mapped the buffer itself
     owns_descriptors: bool = True  # False for threads: the fds are the engine's
     fionread: array.array = field(default_factory=lambda: array.array("i", [0]))
@@ -127,6 +133,7 @@ class WorkerContext:
             memory = mapped.memory
         try:
             mapper = FileMapper(io.root_dir, **session.layout)
+            root_fd = native.open_root(mapper.blocks_dir)
         except BaseException:
             if mapped is not None:
                 mapped.close()
@@ -136,11 +143,15 @@ class WorkerContext:
                    completion_fd=session.completion, lifeline_fd=session.lifeline,
                    doorbell_fd=session.doorbell[0], doorbell_write_fd=session.doorbell[1],
                    memory=memory, block_bytes=session.block_bytes, mapper=mapper,
-                   backend=backend, io=io, session=session, mapped=mapped,
+                   backend=backend, io=io, session=session, root_fd=root_fd,
+                   flags=io.flags(), tag=native.new_tag().encode(), mapped=mapped,
                    owns_descriptors=mapped is not None)
 
     def close(self) -> None:
         """Unmap the buffer and close the session's descriptors (process workers)."""
+        if self.root_fd >= 0:
+            os.close(self.root_fd)
+            self.root_fd = -1
         if self.mapped is not None:
             self.mapped.close()
             self.mapped = None
@@ -249,22 +260,35 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
         time.sleep(_STALLS[task.kind])
     if _GROW:
         _leaked.append(bytearray(b"\1" * _GROW))
-    paths = [ctx.mapper.path_for(key) for key in task.keys]
+    relative = ctx.mapper.relative_path_for
+    paths = [relative(key).encode() for key in task.keys]
     err = 0
     n_done = len(paths)
     payload: bytes | str = b""
+    backend = ctx.backend
     try:
         if task.kind == TaskKind.LOOKUP:
-            payload = bytes(ctx.backend.batch_exists(paths))
+            payload = backend.lookup(ctx.root_fd, paths, ctx.block_bytes, ctx.flags)
         else:
-            offsets = [block_id * ctx.block_bytes for block_id in task.block_ids]
-            io = ctx.backend.batch_store if task.kind == TaskKind.STORE \
-                else ctx.backend.batch_load
-            io(paths, ctx.memory, offsets, ctx.block_bytes, use_o_direct=ctx.io.use_o_direct)
-    except OSError as exc:
-        err = exc.errno or errno.EIO
-        n_done = getattr(exc, "n_succeeded", 0)
-        payload = str(exc)
+            block_bytes = ctx.block_bytes
+            offsets = [block_id * block_bytes for block_id in task.block_ids]
+            if task.kind == TaskKind.STORE:
+                rc, n_done, index, temp_err = backend.store(
+                    ctx.root_fd, paths, ctx.memory, offsets, block_bytes, ctx.flags, ctx.tag)
+                if temp_err:
+                    log.warning("mptier: a temporary file in %s could not be removed (%s); "
+                                "the sweeper removes it once this writer's lease is free",
+                                os.path.dirname(f"{ctx.mapper.blocks_dir}/"
+                                                f"{paths[index].decode()}"),
+                                os.strerror(temp_err))
+            else:
+                rc, n_done, index = backend.load(ctx.root_fd, paths, ctx.memory, offsets,
+                                                 block_bytes, ctx.flags)
+            if rc:
+                err = -rc
+                payload = str(native.batch_error(
+                    "store" if task.kind == TaskKind.STORE else "load", err, n_done, index,
+                    f"{ctx.mapper.blocks_dir}/{paths[index].decode()}"))
     except Exception as exc:  # a bug or bad input must not kill the worker: report it
         err, n_done = errno.EIO, 0
         payload = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -369,7 +393,8 @@ def _attached(control: socket.socket, writer: SlotWriter, role: str, backend: An
                     os.close(fd)
         protocol.send(control, protocol.ATTACH_FAILED, error=_describe(exc))
         return ""
-    protocol.send(control, protocol.ATTACHED, backend=backend.name)
+    protocol.send(control, protocol.ATTACHED, backend=backend.name,
+                  temp_tag=ctx.tag.decode())
     try:
         ended = serve(ctx, control)
     finally:
