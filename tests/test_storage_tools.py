@@ -270,3 +270,24 @@ def test_progress_is_reported_while_walking(tmp_path):
     tools.du(root, progress=lambda n, detail: seen.append((n, detail)))
     assert len(seen) > 1 and [n for n, _ in seen] == sorted(n for n, _ in seen)
     assert seen[-1][1] == "1,500 blocks"
+
+
+@needs_crc32c
+def test_scrub_verifies_records_written_by_the_native_store(tmp_path, capsys):
+    root = str(tmp_path / "kv")
+    mapper = make_cache(root, block_bytes=BB)
+    keys = [key_for(i) for i in range(16)]
+    rel = [os.path.relpath(mapper.path_for(k), mapper.blocks_dir) for k in keys]
+    buffer = bytearray(b"".join(block_content(k, BB) for k in keys))
+    with Lease.create(root) as lease:
+        native.batch_store(mapper.blocks_dir, rel, buffer, [i * BB for i in range(16)], BB,
+                           checksum=True, tag=lease.tag, o_direct=False)
+    report = _json(capsys, ["scrub", root, "--json"])
+    assert report["checksums_checked"] == 16 and report["problems"] == []
+    corrupt = mapper.path_for(keys[5])
+    with open(corrupt, "r+b") as f:
+        f.write(b"\0" * 8)
+    report = _json(capsys, ["scrub", root, "--json", "--repair"], code=1)
+    assert [(p["path"], p["kind"], p["removed"]) for p in report["problems"]] == \
+        [(corrupt, "checksum_mismatch", True)]
+    assert sum(os.path.exists(mapper.path_for(k)) for k in keys) == 15

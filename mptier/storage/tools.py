@@ -16,13 +16,14 @@ import re
 import time
 from collections.abc import Callable, Iterator
 
+from mptier.native import XATTR_NAME
 from mptier.storage import names as N
 from mptier.storage.leases import DEFAULT_STALE_TEMP_S, TempSweeper, fs_now
 from mptier.storage.usage import evict
 from mptier.storage.walk import BAD_KINDS, Entry, Kind, Walker, unlink_if_unchanged
 
 Progress = Callable[[int, str], None]
-CRC_XATTR = "user.vllm.kv_crc32c"
+CRC_XATTR = XATTR_NAME     # "user.vllm.kv_crc32c": vLLM's record, 4 bytes big-endian
 CRC_BYTES = 4
 # Bad entries listed by `du` (all of them are counted); scrub lists every problem.
 MAX_SAMPLES = 20
