@@ -7,6 +7,9 @@
     mptier status   figures of running tiers and services (their status sockets)
     mptier monitor  a live view of the same, refreshed every second (q quits)
     mptier config check FILE   validate a config file and print the effective config
+    mptier du       blocks and bytes of a cache root, per folder and rank
+    mptier scrub    check every block's size and recorded checksum (--repair removes)
+    mptier gc       remove blocks unused for longer than --older-than, stale temp files
 """
 
 from __future__ import annotations
@@ -121,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_cmd_info)
 
     _add_monitoring(sub)
+    from mptier.storage.cli import add_commands as add_storage_commands
+    add_storage_commands(sub)
 
     bench = sub.add_parser("bench", help="compare mptier, the thread-pool design and the "
                                          "raw limit on this machine")
