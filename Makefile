@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-SOURCES := pyproject.toml setup.py mptier/native/build_ffi.py mptier/native/mptier_io.c
+SOURCES := pyproject.toml setup.py mptier/native/build_ffi.py $(wildcard mptier/native/*.c mptier/native/*.h)
 
 .PHONY: run test lint bench vllm-env vllm-test test-deps dfs-test clean
 

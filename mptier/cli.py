@@ -7,6 +7,9 @@
     mptier status   figures of running tiers and services (their status sockets)
     mptier monitor  a live view of the same, refreshed every second (q quits)
     mptier config check FILE   validate a config file and print the effective config
+    mptier du       blocks and bytes of a cache root, per folder and rank
+    mptier scrub    check every block's size and recorded checksum (--repair removes)
+    mptier gc       remove blocks unused for longer than --older-than, stale temp files
 """
 
 from __future__ import annotations
@@ -60,8 +63,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
     from mptier.service import serve
 
+    if args.run_dir:
+        os.environ["MPTIER_RUN_DIR"] = args.run_dir
     if args.root:
         args.set = [*(args.set or []), f"root_dir={json.dumps(args.root)}"]
     if args.metrics_port is not None:
@@ -105,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "$MPTIER_RUN_DIR, else /run/mptier, else /tmp/mptier-<uid>).")
     serve.add_argument("--name", required=True, help="the service's name (engines use it)")
     serve.add_argument("--root", help="folder the block files go into (root_dir)")
+    serve.add_argument("--run-dir", metavar="DIR",
+                       help="where the service's sockets go (default: $MPTIER_RUN_DIR, "
+                            "else /run/mptier, else /tmp/mptier-<uid>); engines and "
+                            "`mptier status` must look there too (MPTIER_RUN_DIR)")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="serve Prometheus metrics on this port (metrics_addr, "
                             "default 127.0.0.1)")
@@ -121,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_cmd_info)
 
     _add_monitoring(sub)
+    from mptier.storage.cli import add_commands as add_storage_commands
+    add_storage_commands(sub)
 
     bench = sub.add_parser("bench", help="compare mptier, the thread-pool design and the "
                                          "raw limit on this machine")

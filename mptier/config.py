@@ -47,6 +47,10 @@ class TierConfig:
     # "auto": probe the root once; True: use where aligned (fall back if refused);
     # False: always buffered I/O.
     use_o_direct: bool | str = "auto"
+    # vLLM's option: a CRC32C per block in the user xattr user.vllm.kv_crc32c, written on
+    # store and checked on load. "auto": on where the root has user xattrs (probed once),
+    # off with one warning elsewhere; true: refuse to start without them; false: none.
+    checksum_blocks: bool | str = "auto"
     # Use the compiled C core when it is available (False: the pure-Python twin).
     native: bool = True
     # Emit "stored" events from take_events() for keys of successful stores.
@@ -55,8 +59,9 @@ class TierConfig:
     worker_nice: int = 10
     # CPUs the workers may run on (empty: all). e.g. [1] keeps them off core 0.
     worker_cpus: list[int] = field(default_factory=list)
-    # Fault in every page of the primary buffer when a worker starts, so the first
-    # jobs do not pay one minor fault per 4 KiB page.
+    # Map the primary buffer's existing pages into each worker when it attaches
+    # (MADV_POPULATE_READ of resident pages only: nothing allocated or dirtied), so the
+    # first jobs do not pay one minor fault per 4 KiB page.
     prefault: bool = True
     # A worker that has not reported ready by then counts as failed to boot.
     worker_start_timeout_s: float = 60.0
@@ -177,15 +182,8 @@ class TierConfig:
             _want(isinstance(value, (int, float)) and not isinstance(value, bool)
                   and value > 0, name, value, "a positive number of seconds")
         _want_int(self, "max_task_retries", low=0, high=100)
-        if isinstance(self.use_o_direct, str):
-            lowered = self.use_o_direct.lower()
-            mapping = {"auto": "auto", "true": True, "false": False}
-            _want(lowered in mapping, "use_o_direct", self.use_o_direct,
-                  '"auto", true or false')
-            self.use_o_direct = mapping[lowered]
-        else:
-            _want(isinstance(self.use_o_direct, bool), "use_o_direct", self.use_o_direct,
-                  '"auto", true or false')
+        for name in ("use_o_direct", "checksum_blocks"):
+            setattr(self, name, _tristate(name, getattr(self, name)))
         for name in ("native", "enable_events", "prefault", "parallel_agnostic",
                      "replicated_layout"):
             _want(isinstance(getattr(self, name), bool), name, getattr(self, name),
@@ -232,6 +230,17 @@ class TierConfig:
 def _want(ok: bool, name: str, value: Any, accepted: str) -> None:
     if not ok:
         raise ConfigError(f"TierConfig.{name} = {value!r} is invalid: expected {accepted}")
+
+
+def _tristate(name: str, value: Any) -> bool | str:
+    """``"auto"``, true or false (also the strings "true"/"false")."""
+    if isinstance(value, str):
+        lowered = value.lower()
+        mapping = {"auto": "auto", "true": True, "false": False}
+        _want(lowered in mapping, name, value, '"auto", true or false')
+        return mapping[lowered]
+    _want(isinstance(value, bool), name, value, '"auto", true or false')
+    return value
 
 
 def _want_int(config: TierConfig, name: str, *, low: int, high: int) -> None:

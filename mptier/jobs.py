@@ -41,7 +41,7 @@ from typing import Any
 WIRE_VERSION = 2
 TASK_RECORD_BYTES = 4096  # == PIPE_BUF on Linux: larger writes are not atomic
 _TASK_HEADER = struct.Struct("<3sBBBHIQ")
-TASK_HEADER_BYTES = _TASK_HEADER.size
+TASK_HEADER_BYTES = _TASK_HEADER.size  # 20: magic .. task_id, see the module docstring
 _TASK_MAGIC = b"MPT"
 # Bytes one item costs in a task record besides the key itself.
 TASK_ITEM_OVERHEAD = 8 + 2  # block id (u64) + key length (u16)
@@ -98,7 +98,9 @@ class JobResult:
     ``successful_keys`` is set only for loads that partly failed: the keys that did
     load, in job order. ``None`` means every key shares the fate of ``success``.
     ``transfer_time`` is seconds from the first task's I/O start to the last one's end;
-    ``transfer_bytes`` counts the blocks that succeeded.
+    ``transfer_bytes`` counts the blocks that succeeded. ``checksum_failed`` is set when
+    a block of a load did not match its CRC32C record (it was deleted; its key is now a
+    miss), as on vLLM's tier.
     """
 
     job_id: int
@@ -108,12 +110,14 @@ class JobResult:
     transfer_bytes: int | None = None
     errno: int = 0
     error: str | None = None
+    checksum_failed: bool = False
 
 
 @dataclass
 class TierEvent:
     """``kind`` is ``"stored"`` (keys a successful store wrote) or ``"removed"`` (keys
-    whose files the tier deleted, e.g. corrupt blocks)."""
+    whose files the tier deleted: ``extra["reason"]`` is ``"corrupt"`` for a file shorter
+    than a block, ``"checksum"`` for one that failed its CRC32C record)."""
 
     kind: str
     keys: tuple[bytes, ...]

@@ -93,9 +93,13 @@ class FileMapper:
 
     def path_for(self, key: bytes) -> str:
         """Path of the block file for ``key``."""
+        return f"{self.blocks_dir}/{self.relative_path_for(key)}"
+
+    def relative_path_for(self, key: bytes) -> str:
+        """Path of the block file for ``key`` relative to :attr:`blocks_dir` (the root
+        the native batch calls resolve beneath)."""
         hex_hash = key_block_hash(key).hex()
-        return (f"{self.blocks_dir}/{hex_hash[:3]}/{hex_hash[3:5]}_g{key_group_idx(key)}"
-                f"/{hex_hash}.bin")
+        return f"{hex_hash[:3]}/{hex_hash[3:5]}_g{key_group_idx(key)}/{hex_hash}.bin"
 
     def config_text(self) -> str:
         """The exact text of ``config.json`` (no trailing newline, as vLLM writes it)."""

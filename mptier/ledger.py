@@ -13,6 +13,7 @@ from __future__ import annotations
 import array
 import collections
 import errno
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -20,9 +21,16 @@ from dataclasses import dataclass, field
 from mptier.jobs import JobResult, Message, MessageType, TaskKind, TierEvent, encode_task
 from mptier.lookup import LookupTable
 
-# A lookup task's DONE payload holds one status byte per key; this one means "present"
-# (a regular file of exactly the block size). Any other status is a miss.
+# A lookup task's DONE payload holds one status byte per key (mptier.native's LOOKUP_*
+# values): present means a regular file of exactly the block size; anything else is a
+# miss, and these are entries that should not be there (counted as bad entries).
 LOOKUP_PRESENT = 1
+LOOKUP_BAD_STATUSES = frozenset({2, 3, 4})  # a symlink (removed), not a block file, short
+# errno values of a block that is not a block file: a symlink (removed), not a regular
+# file or a directory where a folder belongs (left), longer than a block (left).
+BAD_ENTRY_ERRNOS = frozenset({errno.ELOOP, getattr(errno, "EMEDIUMTYPE", errno.EINVAL),
+                              errno.EFBIG, errno.ENOTDIR})
+log = logging.getLogger("mptier")
 
 # Recent job latencies kept for stats() percentiles.
 LATENCY_WINDOW = 4096
@@ -41,6 +49,7 @@ class Job:
     error: str | None = None
     first_start_ns: int = 0
     last_end_ns: int = 0
+    checksum_failed: bool = False
 
 
 # A task's id is (group << TASK_INDEX_BITS) | index: one table entry per job (or lookup
@@ -67,7 +76,9 @@ class Counters:
     bytes_done: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
     keys_checked: int = 0
     keys_found: int = 0
-    corrupt_removed: int = 0
+    corrupt_removed: int = 0  # blocks deleted on load: short, or failing their checksum
+    checksum_failures: int = 0  # of those, the ones whose CRC32C record did not match
+    bad_entries: int = 0  # non-block entries met at block paths (see BAD_ENTRY_ERRNOS)
 
 
 class JobLedger:
@@ -180,8 +191,10 @@ class JobLedger:
         keys = group.keys[start:start + group.per_task]
         job = group.job
         if job is None:
-            exists = [status == LOOKUP_PRESENT for status in m.payload[:len(keys)]] \
-                if m.type == MessageType.DONE and not m.errno else [False] * len(keys)
+            statuses = m.payload[:len(keys)] if m.type == MessageType.DONE and not m.errno \
+                else bytes(len(keys))
+            exists = [status == LOOKUP_PRESENT for status in statuses]
+            self.counters.bad_entries += sum(s in LOOKUP_BAD_STATUSES for s in statuses)
             self.counters.keys_checked += len(keys)
             self.counters.keys_found += sum(exists)
             self._lookups.answer(keys, exists)
@@ -192,10 +205,16 @@ class JobLedger:
         if m.errno:
             if not job.errno:
                 job.errno, job.error = m.errno, m.text or os.strerror(m.errno)
-            if m.errno == errno.ENODATA and job.kind == TaskKind.LOAD:
+            if job.kind == TaskKind.LOAD and m.errno in (errno.ENODATA, errno.EBADMSG):
+                checksum = m.errno == errno.EBADMSG
                 self.counters.corrupt_removed += 1
-                self._events.append(TierEvent("removed", (keys[n_done],),
-                                              {"reason": "corrupt"}))
+                self.counters.checksum_failures += checksum
+                job.checksum_failed |= checksum
+                self._events.append(TierEvent("removed", (keys[n_done],), {
+                    "reason": "checksum" if checksum else "corrupt"}))
+            elif m.errno in BAD_ENTRY_ERRNOS and m.type == MessageType.DONE:
+                self.counters.bad_entries += 1
+                log.warning("mptier: %s", m.text)
         if m.started_ns:
             end = m.started_ns + m.elapsed_ns
             if not job.first_start_ns or m.started_ns < job.first_start_ns:
@@ -227,4 +246,4 @@ class JobLedger:
         self.latency[name].append((now - job.submitted_ns) / 1e9)
         elapsed = (job.last_end_ns - job.first_start_ns) / 1e9 if job.first_start_ns else 0.0
         self._finished.append(JobResult(job.job_id, success, successful_keys, elapsed, nbytes,
-                                        job.errno, job.error))
+                                        job.errno, job.error, job.checksum_failed))

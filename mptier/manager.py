@@ -135,6 +135,9 @@ class FileSystemTier:
             self._channels = EngineChannels()
             stack.callback(_quietly, self._channels.close)
             self._queues = self._channels.queues
+            # The overflow lists, for the empty-poll fast path (no generator per call).
+            self._overflow_a, self._overflow_b, self._overflow_c = (
+                q.overflow for q in self._queues.values())
             self._completions = self._channels.completions
             self._pool = self._open_pool(cfg, buffer)
             stack.callback(_quietly, self._pool.stop)
@@ -325,7 +328,7 @@ class FileSystemTier:
         if counts != self._seen_counts:
             self._seen_counts = counts
             self._pump()
-        elif any(q.overflow for q in self._queues.values()):
+        elif self._overflow_a or self._overflow_b or self._overflow_c:
             self._flush_overflow()
 
     def _flush_overflow(self) -> None:

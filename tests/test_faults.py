@@ -82,16 +82,16 @@ def test_sigkill_mid_store_retries_and_replaces(make_buffer, make_tier, monkeypa
              "to be removed")
 
 
-def test_sigkill_mid_load_fails_that_load_only(make_buffer, make_tier, root):
+def test_sigkill_mid_load_fails_that_load_only(make_buffer, make_tier, root, monkeypatch):
+    # Every load first sleeps 0.5 s, as on a slow mount: long enough to be killed in.
+    monkeypatch.setenv("MPTIER_FAULT_STALL", "load:0.5")
     buf = make_buffer(8, 4 * KB)
     fill_random(buf.view, range(2))
     tier = make_tier(buf, n_load_workers=1, n_store_workers=1)
     good, stuck = keys_for(2)
-    tier.submit_store(TransferJob(1, [good], [0]))
+    tier.submit_store(TransferJob(1, [good, stuck], [0, 1]))
     wait_results(tier, [1])
     path = tier.mapper.path_for(stuck)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    os.mkfifo(path)  # open() for reading blocks until a writer comes: a hung mount
     tier.lookup(stuck, "req")
     tier.submit_load(TransferJob(2, [stuck], [5]))
     victim = busy_worker(tier)
@@ -106,17 +106,16 @@ def test_sigkill_mid_load_fails_that_load_only(make_buffer, make_tier, root):
     assert os.path.exists(path), "a failed load must leave the file alone"
 
 
-def test_hung_task_times_out_and_others_keep_flowing(make_buffer, make_tier):
+def test_hung_task_times_out_and_others_keep_flowing(make_buffer, make_tier, monkeypatch):
+    # A load sleeps 0.3 s first; the test stops the worker in it: a hung file system.
+    monkeypatch.setenv("MPTIER_FAULT_STALL", "load:0.3")
     buf = make_buffer(16, 4 * KB)
     fill_random(buf.view, range(4))
     tier = make_tier(buf, n_load_workers=1, n_store_workers=1, io_timeout_s=1.0)
     stuck = keys_for(1)[0]
-    path = tier.mapper.path_for(stuck)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    os.mkfifo(path)
     started = time.monotonic()
     tier.submit_load(TransferJob(1, [stuck], [8]))
-    busy_worker(tier)
+    os.kill(busy_worker(tier)["pid"], signal.SIGSTOP)  # the supervisor's SIGKILL ends it
     others = keys_for(4, tag=1)
     for j, key in enumerate(others):  # keeps flowing on the other worker meanwhile
         tier.submit_store(TransferJob(10 + j, [key], [j]))

@@ -74,9 +74,16 @@ class Design:
     def setup(self, ctx: DesignContext) -> None:
         raise NotImplementedError
 
-    def make_job(self, job_id: int, keys: list[bytes], block_ids: list[int]) -> Any:
-        """The job record the design's ``submit_*`` takes (built outside the timed call)."""
+    def make_job(self, job_id: int, keys: list[bytes], block_ids: list[int],
+                 kind: str = "store") -> Any:
+        """The job record the design's ``submit_*`` takes (built outside the timed call);
+        ``kind`` is ``"store"`` or ``"load"``."""
         return TransferJob(job_id, keys, block_ids)
+
+    def block_path(self, ctx: DesignContext, key: bytes) -> str:
+        """Where this design keeps the file of ``key`` (the harness removes or corrupts
+        files by it)."""
+        return ctx.mapper.path_for(key)
 
     def submit_store(self, job: Any) -> None:
         raise NotImplementedError

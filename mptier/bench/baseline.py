@@ -290,15 +290,18 @@ class ThreadPoolDesign(Design):
         self._lookup: AsyncLookup | None = None
 
     # I/O backend ------------------------------------------------------------------------
-    def _backend(self) -> tuple[Callable[..., None], Callable[..., None],
-                                Callable[[list[str]], Sequence[bool]],
-                                Callable[[str], bool]]:
+    def _backend(self, ctx: DesignContext) -> tuple[Callable[..., None], Callable[..., None],
+                                                    Callable[[list[str]], Sequence[bool]],
+                                                    Callable[[str], bool]]:
         return py_store_blocks, py_load_blocks, _py_exists_batch, probe_o_direct
 
+    def _path_function(self, ctx: DesignContext) -> Callable[[bytes], str]:
+        return ctx.mapper.path_for
+
     def setup(self, ctx: DesignContext) -> None:
-        store, load, exists_batch, probe = self._backend()
         os.makedirs(ctx.mapper.blocks_dir, exist_ok=True)
         ctx.mapper.write_config()
+        store, load, exists_batch, probe = self._backend(ctx)
         aligned = ctx.block_bytes % PAGE == 0 and ctx.array.ctypes.data % PAGE == 0
         supported = probe(ctx.mapper.blocks_dir)
         if self.o_direct_choice == "auto":
@@ -308,7 +311,7 @@ class ThreadPoolDesign(Design):
         self._o_direct = use
         self._memory = ctx.memory
         self._block_bytes = ctx.block_bytes
-        self._path_for = ctx.mapper.path_for
+        self._path_for = self._path_function(ctx)
         self._store = store
         self._load = load
         self.info.update(threads=f"{self.n_load}+{self.n_store}", io=self.io_name,
@@ -370,16 +373,31 @@ class NativePoolDesign(ThreadPoolDesign):
             return f"mptier.native is not importable ({exc})"
         return None
 
-    def _backend(self):
+    _root_fd = -1
+
+    def _path_function(self, ctx: DesignContext) -> Callable[[bytes], str]:
+        return ctx.mapper.relative_path_for  # beneath the root fd the calls take
+
+    def _backend(self, ctx: DesignContext):
         from mptier import native
 
+        root = self._root_fd = native.open_root(ctx.mapper.blocks_dir)
+        block = ctx.block_bytes
+
         def store(paths, memory, offsets, block_bytes, use_o_direct):
-            native.batch_store(paths, memory, offsets, block_bytes, use_o_direct=use_o_direct)
+            native.batch_store(root, paths, memory, offsets, block_bytes, o_direct=use_o_direct)
 
         def load(paths, memory, offsets, block_bytes, use_o_direct):
-            native.batch_load(paths, memory, offsets, block_bytes, use_o_direct=use_o_direct)
+            native.batch_load(root, paths, memory, offsets, block_bytes, o_direct=use_o_direct)
 
-        exists = getattr(native, "batch_exists", None) or _py_exists_batch
-        self.info["native_backend"] = getattr(native, "BACKEND", None) or getattr(
-            native, "backend", None)
+        def exists(paths):
+            return [s == native.LOOKUP_PRESENT for s in native.batch_lookup(root, paths, block)]
+
+        self.info["native_backend"] = native.BACKEND
         return store, load, exists, native.probe_o_direct
+
+    def close(self) -> None:
+        super().close()
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import itertools
 import json
 import os
 import platform
@@ -24,8 +25,11 @@ from mptier.bench.harness import Case, Workload
 from mptier.bench.measure import filesystem_of, format_size, parse_size, probe_o_direct
 from mptier.bench.raw import RawLimit, fio_path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_SAVE_DIR = os.path.join("bench", "results")
+# --sweep NAME: (option it fills, values)
+SWEEPS = {"concurrency": ("inflight_jobs", "1,4,16,64"),
+          "block-size": ("block_bytes", "64K,128K,256K,512K,1M,2M")}
 QUICK_TOTAL = "384M"  # per phase; with --quick the whole default run stays under a minute
 
 
@@ -56,8 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="block size(s), e.g. 256K, 2M, 8M (default 2M)")
     add("--job-blocks", type=_ints, action="append", metavar="N[,N]",
         help="blocks per job, e.g. 1, 16, 64 (default 16)")
-    add("--inflight-jobs", type=int, default=16, metavar="N",
-        help="jobs the scheduler keeps in flight (default 16; also fio's numjobs)")
+    add("--inflight-jobs", type=_ints, action="append", metavar="N[,N]",
+        help="jobs the scheduler keeps in flight, e.g. 16 or 1,4,16,64 (default 16; also "
+             "fio's numjobs)")
+    add("--sweep", choices=sorted(SWEEPS), action="append",
+        help="shorthand: 'concurrency' = --inflight-jobs " + SWEEPS["concurrency"][1]
+             + ", 'block-size' = --block-bytes " + SWEEPS["block-size"][1]
+             + "; a table of throughput against the swept value follows the cases")
     add("--total-bytes", type=parse_size, default=None, metavar="SIZE",
         help=f"bytes stored and loaded per phase (default 2G, with --quick {QUICK_TOTAL})")
     add("--designs", action="append", metavar="SPEC[,SPEC]",
@@ -98,6 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--engine-cpu", type=int, default=None, metavar="CPU",
         help="pin the harness's main thread (the engine's scheduler) to this CPU while "
              "designs run, e.g. 0 beside mptier:cpus=1")
+    add("--no-cold-pass", action="store_true",
+        help="skip the cold pass (first store and load over the buffer right after each "
+             "design starts)")
+    add("--no-warm-memory", action="store_true",
+        help="do not hand each phase recently freed memory first (see docs/performance.md"
+             ": on a VM whose free memory goes back to the host, the design that runs "
+             "after another one's cleanup then wins tmpfs stores)")
     add("--no-drop-caches", action="store_true",
         help="do not drop the page cache between the store and load phases")
     add("--no-verify", action="store_true", help="skip the byte-for-byte check of loads")
@@ -137,25 +153,34 @@ def _flatten(values: list[list[Any]] | None, default: list[Any]) -> list[Any]:
     return out
 
 
+def _apply_sweeps(args: argparse.Namespace) -> None:
+    for name in args.sweep or []:
+        field, values = SWEEPS[name]
+        parsed = _sizes(values) if field == "block_bytes" else _ints(values)
+        setattr(args, field, [*(getattr(args, field) or []), parsed])
+
+
 def workloads(args: argparse.Namespace) -> list[Workload]:
+    _apply_sweeps(args)
     total = args.total_bytes or parse_size(QUICK_TOTAL if args.quick else "2G")
     roots = args.root or [tempfile.gettempdir()]
     out = []
-    for root in roots:
-        for block in _flatten(args.block_bytes, [parse_size("2M")]):
-            for job_blocks in _flatten(args.job_blocks, [16]):
-                out.append(Workload(
-                    root=os.path.abspath(root), block_bytes=block, job_blocks=job_blocks,
-                    inflight_jobs=args.inflight_jobs, total_bytes=total,
-                    single_job_blocks=args.single_job_blocks,
-                    single_repeats=args.repeats or (1 if args.quick else 3),
-                    idle_seconds=args.idle_seconds or (0.15 if args.quick else 0.3),
-                    poll_us=args.poll_us, busy_work_us=args.busy_work_us,
-                    busy_wait_us=args.busy_wait_us,
-                    busy_fraction=args.busy_fraction, drop_caches=not args.no_drop_caches,
-                    verify=not args.no_verify, region_cap_bytes=args.buffer_bytes // 2,
-                    keep_files=args.keep_files, inject_corruption=args.inject_corruption,
-                    engine_cpu=args.engine_cpu))
+    for root, block, job_blocks, inflight in itertools.product(
+            roots, _flatten(args.block_bytes, [parse_size("2M")]),
+            _flatten(args.job_blocks, [16]), _flatten(args.inflight_jobs, [16])):
+        out.append(Workload(
+            root=os.path.abspath(root), block_bytes=block, job_blocks=job_blocks,
+            inflight_jobs=inflight, total_bytes=total,
+            single_job_blocks=args.single_job_blocks,
+            single_repeats=args.repeats or (1 if args.quick else 3),
+            idle_seconds=args.idle_seconds or (0.15 if args.quick else 0.3),
+            poll_us=args.poll_us, busy_work_us=args.busy_work_us,
+            busy_wait_us=args.busy_wait_us,
+            busy_fraction=args.busy_fraction, drop_caches=not args.no_drop_caches,
+            verify=not args.no_verify, region_cap_bytes=args.buffer_bytes // 2,
+            keep_files=args.keep_files, inject_corruption=args.inject_corruption,
+            engine_cpu=args.engine_cpu, warm_memory=not args.no_warm_memory,
+            cold_pass=not args.no_cold_pass))
     return out
 
 
@@ -245,7 +270,9 @@ def run_case(w: Workload, specs: list[DesignSpec], progress: _Progress,
         f"{case.buffer.region} of {w.n_blocks} blocks: the last load into each slot")
     try:
         for round_no in range(rounds):
-            for spec in specs:
+            # Every other round runs the designs in reverse, so none always follows the
+            # same neighbour (what the machine's memory and caches hold depends on it).
+            for position, spec in enumerate(specs if round_no % 2 == 0 else specs[::-1]):
                 design = spec.build()
                 reason = design.available()
                 if reason is not None:
@@ -259,14 +286,17 @@ def run_case(w: Workload, specs: list[DesignSpec], progress: _Progress,
                     continue
                 out = case.run_raw(design) if isinstance(design, RawLimit) else \
                     case.run_design(design)
-                per_spec[spec].append(rep.design_record(
-                    design.label, design.letter, design.kind, design.info, design.notes, out))
+                record = rep.design_record(design.label, design.letter, design.kind,
+                                           design.info, design.notes, out)
+                record["position"] = position
+                per_spec[spec].append(record)
     finally:
         case.close()
     records = [rep.merge_rounds(recs) for recs in per_spec.values()]
     case_doc["rounds"] = rounds
     case_doc["designs"] = records
-    case_doc["reference_b"], case_doc["reference_d"] = rep.add_ratios(records)
+    for letter, label in rep.add_ratios(records).items():
+        case_doc[f"reference_{letter}"] = label
     drops = [r["page_cache_dropped"] for r in records if r["page_cache_dropped"] is not None]
     case_doc["page_cache_dropped"] = (None if not drops else all(drops))
     background = [r.get("background_cpus_max", r.get("background_cpus")) for r in records
@@ -307,7 +337,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             print(f"mptier bench: --root {w.root} is not a folder", file=sys.stderr)
             return 2
     rounds = max(1, args.rounds)
-    steps = sum(1 if s.name == "raw" else 5 for s in specs) * len(cases) * rounds
+    steps = sum(1 if s.name == "raw" else 6 for s in specs) * len(cases) * rounds
     long_run = _estimate_seconds(cases, specs, rounds) > 3
     progress = _Progress(steps, long_run and not args.no_progress)
     doc: dict[str, Any] = {
@@ -372,6 +402,9 @@ def _own_argv(argv: list[str] | None) -> list[str]:
 def _emit(doc: dict[str, Any], args: argparse.Namespace) -> None:
     for case in doc["cases"]:
         rep.print_case(case)
+    sweeps = rep.sweep_tables(doc)
+    for table in sweeps:
+        print(table["text"])
     paths = {"json": args.json, "markdown": args.markdown, "plot": args.plot, "text": None}
     if args.save:
         os.makedirs(args.save, exist_ok=True)
@@ -384,10 +417,12 @@ def _emit(doc: dict[str, Any], args: argparse.Namespace) -> None:
     if paths["markdown"]:
         body = "\n\n".join(rep.markdown_table(c) for c in doc["cases"])
         warnings = "".join(f"**Warning:** {w}\n\n" for w in doc.get("warnings", []))
+        sweep_md = "".join(f"## {t['title']}\n\n{t['markdown']}\n\n" for t in sweeps)
         _write(paths["markdown"], f"Command: `{doc['command']}`\n\n{warnings}## Summary\n\n"
-               f"{rep.summary_markdown(doc)}\n\n## Every figure\n\n{body}\n")
+               f"{rep.summary_markdown(doc)}\n\n{sweep_md}## Every figure\n\n{body}\n")
     if paths["text"]:
-        body = "\n\n".join(rep.plain_table(c) for c in doc["cases"])
+        body = "\n\n".join([*(rep.plain_table(c) for c in doc["cases"]),
+                             *(t["text"] for t in sweeps)])
         _write(paths["text"], f"{doc['command']}\n\n{body}\n")
     if paths["plot"]:
         try:

@@ -10,8 +10,10 @@ A spec is a name and optional ``key=value`` options after colons::
     pool-native            (c) the reference pool calling mptier.native batch I/O
     raw                    (d) fio when installed, else a plain write/read loop
     raw:tool=loop          (d) the plain loop even when fio is installed
+    vllm                   (v) vLLM 0.33's own FileSystemTierManager (where vLLM imports)
+    vllm:threads=4+4       (v) with a smaller pool
 
-Single letters ``a``, ``b``, ``c``, ``d`` name the plain designs. Several specs are
+Single letters ``a``, ``b``, ``c``, ``d``, ``v`` name the plain designs. Several specs are
 separated by commas or spaces (so list CPUs as ``cpus=1+2`` or ``cpus=1-2``).
 """
 
@@ -22,15 +24,17 @@ from dataclasses import dataclass
 from mptier.bench.baseline import NativePoolDesign, ThreadPoolDesign
 from mptier.bench.engine import MptierDesign
 from mptier.bench.raw import RawLimit
+from mptier.bench.vllm_tier import VllmTierDesign
 
 DESIGNS = {
     "mptier": MptierDesign,
     "baseline": ThreadPoolDesign,
     "pool-native": NativePoolDesign,
     "raw": RawLimit,
+    "vllm": VllmTierDesign,
 }
 ALIASES = {
-    "a": "mptier", "b": "baseline", "c": "pool-native", "d": "raw",
+    "a": "mptier", "b": "baseline", "c": "pool-native", "d": "raw", "v": "vllm",
     "reference": "baseline", "threads": "baseline", "threads-native": "pool-native",
     "fio": "raw:tool=fio", "raw-loop": "raw:tool=loop",
 }

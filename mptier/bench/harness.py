@@ -30,9 +30,24 @@ regions -- source slots ``[0, R)`` filled with random bytes, destination slots
 ``[R, 2R)`` -- and one list of keys. Phase key ``i`` is stored from slot ``i % R`` and
 loaded into slot ``R + i % R``; keys ``i`` and ``i + R`` hold the same bytes, so the
 destination is right whatever order jobs finish in. Per design, on a fresh folder of
-its own: warm-up job, idle loop rate, store phase, page-cache drop, load phase (with
-lookups), byte-for-byte verification of the destination region, then the 64-block job
-alone under the light scheduler (store, drop, load), repeated.
+its own:
+
+1. the *cold pass* (unless ``cold_pass`` is off): right after the design started, one
+   store and one load of every slot of the region with keys of their own, under the
+   light scheduler -- the first time the design's I/O touches the buffer's pages (a
+   worker process that did not pre-fault its mapping pays a fault per page here);
+   verified, and its files removed again;
+2. warm-up job, idle loop rate, store phase, page-cache drop, load phase (with
+   lookups), byte-for-byte verification of the destination region (the *warm* pass);
+3. the 64-block job alone under the light scheduler (store, drop, load), repeated.
+
+Before every store (and right after each page-cache drop) the harness allocates and
+frees as much memory as the phase will write (:func:`~mptier.bench.measure.
+warm_free_memory`), so each design's files get the same recently freed pages, whatever
+design ran before it. On a VM that reports free memory to its host, pages the host has
+taken back cost 4x more on first touch; without this the design that follows another
+one's cleanup wins a tmpfs store phase by up to 5x. Each phase records the machine's
+page counters (pages allocated, faults, memory reported to the host) beside it.
 """
 
 from __future__ import annotations
@@ -50,8 +65,10 @@ from mptier.bench.buffer import CaseBuffer
 from mptier.bench.measure import (
     CacheDrop,
     CpuSnapshot,
+    MemorySnapshot,
     SchedulerLoad,
     drop_page_cache,
+    warm_free_memory,
 )
 from mptier.bench.raw import RawLimit
 from mptier.bench.scheduler import PhaseStats, drive
@@ -88,6 +105,10 @@ class Workload:
     engine_cpu: int | None = None
     inject_corruption: int = 0  # corrupt this many stored files before the load phase
     stall_timeout_s: float = 120.0
+    # Hand every phase the same recently freed memory (see the module docstring).
+    warm_memory: bool = True
+    # Run the cold pass (first touch of the buffer by the design's I/O) first.
+    cold_pass: bool = True
 
     @property
     def n_blocks(self) -> int:
@@ -98,6 +119,12 @@ class Workload:
         capped = min(self.n_blocks, max(1, self.region_cap_bytes // self.block_bytes))
         return max(capped, self.single_job_blocks, self.job_blocks)
 
+    @property
+    def warm_bytes(self) -> int:
+        """Memory handed back before a phase: what it writes, plus a quarter (folders,
+        page tables, the kernel's own allocations meanwhile)."""
+        return self.n_blocks * self.block_bytes * 5 // 4
+
 
 # -- a case ---------------------------------------------------------------------------
 
@@ -106,13 +133,15 @@ class CaseKeys:
     phase: list[bytes]
     warmup: list[bytes]
     single: list[list[bytes]]
+    cold: list[bytes]
 
     @classmethod
     def make(cls, w: Workload) -> CaseKeys:
         def keys(n: int) -> list[bytes]:
             return [make_key(os.urandom(32), 0) for _ in range(n)]
         return cls(keys(w.n_blocks), keys(w.job_blocks),
-                   [keys(w.single_job_blocks) for _ in range(max(1, w.single_repeats))])
+                   [keys(w.single_job_blocks) for _ in range(max(1, w.single_repeats))],
+                   keys(min(w.n_blocks, w.region_blocks) if w.cold_pass else 0))
 
 
 class Case:
@@ -138,17 +167,24 @@ class Case:
         destination slot ``R + i % R``), as ``(job record, bytes)``."""
         region = self.buffer.region
         base = region if dest else 0
+        kind = "load" if dest else "store"
         out = []
         for start in range(0, len(keys), job_blocks):
             chunk = keys[start:start + job_blocks]
             slots = [base + (start + i) % region for i in range(len(chunk))]
-            out.append((design.make_job(self._next_job_id, chunk, slots),
+            out.append((design.make_job(self._next_job_id, chunk, slots, kind),
                         len(chunk) * self.w.block_bytes))
             self._next_job_id += 1
         return out
 
     def _drop(self) -> CacheDrop | None:
         return drop_page_cache() if self.w.drop_caches else None
+
+    def _warm(self, out: dict[str, Any], name: str, nbytes: int | None = None) -> None:
+        """Hand the next phase recently freed memory (when ``warm_memory`` is on)."""
+        if self.w.warm_memory:
+            out.setdefault("warm_memory", {})[name] = warm_free_memory(
+                self.w.warm_bytes if nbytes is None else nbytes)
 
     # designs ------------------------------------------------------------------------
     def run_design(self, design: Design) -> dict[str, Any]:
@@ -176,6 +212,8 @@ class Case:
     def _run_phases(self, design: Design, ctx: DesignContext, out: dict[str, Any]) -> None:
         w, keys = self.w, self.keys
         run = self._run_jobs
+        if keys.cold:
+            self._cold_pass(design, ctx, out)
         run(design, self._jobs(design, keys.warmup, w.job_blocks, False), "store", False)
         run(design, self._jobs(design, keys.warmup, w.job_blocks, True), "load", False)
         self._idle(out)
@@ -183,15 +221,17 @@ class Case:
         self.progress(f"{design.label}: store phase")
         jobs = self._jobs(design, keys.phase, w.job_blocks, False)
         split = self._split(len(jobs))
+        self._warm(out, "store")
         out["store"] = run(design, jobs[:split], "store", False, w.inflight_jobs)
         out["store_busy"] = run(design, jobs[split:], "store", False, w.inflight_jobs,
                                 self.busy)
         design.drain()
         if w.inject_corruption:
-            out["corrupted_files"] = self._corrupt(ctx.mapper, w.inject_corruption)
+            out["corrupted_files"] = self._corrupt(design, ctx, w.inject_corruption)
         self.buffer.clear_destination()
         self.progress(f"{design.label}: dropping the page cache")
         out["drop"] = self._drop()
+        self._warm(out, "load")
         self.progress(f"{design.label}: load phase")
         jobs = self._jobs(design, keys.phase, w.job_blocks, True)
         out["load"] = run(design, jobs[:split], "load", design.supports_lookup,
@@ -204,6 +244,7 @@ class Case:
         self.progress(f"{design.label}: {w.single_job_blocks}-block job alone")
         singles_store, singles_load, checks = [], [], []
         for single_keys in keys.single:
+            self._warm(out, "single", len(single_keys) * w.block_bytes * 5 // 4)
             store = run(design, self._jobs(design, single_keys, len(single_keys), False),
                         "store", False)
             self._drop()
@@ -224,11 +265,35 @@ class Case:
                   "mismatched": sum(c["mismatched"] for c in checks),
                   "ok": all(c["ok"] for c in checks)}
 
+    def _cold_pass(self, design: Design, ctx: DesignContext, out: dict[str, Any]) -> None:
+        """Store and load every slot of the region once, first thing after set-up."""
+        w, keys = self.w, self.keys.cold
+        self.progress(f"{design.label}: cold pass")
+        self._warm(out, "store_cold")
+        out["store_cold"] = self._run_jobs(
+            design, self._jobs(design, keys, w.job_blocks, False), "store", False,
+            w.inflight_jobs)
+        design.drain()
+        self.buffer.clear_destination()
+        self._drop()
+        self._warm(out, "load_cold")
+        out["load_cold"] = self._run_jobs(
+            design, self._jobs(design, keys, w.job_blocks, True), "load", False,
+            w.inflight_jobs)
+        design.drain()
+        out["cold_verify"] = self._verify(len(keys))
+        for key in keys:  # their memory goes back before the warm pass
+            with contextlib.suppress(OSError):
+                os.unlink(design.block_path(ctx, key))
+
     def _run_jobs(self, design: Design, jobs: list[tuple[Any, int]], kind: str,
                   lookups: bool, inflight: int = 1,
                   load: SchedulerLoad | None = None) -> PhaseStats:
-        return drive(design, jobs, kind, inflight, load or self.light, lookups,
-                     self.w.stall_timeout_s)
+        before = MemorySnapshot.take()
+        stats = drive(design, jobs, kind, inflight, load or self.light, lookups,
+                      self.w.stall_timeout_s)
+        stats.memory = MemorySnapshot.take().since(before)
+        return stats
 
     def _split(self, n_jobs: int) -> int:
         """How many of a phase's ``n_jobs`` run under the light scheduler."""
@@ -243,6 +308,7 @@ class Case:
         def drop() -> CacheDrop | None:
             result = self._drop()
             drops.append(result)
+            self._warm(out, "load")
             return result
 
         def wait(proc: subprocess.Popen, busy: bool) -> tuple[int, int]:
@@ -259,6 +325,7 @@ class Case:
             n_busy = round(w.n_blocks * min(1.0, max(0.0, w.busy_fraction)))
             with pinned(w.engine_cpu):
                 self._idle(out)
+                self._warm(out, "store")
                 out["raw"] = raw.run(root, w.block_bytes, w.n_blocks - n_busy, n_busy,
                                      w.inflight_jobs, wait, drop, w.job_blocks)
             out["drop"] = drops[0] if drops else None
@@ -280,11 +347,11 @@ class Case:
         """Byte-for-byte check of the first ``n_slots`` destination slots."""
         return self.buffer.verify(n_slots) if self.w.verify else {"mode": "off"}
 
-    def _corrupt(self, mapper: FileMapper, count: int) -> int:
+    def _corrupt(self, design: Design, ctx: DesignContext, count: int) -> int:
         """Flip bytes in the middle of the first ``count`` stored block files."""
         done = 0
         for key in self.keys.phase[:count]:
-            path = mapper.path_for(key)
+            path = design.block_path(ctx, key)
             try:
                 with open(path, "r+b") as f:
                     f.seek(self.w.block_bytes // 2)

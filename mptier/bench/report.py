@@ -1,9 +1,10 @@
 """Figures, ratios and the terminal / Markdown tables of a benchmark run.
 
 Every design of a case gets the same figure keys (``None`` where a figure does not
-apply, e.g. job latency for fio), and every figure also as a ratio to the baseline (b)
-and to the raw limit (d) of the same case: ``ratio = value / value of (b or d)``.
-Whether higher or lower is better is stated per figure.
+apply, e.g. job latency for fio), and every figure also as a ratio to the baseline (b),
+to vLLM's own tier (v, when it ran) and to the raw limit (d) of the same case:
+``ratio = value / value of (b, v or d)``. Whether higher or lower is better is stated
+per figure.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("load_gbps", "load throughput", "GB/s", "higher"),
     Figure("store_gbps_busy", "store beside busy loop", "GB/s", "higher"),
     Figure("load_gbps_busy", "load beside busy loop", "GB/s", "higher"),
+    Figure("store_cold_gbps", "store, cold buffer (first pass)", "GB/s", "higher"),
+    Figure("load_cold_gbps", "load, cold buffer (first pass)", "GB/s", "higher"),
     Figure("store_job_p50_ms", "store job latency p50", "ms", "lower", 1),
     Figure("store_job_p99_ms", "store job latency p99", "ms", "lower", 1),
     Figure("load_job_p50_ms", "load job latency p50", "ms", "lower", 1),
@@ -57,6 +60,9 @@ FIGURE_KEYS = tuple(f.key for f in FIGURES)
 # Background load (CPUs busy with other processes while the design idled) above which
 # the table warns that the machine was not quiet.
 BUSY_MACHINE_CPUS = 0.25
+# Designs every other design is compared with, by letter: the in-process baseline, vLLM's
+# own tier, the raw limit.
+REFERENCE_LETTERS = ("b", "v", "d")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -88,8 +94,18 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
         figures["interference"] = _ratio(statistics.mean(rates), idle) if rates else None
         record["info"] = {**info, **raw.info}
         record["notes"].extend(raw.notes)
+        record["warm_memory"] = out.get("warm_memory")
         return record
 
+    for kind in ("store", "load"):
+        cold = out.get(f"{kind}_cold")
+        if cold is not None:
+            figures[f"{kind}_cold_gbps"] = cold.gbps
+    record["warm_memory"] = out.get("warm_memory")
+    record["memory"] = {name: out[name].memory for name in
+                        ("store_cold", "load_cold", "store", "store_busy", "load", "load_busy")
+                        if name in out and out[name].memory is not None}
+    record["cold_verify"] = out.get("cold_verify")
     phases: dict[str, PhaseStats] = {
         name: out[name] for name in ("store", "store_busy", "load", "load_busy") if name in out}
     for kind in ("store", "load"):
@@ -165,7 +181,9 @@ def merge_rounds(records: list[dict[str, Any]]) -> dict[str, Any]:
         merged["jobs"] = {
             phase: {k: sum(r["jobs"][phase][k] for r in records) for k in j}
             for phase, j in first["jobs"].items()}
-    for which in ("verify", "single_verify"):
+    for which in ("warm_memory", "memory", "position"):
+        merged[which] = [r.get(which) for r in records]
+    for which in ("verify", "single_verify", "cold_verify"):
         checks = [r.get(which) for r in records if r.get(which)]
         if checks and all(v.get("mode") == "full" for v in checks):
             merged[which] = {
@@ -192,16 +210,18 @@ def pick_reference(records: list[dict[str, Any]], letter: str) -> dict[str, Any]
     return (plain or same or [None])[0]
 
 
-def add_ratios(records: list[dict[str, Any]]) -> tuple[str | None, str | None]:
-    """Fill ``ratio_to_b`` / ``ratio_to_d`` of every record; return the two labels."""
-    ref_b = pick_reference(records, "b")
-    ref_d = pick_reference(records, "d")
-    for record in records:
-        for name, ref in (("ratio_to_b", ref_b), ("ratio_to_d", ref_d)):
-            record[name] = {
+def add_ratios(records: list[dict[str, Any]]) -> dict[str, str | None]:
+    """Fill ``ratio_to_<letter>`` of every record for each of :data:`REFERENCE_LETTERS`;
+    return ``{letter: label of the reference design or None}``."""
+    labels = {}
+    for letter in REFERENCE_LETTERS:
+        ref = pick_reference(records, letter)
+        labels[letter] = ref["label"] if ref else None
+        for record in records:
+            record[f"ratio_to_{letter}"] = {
                 key: (_ratio(record["figures"][key], ref["figures"][key]) if ref else None)
                 for key in FIGURE_KEYS}
-    return (ref_b["label"] if ref_b else None, ref_d["label"] if ref_d else None)
+    return labels
 
 
 def problems(case: dict[str, Any]) -> list[str]:
@@ -215,7 +235,7 @@ def problems(case: dict[str, Any]) -> list[str]:
             if j["failed"] or j["duplicates"]:
                 out.append(f"{name}: {j['failed']} {phase} job(s) failed, "
                            f"{j['duplicates']} reported twice")
-        for which in ("verify", "single_verify"):
+        for which in ("verify", "single_verify", "cold_verify"):
             v = r.get(which)
             if v and v.get("mode") == "full" and not v["ok"]:
                 out.append(f"{name}: {v['mismatched']} of {v['blocks_checked']} loaded "
@@ -237,7 +257,7 @@ def cells(record: dict[str, Any], fig: Figure) -> tuple[str, str]:
     """``(value, "b 1.00 · d 0.85")`` for one design and figure."""
     value = fmt(record["figures"].get(fig.key), fig.digits)
     parts = []
-    for letter in ("b", "d"):
+    for letter in REFERENCE_LETTERS:
         r = (record.get(f"ratio_to_{letter}") or {}).get(fig.key)
         if r is not None:
             parts.append(f"{letter} {r:.2f}")
@@ -251,16 +271,38 @@ def case_title(case: dict[str, Any]) -> str:
             f"{w['inflight_jobs']} in flight · {format_size(w['total_bytes'])} per phase")
 
 
+# A phase's throughput is a steady-state figure only when its jobs are several times
+# the jobs kept in flight; below this multiple, ramp-up and the last jobs' tail dominate.
+STEADY_STATE_MULTIPLE = 4
+
+
+def short_phase(case: dict[str, Any]) -> str | None:
+    """A warning when the light half of a phase is too short for a steady state."""
+    w = case["workload"]
+    n_jobs = -(-w["blocks_per_phase"] // w["job_blocks"])
+    light = n_jobs - round(n_jobs * min(1.0, max(0.0, w["busy_fraction"])))
+    if light >= STEADY_STATE_MULTIPLE * w["inflight_jobs"]:
+        return None
+    need = STEADY_STATE_MULTIPLE * w["inflight_jobs"] * w["job_blocks"] * w["block_bytes"]
+    need = int(need / max(1e-9, 1 - w["busy_fraction"]))
+    return (f"each phase runs only {light} jobs under the light scheduler with "
+            f"{w['inflight_jobs']} in flight, so its GB/s include ramp-up and tail; use "
+            f"--total-bytes {format_size(need) if need % (1 << 20) == 0 else need} or more "
+            "for steady-state figures")
+
+
 def case_caption(case: dict[str, Any]) -> str:
     drop = case.get("page_cache_dropped")
     dropped = {True: "page cache dropped between store and load",
                False: "page cache NOT dropped (not permitted here)",
                None: "page cache drop disabled"}[drop]
-    ref_b = case.get("reference_b") or "n/a"
-    ref_d = case.get("reference_d") or "n/a"
+    refs = ", ".join(f"'{letter}' = ÷ {case.get(f'reference_{letter}')}"
+                     for letter in REFERENCE_LETTERS if case.get(f"reference_{letter}"))
     text = (f"{dropped}; loads verified byte for byte ({case['verified']}); ratios: "
-            f"'b' = ÷ {ref_b}, 'd' = ÷ {ref_d}"
-            "; higher is better for GB/s and loop rate, lower for times")
+            f"{refs or 'none'}; higher is better for GB/s and loop rate, lower for times")
+    short = short_phase(case)
+    if short:
+        text += f". WARNING: {short}"
     busy = case.get("background_cpus_max")
     if busy is not None and busy > BUSY_MACHINE_CPUS:
         text += (f". WARNING: other processes kept up to {busy:.1f} CPUs busy during the "
@@ -293,9 +335,9 @@ def summary_markdown(doc: dict[str, Any]) -> str:
         return fmt(r["figures"].get(key), digits)
 
     def with_ratios(r: dict[str, Any], key: str) -> str:
-        parts = [f"{letter} {x:.2f}" for letter in ("b", "d")
+        parts = [f"{letter} {x:.2f}" for letter in REFERENCE_LETTERS
                  if (x := (r.get(f"ratio_to_{letter}") or {}).get(key)) is not None]
-        return v(r, key) + (f" ({', '.join(parts)})" if parts and r["letter"] not in "bd"
+        return v(r, key) + (f" ({', '.join(parts)})" if parts and r["letter"] not in "bvd"
                             else "")
 
     lines = ["| case | design | store GB/s | load GB/s | store / load GB/s beside busy loop "
@@ -367,3 +409,65 @@ def print_case(case: dict[str, Any], console: Any = None) -> None:
             console.print(f"[red]{r['label']}: error {r['error']}[/red]")
         for note in r.get("notes", []):
             console.print(f"[yellow]{r['label']}: {note}[/yellow]")
+
+
+# -- sweeps ---------------------------------------------------------------------------
+
+SWEPT_FIELDS = {"block_bytes": "block size", "inflight_jobs": "jobs in flight"}
+
+
+def _sweep_value(field: str, value: int) -> str:
+    return format_size(value) if field == "block_bytes" else str(value)
+
+
+def sweep_tables(doc: dict[str, Any]) -> list[dict[str, str]]:
+    """Tables of store / load GB/s against each swept workload field.
+
+    Cases that differ in exactly one of :data:`SWEPT_FIELDS` (and nothing else) form a
+    sweep; each gives ``{"title", "markdown", "text"}`` with one row per design and one
+    column per value of the field.
+    """
+    out = []
+    cases = doc.get("cases", [])
+    for field, name in SWEPT_FIELDS.items():
+        groups: dict[tuple, list[dict[str, Any]]] = {}
+        for case in cases:
+            w = case["workload"]
+            rest = tuple(sorted((k, str(v)) for k, v in w.items()
+                                if k not in (field, "blocks_per_phase")))
+            groups.setdefault(rest, []).append(case)
+        for group in groups.values():
+            values = sorted({c["workload"][field] for c in group})
+            if len(values) < 2:
+                continue
+            by_value = {c["workload"][field]: c for c in group}
+            labels: list[str] = []
+            for c in group:
+                labels.extend(r["label"] for r in c["designs"] if r["label"] not in labels)
+            w = group[0]["workload"]
+            fixed = (f"{group[0]['root_fs']} {w['root']}, "
+                     + ", ".join(f"{SWEPT_FIELDS[f]} {_sweep_value(f, w[f])}"
+                                 for f in SWEPT_FIELDS if f != field)
+                     + f", {w['job_blocks']}-block jobs, {format_size(w['total_bytes'])}"
+                     " per phase")
+            title = f"Sweep of {name} ({fixed}): store / load GB/s"
+            header = ["design", *(_sweep_value(field, v) for v in values)]
+            rows = []
+            for label in labels:
+                row = [label]
+                for v in values:
+                    rec = next((r for r in by_value[v]["designs"] if r["label"] == label),
+                               None)
+                    row.append("—" if rec is None else
+                               f"{fmt(rec['figures'].get('store_gbps'), 2)} / "
+                               f"{fmt(rec['figures'].get('load_gbps'), 2)}")
+                rows.append(row)
+            markdown = "\n".join(["| " + " | ".join(header) + " |",
+                                  "|---" * len(header) + "|",
+                                  *("| " + " | ".join(r) + " |" for r in rows)])
+            widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+            text = "\n".join([title, *("  ".join(c.ljust(widths[i]) for i, c in
+                                                 enumerate(r)).rstrip()
+                                       for r in [header, *rows])])
+            out.append({"title": title, "markdown": markdown, "text": text})
+    return out

@@ -35,6 +35,8 @@ class PhaseStats:
     loop_iterations: int = 0
     loop_ns: int = 0
     duplicates: int = 0
+    # The machine's page counters over the phase (MemorySnapshot.since), set by the harness.
+    memory: dict[str, Any] | None = None
 
     @property
     def gbps(self) -> float | None:

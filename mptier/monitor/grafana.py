@@ -49,6 +49,13 @@ TIER_PANELS = [
            (f"mptier_jobs_in_flight{{{TIER}}}", "{{tier}} jobs in flight")], "short"),
     Panel("Failed jobs per second",
           [(_rate("mptier_jobs_failed_total", "tier, kind"), "{{tier}} {{kind}}")], "ops"),
+    Panel("Damaged blocks and bad entries (per hour)",
+          [(f"increase({m}{{{TIER}}}[1h])", f"{{{{tier}}}} {legend}") for m, legend in (
+              ("mptier_corrupt_blocks_removed_total", "corrupt removed"),
+              ("mptier_checksum_failures_total", "checksum failures"),
+              ("mptier_bad_entries_total", "bad entries"))], "short",
+          "Blocks removed on load (short, or failing their CRC32C record) and non-block "
+          "entries at block paths"),
     Panel("Lookup hit ratio",
           [(f"{_rate('mptier_lookup_keys_found_total', 'tier')} / "
             f"{_rate('mptier_lookup_keys_checked_total', 'tier')}", "{{tier}}")],

@@ -228,6 +228,8 @@ class Sampler:
                 "bytes": dict(moved), "lookup_keys_checked": stats.get("keys_checked", 0),
                 "lookup_keys_found": stats.get("keys_found", 0),
                 "corrupt_removed": stats.get("corrupt_removed", 0),
+                "checksum_failures": stats.get("checksum_failures", 0),
+                "bad_entries": stats.get("bad_entries", 0),
             },
             "rates": rates,
             "latency": _latency(stats.get("latency", {})),
@@ -359,7 +361,8 @@ class Sampler:
 # stats() keys the figures carry under other names (or that Monitor sets itself).
 _CONSUMED = frozenset({
     "name", "kind", "pid", "time", "queued_tasks", "jobs_submitted", "jobs_failed",
-    "bytes_done", "keys_checked", "keys_found", "corrupt_removed", "counters",
+    "bytes_done", "keys_checked", "keys_found", "corrupt_removed", "checksum_failures",
+    "bad_entries", "counters",
     "used_bytes", "capacity_bytes"})
 
 _PROCESS_KEYS = ("cpu_user_s", "cpu_system_s", "rss_bytes", "private_bytes",

@@ -64,6 +64,11 @@ METRICS: tuple[MetricDef, ...] = (
               "Checked keys that were found (hits); found / checked is the hit ratio"),
     MetricDef("mptier_corrupt_blocks_removed_total", "counter", T,
               "Blocks found corrupt (short, bad checksum) on load and removed"),
+    MetricDef("mptier_checksum_failures_total", "counter", T,
+              "Blocks whose CRC32C record did not match on load (removed; now a miss)"),
+    MetricDef("mptier_bad_entries_total", "counter", T,
+              "Entries at block paths that are not block files (symlinks, directories, "
+              "FIFOs, wrong sizes)"),
     MetricDef("mptier_jobs_in_flight", "gauge", T, "Jobs submitted and not yet finished"),
     MetricDef("mptier_tasks_in_flight", "gauge", T,
               "Tasks (pieces of jobs and lookup batches) not yet reported"),
@@ -195,6 +200,8 @@ def _fill(fam: dict[str, Metric], f: dict[str, Any]) -> None:
     put("mptier_lookup_keys_checked_total", totals.get("lookup_keys_checked"))
     put("mptier_lookup_keys_found_total", totals.get("lookup_keys_found"))
     put("mptier_corrupt_blocks_removed_total", totals.get("corrupt_removed"))
+    put("mptier_checksum_failures_total", totals.get("checksum_failures"))
+    put("mptier_bad_entries_total", totals.get("bad_entries"))
     put("mptier_jobs_in_flight", f.get("jobs_in_flight"))
     put("mptier_tasks_in_flight", f.get("tasks_in_flight"))
     put("mptier_lookup_keys_pending", f.get("lookup_keys_pending"))

@@ -1,57 +1,75 @@
-"""Batch block I/O between a memory buffer and block files: the native layer of mptier.
+"""Batch block I/O between a memory buffer and block files beneath a root: mptier's native layer.
 
 One call moves a whole batch of fixed-size blocks::
 
     buffer (any writable, C-contiguous buffer: shm mmap, numpy array, bytearray ...)
-      block i = buffer[offsets[i] : offsets[i] + block_bytes]   <-->   paths[i]
+      block i = buffer[offsets[i] : offsets[i] + block_bytes]  <-->  <root>/paths[i]
 
-    batch_store / batch_load / batch_exists / probe_o_direct      (this module)
-      validate arguments, apply MPTIER_FAULT_ERRNO, raise on error  (the one place)
-        |-- "native": _native -> _mptier_cffi -> mptier_io.c   (cffi API mode, GIL released)
-        '-- "python": _pure                                     (same steps, os.* calls)
+    Backend.store / load / lookup          errno layer: trusted arguments, returns codes
+    Backend.batch_store / _load / _lookup  validated wrappers: raise BatchIOError
+      (this module: validation, MPTIER_FAULT_ERRNO, errors -> exceptions, the one place)
+        |-- "native": _native -> _mptier_cffi -> mptier_io.c ...  (cffi, GIL released)
+        '-- "python": _pure, _crc32c                         (same steps, os.* and numpy)
 
 Every call blocks its thread until the batch is done; calls may run concurrently from
 several threads and processes. The two backends behave identically:
 
-- Store: an existing final file counts as stored and is left untouched (names are
-  content hashes). Otherwise the block goes to ``<final>.<pid>.<tid>.<counter>.tmp``
-  (``O_EXCL``, same directory; missing parent directories are created) and is renamed
-  onto the final name; a rename failing with EEXIST is success. The temporary file never
-  survives a failure, and no reader ever sees a partial file at a final name.
-- Load: reads exactly ``block_bytes`` into the block's slot. A shorter file is corrupt:
-  it is deleted and the block fails with ENODATA. Any other error leaves the file alone.
-- Both stop at the first failing block and raise :class:`mptier.errors.BatchIOError`
-  with ``errno``, ``index`` (the failing block), ``n_succeeded`` (blocks ``0 ..
-  index-1``, which are done) and the failing path as ``path`` / ``filename``. Blocks
-  after ``index`` are not attempted (their slots are untouched on load).
-- O_DIRECT is used when ``use_o_direct`` is true and the block's address and
-  ``block_bytes`` are multiples of 4096; a block whose O_DIRECT open or I/O fails with
-  EINVAL is redone buffered, so O_DIRECT never fails a block. Callers probe a root once
-  with :func:`probe_o_direct` and pass the answer as ``use_o_direct``.
-- Bad arguments raise ``ValueError`` (or ``TypeError`` for wrong types) before any I/O.
+- Paths are relative to a root directory descriptor (:func:`open_root`) and resolve
+  beneath it without following a symlink (openat2 with RESOLVE_BENEATH |
+  RESOLVE_NO_SYMLINKS where the kernel has it, else a per-component O_NOFOLLOW walk;
+  flag ``NO_OPENAT2`` forces the walk). A symlink at a block path or a layout
+  sub-folder is removed; only a regular file of exactly ``block_bytes`` is served.
+- Store: an existing regular file of exactly ``block_bytes`` counts as stored (names
+  are content hashes; ``TOUCH`` sets its atime). A shorter file or a symlink there is
+  removed and the block written; a directory, FIFO or other non-file (EMEDIUMTYPE), a
+  longer file (EFBIG), or a non-directory where a sub-folder must be (ENOTDIR) fails the
+  block and is left in place. The block goes into an ``O_TMPFILE`` file linked into
+  place (``TMPFILE``, where the file system allows) or into
+  ``<final>.<tag>.<counter>.tmp`` renamed onto the final name; either way no reader
+  sees a partial file at a final name, and a link or rename failing with EEXIST is
+  success. ``CHECKSUM`` sets vLLM's record (xattr ``user.vllm.kv_crc32c``, the CRC32C
+  as 4 bytes big-endian) on the temporary file before it is published. A temporary
+  file never survives a failure; if removing one fails, the store reports that errno
+  (``tmp_unlink_errno``) so the caller can warn.
+- Load: reads exactly ``block_bytes``. Missing: ENOENT. A symlink (removed): ELOOP. A
+  non-file: EMEDIUMTYPE; longer: EFBIG (both left in place). Shorter: ENODATA, removed.
+  With ``CHECKSUM``, a record that is not 4 bytes or does not match: EBADMSG, removed; no
+  record at all: loads (caches written without checksums stay valid). "Removed" only
+  while the name still points at the inode that was read. ``TOUCH`` sets the atime of a
+  loaded block. A FIFO is never opened in a way that blocks.
+- Lookup: one status per path (``LOOKUP_*``); it removes symlinks, nothing else.
+- Store and load stop at the first failing block. The errno layer returns ``(rc,
+  n_done, fail_index[, tmp_unlink_errno])``, ``rc`` 0 or -errno; the wrappers raise
+  :class:`mptier.errors.BatchIOError` with ``errno``, ``index``, ``n_done`` and the
+  failing path. Blocks after ``index`` are not attempted (their slots are untouched).
+- O_DIRECT is used with flag ``O_DIRECT`` where the block's address and ``block_bytes``
+  are multiples of 4096; a block whose O_DIRECT open or I/O fails with EINVAL is redone
+  buffered, so O_DIRECT never fails a block. Probe a root once (:func:`probe_o_direct`,
+  :func:`probe_xattr`, :func:`probe_o_tmpfile`) and pass the answers as flags.
 
 Choosing the backend: the module-level functions use the compiled core when it was
 built (``HAS_NATIVE``), unless the environment sets ``MPTIER_NATIVE=0`` at import;
 ``BACKEND`` says which one they use. :func:`get_backend` gives either one by name.
 
 Fault injection (tests): ``MPTIER_FAULT_ERRNO=op:index:errno``, e.g. ``load:2:13`` or
-``store:0:EIO``, makes every ``op`` batch (``store`` or ``load``) of either backend fail
-at block ``index`` with that errno, as if the block's I/O had failed: blocks before it
-are done for real, block ``index`` and later are not touched (no file is deleted, no
-temporary file is left). Batches shorter than ``index + 1`` are unaffected. The variable
-is read once at import (worker processes inherit it); :func:`set_fault` changes it at
-run time. The injected error says "injected" in its message.
+``store:0:EIO``, makes every ``op`` batch (``store`` or ``load``, errno layer and
+wrappers, either backend) fail at block ``index`` with that errno, as if the block's
+I/O had failed: blocks before it are done for real, block ``index`` and later are not
+touched. Batches shorter than ``index + 1`` are unaffected. The variable is read once
+at import (worker processes inherit it); :func:`set_fault` changes it at run time. The
+wrappers' error says "injected".
 """
 
 from __future__ import annotations
 
 import errno as _errno
-import operator
 import os
-from typing import NamedTuple
+import secrets
+import string
 
 from mptier.errors import BatchIOError, errno_name, strerror
-from mptier.native import _pure
+from mptier.native import _checks, _pure
+from mptier.native._checks import FAULT_ENV, set_fault
 
 try:
     from mptier.native import _native
@@ -62,175 +80,210 @@ else:
     NATIVE_IMPORT_ERROR = None
 
 __all__ = [
-    "BACKEND",
-    "FAULT_ENV",
-    "HAS_NATIVE",
-    "Backend",
-    "batch_exists",
-    "batch_load",
-    "batch_store",
-    "get_backend",
-    "probe_o_direct",
-    "set_fault",
+    "BACKEND", "CHECKSUM", "FAULT_ENV", "HAS_NATIVE", "LOOKUP_ABSENT", "LOOKUP_BAD",
+    "LOOKUP_PRESENT", "LOOKUP_SHORT", "LOOKUP_SYMLINK", "NO_OPENAT2", "O_DIRECT",
+    "TAG_LEN", "TEMP_SUFFIX_MAX_BYTES", "TMPFILE", "TOUCH", "XATTR_NAME", "Backend",
+    "batch_error", "batch_load", "batch_lookup", "batch_store", "crc32c", "crc32c_impl",
+    "get_backend", "new_tag", "open_root", "probe_o_direct", "probe_o_tmpfile",
+    "probe_xattr", "set_fault",
 ]
 
-FAULT_ENV = "MPTIER_FAULT_ERRNO"
 NATIVE_ENV = "MPTIER_NATIVE"
-
 HAS_NATIVE: bool = _native is not None
 
+# Flags of store / load / lookup (the same bits in both backends and in C).
+O_DIRECT = _pure.O_DIRECT_FLAG
+CHECKSUM = _pure.CHECKSUM
+TOUCH = _pure.TOUCH
+TMPFILE = _pure.TMPFILE
+NO_OPENAT2 = _pure.NO_OPENAT2
+# Lookup statuses. SHORT (a file shorter than a block) is a miss: the next store
+# replaces it, a load removes it; lookup itself removes nothing but symlinks.
+LOOKUP_ABSENT = _pure.LOOKUP_ABSENT
+LOOKUP_PRESENT = _pure.LOOKUP_PRESENT
+LOOKUP_SYMLINK = _pure.LOOKUP_SYMLINK
+LOOKUP_BAD = _pure.LOOKUP_BAD
+LOOKUP_SHORT = _pure.LOOKUP_SHORT
+TAG_LEN = _pure.TAG_LEN
+# Longest ".<tag>.<counter>.tmp": a final name may be NAME_MAX (255) minus this.
+TEMP_SUFFIX_MAX_BYTES = _pure.TEMP_SUFFIX_MAX_BYTES
+XATTR_NAME = _pure.XATTR_NAME
 
-class _Fault(NamedTuple):
-    op: str
-    index: int
-    errno: int
-
-
-def _parse_fault(spec: str | None) -> _Fault | None:
-    if not spec:
-        return None
-    parts = spec.strip().split(":")
-    try:
-        op, index_text, err_text = parts
-        index = int(index_text)
-        err = int(err_text) if err_text.strip().isdigit() else getattr(_errno, err_text.strip())
-    except (ValueError, AttributeError):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected 'op:index:errno' such as "
-                         f"'load:2:13' or 'store:0:EIO'") from None
-    if op not in ("store", "load") or index < 0 or err <= 0:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: op must be 'store' or 'load', index >= 0 "
-                         f"and errno > 0")
-    return _Fault(op, index, err)
+_TAG_ALPHABET = string.digits + string.ascii_lowercase
 
 
-_fault: _Fault | None = _parse_fault(os.environ.get(FAULT_ENV))
+def new_tag() -> str:
+    """A random writer tag: 16 characters of [0-9a-z] (about 82 bits)."""
+    return "".join(secrets.choice(_TAG_ALPHABET) for _ in range(TAG_LEN))
 
 
-def set_fault(spec: str | None) -> None:
-    """Set (``"load:2:13"``) or clear (``None``) the injected fault for this process.
+def open_root(path) -> int:
+    """Open directory ``path`` as a root for the batch calls; the caller closes the fd.
 
-    Same format and effect as the ``MPTIER_FAULT_ERRNO`` variable, which it overrides.
-    Raises ``ValueError`` for a malformed spec.
+    The root itself may be reached through symlinks (an operator's choice); nothing
+    beneath it is. Raises ``OSError`` naming the path when it is not a usable directory.
     """
-    global _fault
-    _fault = _parse_fault(spec)
-
-
-def _encode_paths(paths) -> list[bytes]:
-    encoded = [os.fsencode(p) for p in paths]
-    if not all(encoded) or b"\0" in b"".join(encoded):
-        for i, p in enumerate(encoded):
-            if not p or b"\0" in p:
-                raise ValueError(f"paths[{i}] = {p!r}: a path must be non-empty and "
-                                 f"contain no NUL byte")
-    return encoded
-
-
-def _check_batch(paths, buffer, offsets, block_bytes) -> tuple[list[bytes], list[int], int]:
-    block_bytes = operator.index(block_bytes)
-    if block_bytes <= 0:
-        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
-    encoded = _encode_paths(paths)
-    offs = [operator.index(o) for o in offsets]
-    if len(encoded) != len(offs):
-        raise ValueError(f"{len(encoded)} paths but {len(offs)} offsets: "
-                         f"need one offset per path")
-    try:
-        view = memoryview(buffer)
-    except TypeError:
-        raise TypeError(f"buffer must support the buffer protocol, "
-                        f"got {type(buffer).__name__}") from None
-    with view:
-        if view.readonly:
-            raise ValueError(f"buffer ({type(buffer).__name__}) is read-only; "
-                             f"a writable buffer is required")
-        if not view.c_contiguous:
-            raise ValueError(f"buffer ({type(buffer).__name__}) is not C-contiguous")
-        nbytes = view.nbytes
-    if offs and (min(offs) < 0 or max(offs) > nbytes - block_bytes):
-        for i, off in enumerate(offs):
-            if off < 0:
-                raise ValueError(f"offsets[{i}] = {off} is negative")
-            if off + block_bytes > nbytes:
-                raise ValueError(f"offsets[{i}] = {off}: block [{off}, {off + block_bytes}) "
-                                 f"ends past the buffer's {nbytes} bytes")
-    return encoded, offs, block_bytes
+    return os.open(os.fspath(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 _HINTS = {
-    ("load", _errno.ENODATA): "file shorter than the block, so corrupt; it was deleted",
-    ("store", _errno.ENOTDIR): "a component of the path is a file, not a directory",
+    _errno.ENODATA: "the file was shorter than a block, so corrupt; it was removed",
+    _errno.EBADMSG: f"checksum mismatch ({XATTR_NAME} not 4 bytes or not the block's "
+                    f"CRC32C); the file was removed",
+    _pure._EMEDIUMTYPE: "not a regular file (a directory, FIFO, socket or device); "
+                        "left in place",
+    _errno.ELOOP: "a symlink stood at the block path or a sub-folder; it was removed",
+    _errno.ENOTDIR: "a non-directory stands where a sub-folder must be; left in place",
 }
+_STORE_HINTS = {
+    _errno.EFBIG: "an existing file longer than a block is in the way (left in place), "
+                  "or the file-size limit was reached",
+}
+_LOAD_HINTS = {_errno.EFBIG: "the file is longer than a block; left in place"}
 
 
-def _batch_error(op: str, err: int, n_done: int, index: int, paths: list[bytes],
-                 note: str = "") -> BatchIOError:
-    hint = _HINTS.get((op, err))
+def batch_error(op: str, err: int, n_done: int, index: int, path: str,
+                note: str = "") -> BatchIOError:
+    """The exception for a failed batch (``op`` "store" or "load"), with a hint per errno.
+
+    Also what a caller of the errno layer uses to describe a failure in text.
+    """
+    hint = (_STORE_HINTS if op == "store" else _LOAD_HINTS).get(err) or _HINTS.get(err)
     message = (f"batch {op} failed: {strerror(err)} ({errno_name(err)})"
                + (f": {hint}" if hint else "") + note)
-    return BatchIOError(err, message, n_succeeded=n_done, index=index,
-                        path=os.fsdecode(paths[index]))
+    return BatchIOError(err, message, n_done=n_done, index=index, path=path)
 
 
 class Backend:
-    """The four batch operations bound to one implementation ("native" or "python").
+    """The batch operations bound to one implementation ("native" or "python").
 
-    Get one with :func:`get_backend`. Methods block the calling thread until the batch
+    Get one with :func:`get_backend`. Every method blocks the calling thread until it
     is done and may be called from several threads at once.
+
+    The errno layer (:meth:`store`, :meth:`load`, :meth:`lookup`) trusts its arguments
+    and raises nothing for I/O errors: the hot path of a worker. The ``batch_*`` methods
+    validate, accept a root path or fd, and raise.
     """
 
     def __init__(self, name: str, impl) -> None:
         self.name = name
         self._impl = impl
-        self._probe_cache: dict[bytes, bool] = {}
+        self._probe_cache: dict[tuple[str, bytes], bool] = {}
+        self.crc32c_impls: tuple[str, ...] = impl.CRC32C_IMPLS
 
     def __repr__(self) -> str:
         return f"<mptier.native.Backend {self.name!r}>"
 
-    def _run(self, op: str, fn, paths, buffer, offsets, block_bytes, use_o_direct) -> None:
-        encoded, offs, block_bytes = _check_batch(paths, buffer, offsets, block_bytes)
-        flags = _pure.O_DIRECT_FLAG if use_o_direct else 0
-        n = len(encoded)
-        fault = _fault
-        stop = fault.index if fault is not None and fault.op == op and fault.index < n else n
-        if stop > 0:
-            rc, n_done, index = fn(encoded[:stop], buffer, offs[:stop], block_bytes, flags)
-            if rc:
-                raise _batch_error(op, -rc, n_done, index, encoded)
-        if stop < n:
-            raise _batch_error(op, fault.errno, stop, stop, encoded,
-                               note=f" (injected by {FAULT_ENV})")
+    # -- errno layer -------------------------------------------------------------------
+    def store(self, root_fd: int, paths, buffer, offsets, block_bytes: int, flags: int,
+              tag: bytes) -> tuple[int, int, int, int]:
+        """Store block i to ``paths[i]`` (bytes, relative): ``(rc, n_done, fail_index,
+        tmp_unlink_errno)``. No validation; an injected fault applies."""
+        return _checks.faulted("store", self._impl.store, root_fd, paths, buffer, offsets,
+                               block_bytes, flags, tag)[:4]
 
-    def batch_store(self, paths, buffer, offsets, block_bytes, *, use_o_direct=True) -> None:
-        """Write block i of ``buffer`` to ``paths[i]``; see the module docstring."""
-        self._run("store", self._impl.batch_store, paths, buffer, offsets, block_bytes,
-                  use_o_direct)
+    def load(self, root_fd: int, paths, buffer, offsets, block_bytes: int,
+             flags: int) -> tuple[int, int, int]:
+        """Load ``paths[i]`` into block i: ``(rc, n_done, fail_index)``. No validation."""
+        return _checks.faulted("load", self._impl.load, root_fd, paths, buffer, offsets,
+                               block_bytes, flags)[:3]
 
-    def batch_load(self, paths, buffer, offsets, block_bytes, *, use_o_direct=True) -> None:
-        """Read ``paths[i]`` into block i of ``buffer``; see the module docstring."""
-        self._run("load", self._impl.batch_load, paths, buffer, offsets, block_bytes,
-                  use_o_direct)
+    def lookup(self, root_fd: int, paths, block_bytes: int, flags: int = 0) -> bytes:
+        """One ``LOOKUP_*`` status byte per path. No validation."""
+        return self._impl.lookup(root_fd, paths, block_bytes, flags)
 
-    def batch_exists(self, paths) -> list[bool]:
-        """Whether each path exists (one ``access`` call each; any error means False)."""
-        return self._impl.batch_exists(_encode_paths(paths))
+    # -- validated wrappers --------------------------------------------------------------
+    def batch_store(self, root, paths, buffer, offsets, block_bytes, *, o_direct=True,
+                    checksum=False, touch=False, tmpfile=False, tag=None,
+                    no_openat2=False) -> None:
+        """Write block i of ``buffer`` to ``<root>/paths[i]``; see the module docstring.
+
+        ``root`` is a directory path or an fd from :func:`open_root`; ``tag`` names the
+        writer in temporary names (default: one random tag per process). Raises
+        ``ValueError``/``TypeError`` for bad arguments (before any I/O) and
+        ``BatchIOError`` at the first block that fails. A temporary file that could not
+        be removed is reported as a ``ResourceWarning``.
+        """
+        flags = _checks.flags(o_direct, checksum, touch, tmpfile, no_openat2)
+        tag_bytes = _checks.tag(tag)
+        with _checks.Root(root) as (fd, where):
+            encoded, offs, block_bytes = _checks.batch(paths, buffer, offsets, block_bytes)
+            rc, n_done, index, tmp_errno, note = _checks.faulted(
+                "store", self._impl.store, fd, encoded, buffer, offs, block_bytes, flags,
+                tag_bytes)
+        if tmp_errno:
+            _checks.warn_temp_left(tmp_errno, where)
+        if rc:
+            raise batch_error("store", -rc, n_done, index, where(encoded[index]), note)
+
+    def batch_load(self, root, paths, buffer, offsets, block_bytes, *, o_direct=True,
+                   checksum=False, touch=False, no_openat2=False) -> None:
+        """Read ``<root>/paths[i]`` into block i of ``buffer``; see the module docstring.
+
+        Raises ``ValueError``/``TypeError`` for bad arguments (before any I/O) and
+        ``BatchIOError`` at the first block that fails.
+        """
+        flags = _checks.flags(o_direct, checksum, touch, False, no_openat2)
+        with _checks.Root(root) as (fd, where):
+            encoded, offs, block_bytes = _checks.batch(paths, buffer, offsets, block_bytes)
+            rc, n_done, index, _, note = _checks.faulted(
+                "load", self._impl.load, fd, encoded, buffer, offs, block_bytes, flags)
+        if rc:
+            raise batch_error("load", -rc, n_done, index, where(encoded[index]), note)
+
+    def batch_lookup(self, root, paths, block_bytes, *, no_openat2=False) -> list[int]:
+        """The ``LOOKUP_*`` status of each of ``<root>/paths[i]``, in order."""
+        flags = _checks.flags(False, False, False, False, no_openat2)
+        block_bytes = _checks.block_size(block_bytes)
+        with _checks.Root(root) as (fd, _):
+            return list(self._impl.lookup(fd, _checks.paths(paths), block_bytes, flags))
+
+    # -- the rest ----------------------------------------------------------------------------
+    def crc32c(self, data, value: int = 0, *, impl: str | None = None) -> int:
+        """CRC32C (Castagnoli) of ``data`` (any C-contiguous buffer), continuing from
+        ``value`` as ``zlib.crc32`` does. ``impl`` picks one of :attr:`crc32c_impls`
+        (tests); None is the fastest."""
+        if impl is not None and impl not in self.crc32c_impls:
+            raise ValueError(f"crc32c impl {impl!r} is not available in the {self.name} "
+                             f"backend here; choose one of {self.crc32c_impls}")
+        return self._impl.crc32c_with(_checks.contiguous(data), value & 0xFFFFFFFF, impl)
+
+    def crc32c_impl(self) -> str:
+        """Which CRC32C implementation runs: "sse4.2", "armv8-crc", "table" or "numpy"."""
+        return self._impl.crc32c_impl()
+
+    def resolver(self) -> str:
+        """How paths resolve beneath a root without NO_OPENAT2: "openat2" or "walk"."""
+        return self._impl.resolver()
+
+    def _probe(self, what: str, fn, directory) -> bool:
+        key = (what, os.path.abspath(os.fsencode(directory)))
+        known = self._probe_cache.get(key)
+        if known is not None:
+            return known
+        rc = fn(key[1])
+        if rc < 0:
+            return False
+        self._probe_cache[key] = works = rc == 1
+        return works
 
     def probe_o_direct(self, directory) -> bool:
         """Whether an aligned O_DIRECT write works in ``directory``; leaves no file.
 
         Blocks for one small write. A definite answer is cached per directory for the
         life of the process; an unusable directory (missing, not a directory, no
-        permission) answers False and is probed again on the next call.
+        permission) answers False and is probed again on the next call. The same holds
+        for :meth:`probe_xattr` and :meth:`probe_o_tmpfile`.
         """
-        key = os.path.abspath(os.fsencode(directory))
-        known = self._probe_cache.get(key)
-        if known is not None:
-            return known
-        rc = self._impl.probe_o_direct(key)
-        if rc < 0:
-            return False
-        self._probe_cache[key] = works = rc == 1
-        return works
+        return self._probe("o_direct", self._impl.probe_o_direct, directory)
+
+    def probe_xattr(self, directory) -> bool:
+        """Whether user extended attributes (the checksum record) work in ``directory``."""
+        return self._probe("xattr", self._impl.probe_xattr, directory)
+
+    def probe_o_tmpfile(self, directory) -> bool:
+        """Whether an O_TMPFILE file can be made and linked into place in ``directory``."""
+        return self._probe("o_tmpfile", self._impl.probe_o_tmpfile, directory)
 
 
 _BACKENDS = {"python": Backend("python", _pure)}
@@ -260,31 +313,41 @@ def get_backend(name: str | None = None) -> Backend:
                          f"expected 'native' or 'python'") from None
 
 
-def batch_store(paths, buffer, offsets, block_bytes, *, use_o_direct=True) -> None:
-    """Store block i (``buffer[offsets[i]:offsets[i] + block_bytes]``) to ``paths[i]``.
-
-    Existing files are skipped; see the module docstring for the full contract. Blocks
-    until done. Raises ``ValueError``/``TypeError`` for bad arguments (before any I/O)
-    and :class:`~mptier.errors.BatchIOError` at the first block that fails.
-    """
-    _default.batch_store(paths, buffer, offsets, block_bytes, use_o_direct=use_o_direct)
+def batch_store(root, paths, buffer, offsets, block_bytes, **options) -> None:
+    """:meth:`Backend.batch_store` of the default backend."""
+    _default.batch_store(root, paths, buffer, offsets, block_bytes, **options)
 
 
-def batch_load(paths, buffer, offsets, block_bytes, *, use_o_direct=True) -> None:
-    """Load ``paths[i]`` into block i (``buffer[offsets[i]:offsets[i] + block_bytes]``).
-
-    A short file is deleted and fails with ENODATA; see the module docstring. Blocks
-    until done. Raises ``ValueError``/``TypeError`` for bad arguments (before any I/O)
-    and :class:`~mptier.errors.BatchIOError` at the first block that fails.
-    """
-    _default.batch_load(paths, buffer, offsets, block_bytes, use_o_direct=use_o_direct)
+def batch_load(root, paths, buffer, offsets, block_bytes, **options) -> None:
+    """:meth:`Backend.batch_load` of the default backend."""
+    _default.batch_load(root, paths, buffer, offsets, block_bytes, **options)
 
 
-def batch_exists(paths) -> list[bool]:
-    """Whether each of ``paths`` exists, in order."""
-    return _default.batch_exists(paths)
+def batch_lookup(root, paths, block_bytes, **options) -> list[int]:
+    """:meth:`Backend.batch_lookup` of the default backend."""
+    return _default.batch_lookup(root, paths, block_bytes, **options)
+
+
+def crc32c(data, value: int = 0) -> int:
+    """CRC32C of ``data``, continuing from ``value`` (default backend; GIL released in C)."""
+    return _default.crc32c(data, value)
+
+
+def crc32c_impl() -> str:
+    """The CRC32C implementation the default backend runs."""
+    return _default.crc32c_impl()
 
 
 def probe_o_direct(directory) -> bool:
     """Whether O_DIRECT works in ``directory`` (cached per directory; False if unusable)."""
     return _default.probe_o_direct(directory)
+
+
+def probe_xattr(directory) -> bool:
+    """Whether user xattrs work in ``directory`` (cached per directory; False if unusable)."""
+    return _default.probe_xattr(directory)
+
+
+def probe_o_tmpfile(directory) -> bool:
+    """Whether O_TMPFILE + link works in ``directory`` (cached; False if unusable)."""
+    return _default.probe_o_tmpfile(directory)

@@ -1,9 +1,10 @@
-"""Adapter from validated Python arguments to the compiled core (``_mptier_cffi``).
+"""Adapter from trusted Python arguments to the compiled core (``_mptier_cffi``).
 
-Exposes the same four functions with the same signatures and return values as
-``_pure``. Importing this module raises ``ImportError`` when the extension was not
-built. cffi releases the GIL around each call, so a whole batch runs without it; the C
-loop sees only the paths blob, the buffer address and the offsets array.
+Exposes the same functions with the same signatures and return values as ``_pure``.
+Importing this module raises ``ImportError`` when the extension was not built (or was
+built from other sources than ``_pure`` mirrors). cffi releases the GIL around each
+call, so a whole batch, or a CRC of a large buffer, runs without it; the C side sees
+only the paths blob, the buffer address and the offsets array.
 """
 
 from __future__ import annotations
@@ -15,42 +16,90 @@ from mptier.native import _pure
 
 ffi, lib = _cffi.ffi, _cffi.lib
 
-if (lib.MPT_O_DIRECT, lib.MPT_DIRECT_ALIGN) != (_pure.O_DIRECT_FLAG, _pure.DIRECT_ALIGN):
-    raise ImportError("mptier native core and mptier/native/_pure.py disagree on constants; "
-                      "rebuild the package")
+_MIRRORED = {
+    "MPT_O_DIRECT": _pure.O_DIRECT_FLAG, "MPT_CHECKSUM": _pure.CHECKSUM,
+    "MPT_TOUCH": _pure.TOUCH, "MPT_TMPFILE": _pure.TMPFILE,
+    "MPT_NO_OPENAT2": _pure.NO_OPENAT2, "MPT_DIRECT_ALIGN": _pure.DIRECT_ALIGN,
+    "MPT_TAG_LEN": _pure.TAG_LEN, "MPT_TEMP_SUFFIX_MAX_BYTES": _pure.TEMP_SUFFIX_MAX_BYTES,
+    "MPT_LOOKUP_ABSENT": _pure.LOOKUP_ABSENT, "MPT_LOOKUP_PRESENT": _pure.LOOKUP_PRESENT,
+    "MPT_LOOKUP_SYMLINK": _pure.LOOKUP_SYMLINK, "MPT_LOOKUP_BAD": _pure.LOOKUP_BAD,
+    "MPT_LOOKUP_SHORT": _pure.LOOKUP_SHORT,
+}
+_differ = sorted(name for name, value in _MIRRORED.items() if getattr(lib, name) != value)
+if _differ or ffi.string(lib.mpt_xattr_name()).decode() != _pure.XATTR_NAME:
+    raise ImportError(f"mptier native core and mptier/native/_pure.py disagree on "
+                      f"{', '.join(_differ) or 'the xattr name'}; rebuild the package")
+
+# Names of the CRC32C implementations this CPU can run, best first.
+CRC32C_IMPLS = tuple(ffi.string(lib.mpt_crc32c_impls()).decode().split(","))
+_IMPL_CODE = {None: lib.MPT_CRC32C_BEST, "table": lib.MPT_CRC32C_TABLE,
+              "sse4.2": lib.MPT_CRC32C_HW, "armv8-crc": lib.MPT_CRC32C_HW,
+              "avx512-vpclmulqdq": lib.MPT_CRC32C_FOLD}
 
 
-def _batch(fn, paths: Sequence[bytes], buffer, offsets: Sequence[int], block_bytes: int,
-           flags: int) -> tuple[int, int, int]:
+def _blob(paths: Sequence[bytes]) -> bytes:
+    return b"\0".join(paths) + b"\0"  # one allocation for the whole batch
+
+
+def store(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
+          block_bytes: int, flags: int, tag: bytes) -> tuple[int, int, int, int]:
+    n = len(paths)
+    if n == 0:
+        return 0, 0, 0, 0
+    offs = ffi.new("uint64_t[]", offsets)
+    out = ffi.new("size_t[2]")
+    tmp_errno = ffi.new("int *")
+    with ffi.from_buffer("char[]", buffer, require_writable=True) as base:
+        rc = lib.mpt_batch_store(root_fd, _blob(paths), n, base, offs, block_bytes, flags,
+                                 tag, out, out + 1, tmp_errno)
+    return rc, out[0], out[1], tmp_errno[0]
+
+
+def load(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
+         block_bytes: int, flags: int) -> tuple[int, int, int]:
     n = len(paths)
     if n == 0:
         return 0, 0, 0
-    blob = b"\0".join(paths) + b"\0"  # one allocation for the whole batch
     offs = ffi.new("uint64_t[]", offsets)
     out = ffi.new("size_t[2]")
     with ffi.from_buffer("char[]", buffer, require_writable=True) as base:
-        rc = fn(blob, n, base, offs, block_bytes, flags, out, out + 1)
+        rc = lib.mpt_batch_load(root_fd, _blob(paths), n, base, offs, block_bytes, flags,
+                                out, out + 1)
     return rc, out[0], out[1]
 
 
-def batch_store(paths: Sequence[bytes], buffer, offsets: Sequence[int], block_bytes: int,
-                flags: int) -> tuple[int, int, int]:
-    return _batch(lib.mpt_batch_store, paths, buffer, offsets, block_bytes, flags)
-
-
-def batch_load(paths: Sequence[bytes], buffer, offsets: Sequence[int], block_bytes: int,
-               flags: int) -> tuple[int, int, int]:
-    return _batch(lib.mpt_batch_load, paths, buffer, offsets, block_bytes, flags)
-
-
-def batch_exists(paths: Sequence[bytes]) -> list[bool]:
+def lookup(root_fd: int, paths: Sequence[bytes], block_bytes: int, flags: int) -> bytes:
     n = len(paths)
     if n == 0:
-        return []
+        return b""
     out = ffi.new("uint8_t[]", n)
-    lib.mpt_batch_exists(b"\0".join(paths) + b"\0", n, out)
-    return [bool(x) for x in ffi.unpack(out, n)]
+    lib.mpt_batch_lookup(root_fd, _blob(paths), n, block_bytes, flags, out)
+    return ffi.buffer(out, n)[:]
+
+
+def resolver() -> str:
+    return ffi.string(lib.mpt_resolver()).decode()
+
+
+def crc32c_impl() -> str:
+    return CRC32C_IMPLS[0]
+
+
+def crc32c_with(data, value: int, impl: str | None) -> int:
+    """CRC32C of ``data`` continuing from ``value``; ``impl`` one of CRC32C_IMPLS or None."""
+    with memoryview(data) as mv:
+        nbytes = mv.nbytes
+        with ffi.from_buffer("char[]", mv) as p:
+            return lib.mpt_crc32c(value, p, nbytes, _IMPL_CODE[impl])
 
 
 def probe_o_direct(directory: bytes) -> int:
     return lib.mpt_probe_o_direct(directory)
+
+
+def probe_xattr(directory: bytes) -> int:
+    return lib.mpt_probe_xattr(directory)
+
+
+def probe_o_tmpfile(directory: bytes) -> int:
+    return lib.mpt_probe_o_tmpfile(directory)

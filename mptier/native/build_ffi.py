@@ -1,9 +1,9 @@
 """cffi build script of the native core: declares the interface, nothing else.
 
 setup.py hands it to cffi (``cffi_modules=["mptier/native/build_ffi.py:ffibuilder"]``),
-so ``pip install .`` and ``pip install -e .`` compile ``mptier_io.c`` into the API-mode
-extension ``mptier.native._mptier_cffi``. For a quick in-tree build while hacking on
-the C file, run ``python mptier/native/build_ffi.py`` from the repository root.
+so ``pip install .`` and ``pip install -e .`` compile the C files below into the
+API-mode extension ``mptier.native._mptier_cffi``. For a quick in-tree build while
+hacking on the C files, run ``python mptier/native/build_ffi.py`` from the repository root.
 """
 
 from __future__ import annotations
@@ -13,29 +13,60 @@ import os
 from cffi import FFI
 
 MODULE_NAME = "mptier.native._mptier_cffi"
-C_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mptier_io.c")
+HERE = os.path.dirname(os.path.abspath(__file__))
+C_FILES = ["mptier_io.c", "resolve.c", "crc32c.c", "direct.c", "probes.c"]
 
 ffibuilder = FFI()
 
 ffibuilder.cdef(
     """
     #define MPT_O_DIRECT ...
+    #define MPT_CHECKSUM ...
+    #define MPT_TOUCH ...
+    #define MPT_TMPFILE ...
+    #define MPT_NO_OPENAT2 ...
     #define MPT_DIRECT_ALIGN ...
+    #define MPT_TAG_LEN ...
+    #define MPT_TEMP_SUFFIX_MAX_BYTES ...
+    #define MPT_LOOKUP_ABSENT ...
+    #define MPT_LOOKUP_PRESENT ...
+    #define MPT_LOOKUP_SYMLINK ...
+    #define MPT_LOOKUP_BAD ...
+    #define MPT_LOOKUP_SHORT ...
+    #define MPT_CRC32C_BEST ...
+    #define MPT_CRC32C_TABLE ...
+    #define MPT_CRC32C_HW ...
+    #define MPT_CRC32C_FOLD ...
 
-    int mpt_batch_store(const char *paths_blob, size_t n, char *base,
+    int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
                         const uint64_t *offsets, size_t block_bytes, int flags,
-                        size_t *n_done, size_t *fail_index);
-    int mpt_batch_load(const char *paths_blob, size_t n, char *base,
+                        const char *tag, size_t *n_done, size_t *fail_index,
+                        int *tmp_unlink_errno);
+    int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base,
                        const uint64_t *offsets, size_t block_bytes, int flags,
                        size_t *n_done, size_t *fail_index);
-    int mpt_batch_exists(const char *paths_blob, size_t n, uint8_t *out);
+    int mpt_batch_lookup(int root, const char *paths_blob, size_t n, size_t block_bytes,
+                         int flags, uint8_t *out);
     int mpt_probe_o_direct(const char *dir);
+    int mpt_probe_xattr(const char *dir);
+    int mpt_probe_o_tmpfile(const char *dir);
+    uint32_t mpt_crc32c(uint32_t crc, const char *p, size_t n, int impl);
+    const char *mpt_crc32c_impls(void);
+    const char *mpt_resolver(void);
+    const char *mpt_xattr_name(void);
     """
 )
 
-with open(C_SOURCE, encoding="utf-8") as _f:
-    # The whole core is one translation unit, pasted after cffi's own prelude.
-    ffibuilder.set_source(MODULE_NAME, _f.read())
+ffibuilder.set_source(
+    MODULE_NAME,
+    '#include "mptier_native.h"',
+    # setuptools wants paths relative to the project (the build's working directory)
+    sources=[os.path.relpath(os.path.join(HERE, name)) for name in C_FILES],
+    include_dirs=[os.path.relpath(HERE)],
+    depends=[os.path.relpath(os.path.join(HERE, "mptier_native.h"))],
+    # -O2 whatever the interpreter was built with: the CRC and copy loops want it.
+    extra_compile_args=["-O2"],
+)
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

@@ -1,10 +1,11 @@
 /*
  * mptier_io.c - batch block I/O for mptier, in plain C.
  *
- * One call stores, loads or checks a whole batch of fixed-size blocks. The caller
- * (cffi, with the GIL released) hands over raw pointers only:
+ * One call stores, loads or looks up a whole batch of fixed-size blocks beneath a root
+ * directory. The caller (cffi, with the GIL released) hands over raw pointers only:
  *
- *   paths_blob   n NUL-terminated paths back to back ("a\0b\0c\0")
+ *   root         a descriptor of the root directory (mptier.native.open_root)
+ *   paths_blob   n NUL-terminated paths relative to root, back to back ("a\0b\0c\0")
  *   base         start of the caller's buffer; block i lives at base + offsets[i]
  *   block_bytes  size of every block
  *
@@ -12,66 +13,84 @@
  * at its first failing block: *n_done blocks (0 .. *fail_index - 1) completed, block
  * *fail_index failed with the returned errno, later blocks were not attempted.
  *
- * Store publishes each block through a temporary file in the same directory,
- * "<final>.<pid>.<tid>.<counter>.tmp", created with O_EXCL and renamed onto the final
- * name, so no reader ever sees a partial file at a final name. The engine removes a
- * dead worker's leftovers by the pid in that name, so the format is part of the
- * contract. mptier/native/_pure.py is the Python twin of this file and must keep the
- * same behaviour, step for step.
+ * Nothing under the root is reached through a symlink. Paths resolve with openat2
+ * (RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS) where the kernel has it, else (or with
+ * MPT_NO_OPENAT2) one component at a time with O_NOFOLLOW. A symlink met at the leaf or
+ * at a sub-folder is removed; only a regular file of exactly block_bytes is served:
  *
- * The file is compiled by cffi (build_ffi.py passes its text to set_source); it has no
- * header: build_ffi.py's cdef is the declaration.
+ *   entry at the path      load                 store                   lookup
+ *   regular, exact size    read (CRC checked)   done (touched)          PRESENT
+ *   missing                ENOENT               written                 ABSENT
+ *   symlink (leaf/folder)  removed, ELOOP       removed, written        removed, SYMLINK
+ *   shorter (or empty)     removed, ENODATA     removed, written        SHORT (left)
+ *   longer                 EFBIG (left)         EFBIG (left)            BAD
+ *   dir, FIFO, device...   EMEDIUMTYPE (left)   EMEDIUMTYPE (left)      BAD
+ *   file at a sub-folder   ENOTDIR (left)       ENOTDIR (left)          BAD
+ *   record mismatch        removed, EBADMSG     -                       -
+ *
+ * "Removed" is done only while the name still points at the inode that was examined.
+ *
+ * Store publishes each block without a partial file ever showing at its final name:
+ * with MPT_TMPFILE into an unnamed O_TMPFILE file that is linked into place, otherwise
+ * (or where O_TMPFILE is refused) into "<final>.<tag>.<counter>.tmp" (O_EXCL), renamed
+ * onto the final name. <tag> names the writer's lease, so a sweeper can tell a dead
+ * writer's leftovers. With MPT_CHECKSUM the CRC32C record (vLLM's xattr) is set on the
+ * temporary file's descriptor before it is published.
+ *
+ * The native core is five files compiled together: this one, resolve.c (paths beneath
+ * the root), crc32c.c, direct.c (checksummed O_DIRECT) and probes.c; mptier_native.h is
+ * what they share. _pure.py is
+ * the Python twin of them all and must keep the same behaviour, step for step.
  */
 
 #ifndef _GNU_SOURCE
-#define _GNU_SOURCE 1 /* O_DIRECT */
+#define _GNU_SOURCE 1 /* O_DIRECT, O_TMPFILE, O_PATH, AT_EMPTY_PATH, UTIME_* */
 #endif
+
+#include "mptier_native.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <stdint.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <sys/types.h>
+#include <sys/vfs.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
-#ifndef O_DIRECT
-#define O_DIRECT 0 /* no direct I/O on this platform: every block goes buffered */
-#endif
-
-/* flags bit: use O_DIRECT for blocks whose address and size are aligned */
-#define MPT_O_DIRECT 1
-/* Alignment O_DIRECT needs for the user address, the length and the file offset.
- * 4096 covers both 512-byte and 4 KiB logical sectors. */
-#define MPT_DIRECT_ALIGN 4096
-/* Creating the parent directories and retrying the open can lose a race against a
- * process that removes empty directories; a few rounds are plenty. */
-#define MPT_MKDIR_TRIES 3
-/* A temporary name already taken (left by a crashed writer that reused our pid and
- * tid) is skipped by taking the next counter value. */
+/* A temporary name already taken (a crashed writer of the same lease) is skipped by
+ * taking the next counter value. */
 #define MPT_NAME_TRIES 8
+/* Buffered I/O with checksums moves a block in chunks of this size, checksumming each
+ * chunk right after (load) or before (store) its copy, while it is still in the core's
+ * cache: far below the 1 MiB L2 of current cores, far above a syscall's cost. */
+#define MPT_CHUNK_BYTES (256 * 1024)
+/* Status of a store attempt that could not use O_TMPFILE here: use a named file. */
+#define MPT_USE_NAMED 1
+/* statfs f_type of file systems that keep file data in memory (include/uapi/linux/magic.h):
+ * there O_DIRECT is a memory copy like any other, so checksums take the chunked path. */
+#define MPT_TMPFS_MAGIC 0x01021994
+#define MPT_RAMFS_MAGIC 0x858458f6
 
-static unsigned long mpt_counter;
+static uint64_t mpt_counter;
+static int mpt_empty_path_refused; /* linkat(AT_EMPTY_PATH) needs a capability we lack */
 
-static unsigned long mpt_next_counter(void)
+/* What one batch shares between its blocks. */
+struct mpt_batch {
+    int root;
+    int flags;
+    const char *tag;
+    int tmp_errno; /* first failure to remove a temporary file (errno), 0 if none */
+    int memory_fs; /* the root keeps data in memory: even O_DIRECT I/O is a CPU copy */
+};
+
+/* -- small helpers ------------------------------------------------------------------- */
+
+uint64_t mpt_next_counter(void)
 {
     return __atomic_fetch_add(&mpt_counter, 1, __ATOMIC_RELAXED);
-}
-
-static long mpt_tid(void)
-{
-    return (long)syscall(SYS_gettid);
-}
-
-static int mpt_tmp_name(char *out, size_t size, const char *final)
-{
-    int len = snprintf(out, size, "%s.%ld.%ld.%lu.tmp", final, (long)getpid(), mpt_tid(),
-                       mpt_next_counter());
-    return (len < 0 || (size_t)len >= size) ? -ENAMETOOLONG : 0;
 }
 
 static int mpt_direct_ok(int flags, const char *p, size_t len)
@@ -80,49 +99,7 @@ static int mpt_direct_ok(int flags, const char *p, size_t len)
            (((uintptr_t)p | (uintptr_t)len) % MPT_DIRECT_ALIGN) == 0;
 }
 
-/* mkdir -p on a writable copy of a directory path; an existing entry is fine (if it is
- * not a directory, the caller's next open says so with ENOTDIR). */
-static int mpt_mkdirs(char *dir)
-{
-    char *slash;
-    int rc;
-
-    if (mkdir(dir, 0777) == 0 || errno == EEXIST)
-        return 0;
-    if (errno != ENOENT)
-        return -errno;
-    slash = strrchr(dir, '/');
-    while (slash != NULL && slash > dir && slash[-1] == '/')
-        slash--;
-    if (slash == NULL || slash == dir)
-        return -ENOENT;
-    *slash = '\0';
-    rc = mpt_mkdirs(dir);
-    *slash = '/';
-    if (rc != 0)
-        return rc;
-    if (mkdir(dir, 0777) == 0 || errno == EEXIST)
-        return 0;
-    return -errno;
-}
-
-static int mpt_make_parent(const char *path)
-{
-    char dir[PATH_MAX];
-    const char *slash = strrchr(path, '/');
-    size_t len;
-
-    if (slash == NULL || slash == path)
-        return -ENOENT; /* "x" or "/x": the parent exists, so ENOENT stands */
-    len = (size_t)(slash - path);
-    if (len >= sizeof dir)
-        return -ENAMETOOLONG;
-    memcpy(dir, path, len);
-    dir[len] = '\0';
-    return mpt_mkdirs(dir);
-}
-
-static int mpt_write_all(int fd, const char *p, size_t len)
+int mpt_write_all(int fd, const char *p, size_t len)
 {
     while (len > 0) {
         ssize_t w = write(fd, p, len);
@@ -134,6 +111,24 @@ static int mpt_write_all(int fd, const char *p, size_t len)
         if (w == 0)
             return -EIO;
         p += w;
+        len -= (size_t)w;
+    }
+    return 0;
+}
+
+int mpt_pwrite_all(int fd, const char *p, size_t len, size_t offset)
+{
+    while (len > 0) {
+        ssize_t w = pwrite(fd, p, len, (off_t)offset);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (w == 0)
+            return -EIO;
+        p += w;
+        offset += (size_t)w;
         len -= (size_t)w;
     }
     return 0;
@@ -157,96 +152,308 @@ static ssize_t mpt_read_full(int fd, char *p, size_t len)
     return (ssize_t)got;
 }
 
-static int mpt_open(const char *path, int oflags, mode_t mode)
+static void mpt_touch(int fd)
 {
-    int fd;
-    do
-        fd = open(path, oflags | O_CLOEXEC, mode);
-    while (fd < 0 && errno == EINTR);
-    return fd < 0 ? -errno : fd;
+    /* atime only: the LRU clock of shared roots. Best effort (a reader that does not
+     * own the file may not set it). */
+    struct timespec ts[2] = {{0, UTIME_NOW}, {0, UTIME_OMIT}};
+    (void)futimens(fd, ts);
 }
 
-/* Store one block. -EINVAL with direct set may be O_DIRECT's doing: the caller then
- * redoes the block buffered. The temporary file never outlives a failure. */
-static int mpt_store_one(const char *path, const char *src, size_t len, int direct)
+static void mpt_remove_if_same_fd(int root, const char *rel, int flags, int fd)
 {
-    char tmp[PATH_MAX];
-    int oflags = O_WRONLY | O_CREAT | O_EXCL | (direct ? O_DIRECT : 0);
-    int fd, rc, mkdir_tries = 0, name_tries = 0;
+    struct stat held;
+    if (fstat(fd, &held) == 0)
+        mpt_remove_if_same(root, rel, flags, held.st_dev, held.st_ino);
+}
 
-    if (access(path, F_OK) == 0)
-        return 0; /* names are content hashes: an existing file holds this block */
-    for (;;) {
-        rc = mpt_tmp_name(tmp, sizeof tmp, path);
-        if (rc != 0)
+/* -- the checksum record ---------------------------------------------------------------- */
+
+/* Read fd's checksum record: 0 with *present = 1 and *want set, or 0 with *present = 0
+ * (no record: the block loads unchecked); -EBADMSG: not 4 bytes; else -errno. */
+static int mpt_record_of(int fd, uint32_t *want, int *present)
+{
+    unsigned char val[8]; /* room for more than 4 bytes, to tell "too long" */
+    ssize_t n = fgetxattr(fd, MPT_XATTR_NAME, val, sizeof val);
+
+    *present = 0;
+    if (n < 0) {
+        if (errno == ENODATA || errno == ENOTSUP)
+            return 0; /* written without checksums: valid, as vLLM reads it */
+        return errno == ERANGE ? -EBADMSG : -errno;
+    }
+    if (n != 4)
+        return -EBADMSG;
+    *want = (uint32_t)val[0] << 24 | (uint32_t)val[1] << 16 | (uint32_t)val[2] << 8 | val[3];
+    *present = 1;
+    return 0;
+}
+
+int mpt_set_record(int fd, uint32_t crc)
+{
+    unsigned char val[4] = {(unsigned char)(crc >> 24), (unsigned char)(crc >> 16),
+                            (unsigned char)(crc >> 8), (unsigned char)crc};
+    return fsetxattr(fd, MPT_XATTR_NAME, val, sizeof val, 0) == 0 ? 0 : -errno;
+}
+
+/* -- load ------------------------------------------------------------------------------ */
+
+/* Read len bytes; with check, CRC them. When the read is a CPU copy (buffered, or any
+ * I/O on a memory file system) each chunk is checksummed right after it arrives, while
+ * it is in cache; a device's direct read is checksummed chunk by chunk while the rest
+ * is still in flight (direct.c), or whole after it where AIO is unavailable. */
+static int mpt_read_block(int fd, char *dst, size_t len, int whole, int check, uint32_t *crc)
+{
+    size_t done = 0;
+    ssize_t got;
+
+    if (check && whole) {
+        int rc = mpt_direct_read_crc(fd, dst, len, crc); /* CRC beside the transfer */
+        if (rc != MPT_NO_AIO)
             return rc;
-        fd = mpt_open(tmp, oflags, 0644);
-        if (fd >= 0)
-            break;
-        if (fd == -EINVAL && direct) {
-            /* The kernel may create the file before it refuses O_DIRECT. The name
-             * is ours alone (O_EXCL would have said EEXIST otherwise). */
-            unlink(tmp);
-            return -EINVAL;
-        }
-        if (fd == -ENOENT && mkdir_tries++ < MPT_MKDIR_TRIES) {
-            rc = mpt_make_parent(path);
-            if (rc != 0)
-                return rc;
-            continue;
-        }
-        if (fd == -EEXIST && name_tries++ < MPT_NAME_TRIES)
-            continue;
-        return fd;
     }
-    rc = mpt_write_all(fd, src, len);
-    if (close(fd) != 0 && rc == 0)
-        rc = -errno; /* network file systems may report a failed write here */
-    if (rc == 0) {
-        if (rename(tmp, path) == 0)
-            return 0;
-        rc = errno == EEXIST ? 0 : -errno; /* EEXIST: another writer published it */
+    if (!check || whole) {
+        got = mpt_read_full(fd, dst, len);
+        if (got < 0)
+            return (int)got;
+        if ((size_t)got < len)
+            return -ENODATA;
+        if (check)
+            *crc = mpt_crc32c(0, dst, len, MPT_CRC32C_BEST);
+        return 0;
     }
-    unlink(tmp);
+    *crc = 0;
+    while (done < len) {
+        size_t part = len - done < MPT_CHUNK_BYTES ? len - done : MPT_CHUNK_BYTES;
+        got = mpt_read_full(fd, dst + done, part);
+        if (got < 0)
+            return (int)got;
+        *crc = mpt_crc32c(*crc, dst + done, (size_t)got, MPT_CRC32C_BEST);
+        if ((size_t)got < part)
+            return -ENODATA;
+        done += part;
+    }
+    return 0;
+}
+
+static int mpt_load_one(struct mpt_batch *b, const char *rel, char *dst, size_t len,
+                        int direct)
+{
+    struct stat st;
+    uint32_t want = 0, got_crc = 0;
+    int present = 0, rc, remove = 0;
+    /* O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused after fstat) */
+    int fd = mpt_open_beneath(b->root, rel,
+                              O_RDONLY | O_NONBLOCK | O_NOCTTY | (direct ? O_DIRECT : 0),
+                              b->flags);
+    if (fd < 0)
+        /* ENXIO, ENODEV: a socket or a device without a driver, never a block */
+        return fd == -ENXIO || fd == -ENODEV ? -EMEDIUMTYPE : fd;
+    if (fstat(fd, &st) != 0)
+        rc = -errno;
+    else if (!S_ISREG(st.st_mode))
+        rc = -EMEDIUMTYPE;
+    else if ((uint64_t)st.st_size > len)
+        rc = -EFBIG;
+    else if ((uint64_t)st.st_size < len)
+        rc = -ENODATA, remove = 1;
+    /* a regular file: O_NONBLOCK did its job (no FIFO wait); FUSE and network file
+     * systems see the flag, so reads go blocking, as they would have */
+    else if (fcntl(fd, F_SETFL, direct ? O_DIRECT : 0) != 0)
+        rc = -errno;
+    else if ((b->flags & MPT_CHECKSUM) &&
+             (rc = mpt_record_of(fd, &want, &present)) != 0)
+        remove = rc == -EBADMSG;
+    else {
+        rc = mpt_read_block(fd, dst, len, direct && !b->memory_fs, present, &got_crc);
+        if (rc == -ENODATA)
+            remove = 1; /* shrank while we read */
+        else if (rc == 0 && present && got_crc != want)
+            rc = -EBADMSG, remove = 1;
+        else if (rc == 0 && (b->flags & MPT_TOUCH))
+            mpt_touch(fd);
+    }
+    if (remove)
+        mpt_remove_if_same_fd(b->root, rel, b->flags, fd);
+    close(fd);
     return rc;
 }
 
-/* Remove a file we found short, unless the name meanwhile points at another file
- * (a writer may have just published a whole copy over it). */
-static void mpt_remove_if_same(int fd, const char *path)
+/* -- store ------------------------------------------------------------------------------ */
+
+/* Write the block to fd; with check, set the record on fd afterwards. When the write is
+ * a CPU copy, each chunk is checksummed just before it is copied out, so the copy reads
+ * it from cache; a device's direct write is checksummed while the device reads it
+ * (direct.c), or whole before it where AIO is unavailable. */
+static int mpt_write_block(int fd, const char *src, size_t len, int whole, int check)
 {
-    struct stat held, named;
-    if (fstat(fd, &held) == 0 && stat(path, &named) == 0 && held.st_dev == named.st_dev &&
-        held.st_ino == named.st_ino)
-        unlink(path);
+    uint32_t crc = 0;
+    size_t done = 0;
+    int rc;
+
+    if (check && whole && (rc = mpt_direct_write_crc(fd, src, len, &crc)) != MPT_NO_AIO) {
+        /* written, and checksummed while the device read it */
+    } else if (!check || whole) {
+        if (check)
+            crc = mpt_crc32c(0, src, len, MPT_CRC32C_BEST);
+        rc = mpt_write_all(fd, src, len);
+    } else {
+        for (rc = 0; rc == 0 && done < len; done += MPT_CHUNK_BYTES) {
+            size_t part = len - done < MPT_CHUNK_BYTES ? len - done : MPT_CHUNK_BYTES;
+            crc = mpt_crc32c(crc, src + done, part, MPT_CRC32C_BEST);
+            rc = mpt_write_all(fd, src + done, part);
+        }
+    }
+    if (rc == 0 && check)
+        rc = mpt_set_record(fd, crc);
+    return rc;
 }
 
-static int mpt_load_one(const char *path, char *dst, size_t len, int direct)
+static void mpt_unlink_temp(struct mpt_batch *b, int dirfd, const char *tmp)
 {
-    ssize_t got;
-    int fd = mpt_open(path, O_RDONLY | (direct ? O_DIRECT : 0), 0);
+    if (unlinkat(dirfd, tmp, 0) != 0 && errno != ENOENT && b->tmp_errno == 0)
+        b->tmp_errno = errno; /* left behind: the caller says so, a sweeper removes it */
+}
 
+static int mpt_store_named(struct mpt_batch *b, int dirfd, const char *leaf,
+                           const char *src, size_t len, int direct)
+{
+    char tmp[NAME_MAX + 1];
+    int oflags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | (direct ? O_DIRECT : 0);
+    int fd = -EEXIST, rc, tries;
+
+    for (tries = 0; fd == -EEXIST && tries < MPT_NAME_TRIES; tries++) {
+        int w = snprintf(tmp, sizeof tmp, "%s.%s.%llu.tmp", leaf, b->tag,
+                         (unsigned long long)mpt_next_counter());
+        if (w < 0 || (size_t)w >= sizeof tmp)
+            return -ENAMETOOLONG;
+        fd = mpt_openat(dirfd, tmp, oflags, 0644);
+    }
+    if (fd < 0) {
+        if (fd == -EINVAL && direct) /* the kernel may create it before refusing O_DIRECT */
+            mpt_unlink_temp(b, dirfd, tmp);
+        return fd;
+    }
+    rc = mpt_write_block(fd, src, len, direct && !b->memory_fs, b->flags & MPT_CHECKSUM);
+    if (close(fd) != 0 && rc == 0)
+        rc = -errno; /* network file systems may report a failed write here */
+    if (rc == 0) {
+        if (renameat(dirfd, tmp, dirfd, leaf) == 0)
+            return 0;
+        rc = errno == EEXIST ? 0 : -errno; /* EEXIST: another writer published it */
+    }
+    mpt_unlink_temp(b, dirfd, tmp);
+    return rc;
+}
+
+int mpt_link_tmpfile(int fd, int dirfd, const char *leaf)
+{
+    char proc[64];
+
+    if (!__atomic_load_n(&mpt_empty_path_refused, __ATOMIC_RELAXED)) {
+        if (linkat(fd, "", dirfd, leaf, AT_EMPTY_PATH) == 0)
+            return 0;
+        if (errno != ENOENT && errno != EPERM)
+            return -errno;
+        /* AT_EMPTY_PATH wants CAP_DAC_READ_SEARCH: the /proc link below does not */
+    }
+    snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
+    if (linkat(AT_FDCWD, proc, dirfd, leaf, AT_SYMLINK_FOLLOW) != 0)
+        return -errno;
+    __atomic_store_n(&mpt_empty_path_refused, 1, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static int mpt_store_tmpfile(struct mpt_batch *b, int dirfd, const char *leaf,
+                             const char *src, size_t len, int direct)
+{
+    int fd = mpt_openat(dirfd, ".", O_TMPFILE | O_WRONLY | (direct ? O_DIRECT : 0), 0644);
+    int rc;
+
+    if (fd == -EOPNOTSUPP || fd == -EISDIR || fd == -EINVAL)
+        return MPT_USE_NAMED; /* no O_TMPFILE here (or not with O_DIRECT) */
     if (fd < 0)
         return fd;
-    got = mpt_read_full(fd, dst, len);
-    if (got >= 0 && (size_t)got < len) {
-        mpt_remove_if_same(fd, path);
-        got = -ENODATA; /* a short file is corrupt */
+    rc = mpt_write_block(fd, src, len, direct && !b->memory_fs, b->flags & MPT_CHECKSUM);
+    if (rc == 0) {
+        rc = mpt_link_tmpfile(fd, dirfd, leaf);
+        if (rc == -EEXIST)
+            rc = 0; /* another writer published it */
     }
-    close(fd);
-    return got < 0 ? (int)got : 0;
+    if (close(fd) != 0 && rc == 0)
+        rc = -errno;
+    return rc;
 }
 
-typedef int (*mpt_block_fn)(const char *path, char *p, size_t len, int direct);
-
-static int mpt_store_block(const char *path, char *p, size_t len, int direct)
+static int mpt_store_in(struct mpt_batch *b, int dirfd, const char *leaf, const char *src,
+                        size_t len, int direct)
 {
-    return mpt_store_one(path, p, len, direct);
+    struct stat st;
+    int rc;
+
+    if (fstatat(dirfd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+        if (S_ISREG(st.st_mode) && (uint64_t)st.st_size == len) {
+            if (b->flags & MPT_TOUCH) {
+                struct timespec ts[2] = {{0, UTIME_NOW}, {0, UTIME_OMIT}};
+                (void)utimensat(dirfd, leaf, ts, AT_SYMLINK_NOFOLLOW);
+            }
+            return 0; /* names are content hashes: an existing block holds this one */
+        }
+        if (S_ISREG(st.st_mode) && (uint64_t)st.st_size > len)
+            return -EFBIG;
+        if (!S_ISREG(st.st_mode) && !S_ISLNK(st.st_mode))
+            return -EMEDIUMTYPE;
+        if (S_ISLNK(st.st_mode)) {
+            rc = mpt_unlink_symlink(dirfd, leaf);
+            if (rc != 0)
+                return rc;
+        } else { /* a short file is corrupt: remove it, unless it was replaced */
+            struct stat again;
+            if (fstatat(dirfd, leaf, &again, AT_SYMLINK_NOFOLLOW) == 0 &&
+                again.st_dev == st.st_dev && again.st_ino == st.st_ino &&
+                unlinkat(dirfd, leaf, 0) != 0 && errno != ENOENT)
+                return -errno;
+        }
+    } else if (errno != ENOENT) {
+        return -errno;
+    }
+    if (b->flags & MPT_TMPFILE) {
+        rc = mpt_store_tmpfile(b, dirfd, leaf, src, len, direct);
+        if (rc != MPT_USE_NAMED)
+            return rc;
+    }
+    return mpt_store_named(b, dirfd, leaf, src, len, direct);
 }
 
-static int mpt_batch(mpt_block_fn one, const char *paths_blob, size_t n, char *base,
-                     const uint64_t *offsets, size_t block_bytes, int flags, size_t *n_done,
-                     size_t *fail_index)
+/* Store one block. -EINVAL with direct set may be O_DIRECT's doing: the caller then
+ * redoes the block buffered. A temporary file never outlives a failure (if removing it
+ * fails, b->tmp_errno says so). */
+static int mpt_store_one(struct mpt_batch *b, const char *rel, char *src, size_t len,
+                         int direct)
+{
+    const char *leaf = mpt_leaf(rel);
+    int tries, rc = 0;
+
+    for (tries = 0; tries <= MPT_MKDIR_TRIES; tries++) {
+        int dirfd = mpt_open_parent(b->root, rel, b->flags, 1);
+        if (dirfd < 0)
+            return dirfd;
+        rc = mpt_store_in(b, dirfd, leaf, src, len, direct);
+        mpt_close_dir(dirfd, b->root);
+        if (rc != -ENOENT)
+            break; /* ENOENT: the folder was removed under us; make it again */
+    }
+    return rc;
+}
+
+/* -- batches ------------------------------------------------------------------------------ */
+
+typedef int (*mpt_block_fn)(struct mpt_batch *b, const char *rel, char *p, size_t len,
+                            int direct);
+
+static int mpt_batch(mpt_block_fn one, struct mpt_batch *b, const char *paths_blob, size_t n,
+                     char *base, const uint64_t *offsets, size_t block_bytes,
+                     size_t *n_done, size_t *fail_index)
 {
     const char *path = paths_blob;
     size_t i;
@@ -255,10 +462,10 @@ static int mpt_batch(mpt_block_fn one, const char *paths_blob, size_t n, char *b
     *fail_index = n;
     for (i = 0; i < n; i++) {
         char *p = base + offsets[i];
-        int direct = mpt_direct_ok(flags, p, block_bytes);
-        int rc = one(path, p, block_bytes, direct);
+        int direct = mpt_direct_ok(b->flags, p, block_bytes);
+        int rc = one(b, path, p, block_bytes, direct);
         if (rc == -EINVAL && direct)
-            rc = one(path, p, block_bytes, 0); /* never fail a block over O_DIRECT */
+            rc = one(b, path, p, block_bytes, 0); /* never fail a block over O_DIRECT */
         if (rc != 0) {
             *fail_index = i;
             return rc;
@@ -269,59 +476,71 @@ static int mpt_batch(mpt_block_fn one, const char *paths_blob, size_t n, char *b
     return 0;
 }
 
-int mpt_batch_store(const char *paths_blob, size_t n, char *base, const uint64_t *offsets,
-                    size_t block_bytes, int flags, size_t *n_done, size_t *fail_index)
+/* Whether checksummed O_DIRECT I/O under root should take the chunked path. */
+static int mpt_memory_fs(int root, int flags)
 {
-    return mpt_batch(mpt_store_block, paths_blob, n, base, offsets, block_bytes, flags,
-                     n_done, fail_index);
+    struct statfs sf;
+    if ((flags & (MPT_CHECKSUM | MPT_O_DIRECT)) != (MPT_CHECKSUM | MPT_O_DIRECT) ||
+        fstatfs(root, &sf) != 0)
+        return 0;
+    return (unsigned long)sf.f_type == MPT_TMPFS_MAGIC ||
+           (unsigned long)sf.f_type == MPT_RAMFS_MAGIC;
 }
 
-int mpt_batch_load(const char *paths_blob, size_t n, char *base, const uint64_t *offsets,
-                   size_t block_bytes, int flags, size_t *n_done, size_t *fail_index)
+int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
+                    const uint64_t *offsets, size_t block_bytes, int flags, const char *tag,
+                    size_t *n_done, size_t *fail_index, int *tmp_unlink_errno)
 {
-    return mpt_batch(mpt_load_one, paths_blob, n, base, offsets, block_bytes, flags, n_done,
+    struct mpt_batch b = {root, flags, tag, 0, mpt_memory_fs(root, flags)};
+    int rc = mpt_batch(mpt_store_one, &b, paths_blob, n, base, offsets, block_bytes, n_done,
+                       fail_index);
+    *tmp_unlink_errno = b.tmp_errno;
+    return rc;
+}
+
+int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base,
+                   const uint64_t *offsets, size_t block_bytes, int flags, size_t *n_done,
+                   size_t *fail_index)
+{
+    struct mpt_batch b = {root, flags, NULL, 0, mpt_memory_fs(root, flags)};
+    return mpt_batch(mpt_load_one, &b, paths_blob, n, base, offsets, block_bytes, n_done,
                      fail_index);
 }
 
-int mpt_batch_exists(const char *paths_blob, size_t n, uint8_t *out)
+static uint8_t mpt_lookup_one(int root, const char *rel, size_t block_bytes, int flags)
+{
+    struct stat st;
+    int fd = mpt_open_beneath(root, rel, O_PATH, flags), rc;
+
+    if (fd < 0)
+        return fd == -ELOOP ? MPT_LOOKUP_SYMLINK
+               : fd == -ENOTDIR ? MPT_LOOKUP_BAD : MPT_LOOKUP_ABSENT;
+    rc = fstat(fd, &st);
+    close(fd);
+    if (rc != 0)
+        return MPT_LOOKUP_ABSENT;
+    if (S_ISLNK(st.st_mode)) {
+        int dirfd = mpt_open_parent(root, rel, flags, 0);
+        if (dirfd >= 0) {
+            (void)mpt_unlink_symlink(dirfd, mpt_leaf(rel));
+            mpt_close_dir(dirfd, root);
+        }
+        return MPT_LOOKUP_SYMLINK;
+    }
+    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size > block_bytes)
+        return MPT_LOOKUP_BAD;
+    return (uint64_t)st.st_size == block_bytes ? MPT_LOOKUP_PRESENT : MPT_LOOKUP_SHORT;
+}
+
+int mpt_batch_lookup(int root, const char *paths_blob, size_t n, size_t block_bytes,
+                     int flags, uint8_t *out)
 {
     const char *path = paths_blob;
-    size_t i;
-
-    for (i = 0; i < n; i++) {
-        out[i] = access(path, F_OK) == 0;
+    for (size_t i = 0; i < n; i++) {
+        out[i] = mpt_lookup_one(root, path, block_bytes, flags);
         path += strlen(path) + 1;
     }
     return 0;
 }
 
-/* 1: O_DIRECT works in dir; 0: it does not (EINVAL); -errno: dir is unusable. */
-int mpt_probe_o_direct(const char *dir)
-{
-    char path[PATH_MAX];
-    void *page = NULL;
-    int fd, rc, len;
 
-    if (O_DIRECT == 0)
-        return 0;
-    len = snprintf(path, sizeof path, "%s/.mpt_odirect_probe.%ld.%ld.%lu.tmp", dir,
-                   (long)getpid(), mpt_tid(), mpt_next_counter());
-    if (len < 0 || (size_t)len >= sizeof path)
-        return -ENAMETOOLONG;
-    if (posix_memalign(&page, MPT_DIRECT_ALIGN, MPT_DIRECT_ALIGN) != 0)
-        return -ENOMEM;
-    memset(page, 0, MPT_DIRECT_ALIGN);
-    fd = mpt_open(path, O_WRONLY | O_CREAT | O_EXCL | O_DIRECT, 0644);
-    if (fd < 0) {
-        rc = fd == -EINVAL ? 0 : fd;
-        if (fd == -EINVAL)
-            unlink(path); /* the kernel may have created it before refusing */
-    } else {
-        rc = mpt_write_all(fd, page, MPT_DIRECT_ALIGN);
-        rc = rc == 0 ? 1 : rc == -EINVAL ? 0 : rc;
-        close(fd);
-        unlink(path);
-    }
-    free(page);
-    return rc;
-}

@@ -29,7 +29,6 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mptier.errors import BatchIOError
 
 # File systems whose buffered reads go through the page cache (killable waits, nothing
 # copied after SIGKILL). Everything else -- NFS, CIFS, Ceph, Lustre, 9p, every FUSE file
@@ -79,22 +78,21 @@ class Bounce:
         self._map: mmap.mmap | None = mmap.mmap(-1, block_bytes)
         self._view = memoryview(self._map)
 
-    def load(self, batch_load: Callable[..., None], paths: Sequence[Any],
-             memory: memoryview, offsets: Sequence[int], **options: Any) -> None:
+    def load(self, load: Callable[..., tuple[int, int, int]], root_fd: int,
+             paths: Sequence[bytes], memory: memoryview, offsets: Sequence[int],
+             flags: int) -> tuple[int, int, int]:
         """Load ``paths[i]`` into ``memory[offsets[i]:+block_bytes]`` one block at a time
-        through this buffer, with ``batch_load(paths, buffer, offsets, block_bytes,
-        **options)``. Raises :class:`BatchIOError` with batch semantics (``index`` and
-        ``n_succeeded`` count blocks of the whole batch); a failing block's slot is left
-        untouched."""
+        through this buffer, with the native errno layer's ``load(root_fd, paths,
+        buffer, offsets, block_bytes, flags)``; returns what it would for the whole
+        batch, ``(rc, n_done, fail_index)``. A failing block's slot is left untouched."""
         size = self.block_bytes
         view = self._view
         for i, (path, offset) in enumerate(zip(paths, offsets)):
-            try:
-                batch_load([path], view, [0], size, **options)
-            except BatchIOError as exc:
-                raise BatchIOError(exc.errno, exc.strerror, n_succeeded=i, index=i,
-                                   path=exc.path) from None
+            rc, _, _ = load(root_fd, [path], view, [0], size, flags)
+            if rc:
+                return rc, i, i
             memory[offset:offset + size] = view  # only after the read returned
+        return 0, len(paths), 0
 
     def close(self) -> None:
         """Release the buffer. Idempotent."""

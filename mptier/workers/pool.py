@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mptier import native
-from mptier.errors import MptierError
+from mptier.errors import ConfigError, MptierError
 from mptier.layout import FileMapper
 from mptier.workers.control import ControlBlock, SlotState, SlotWriter
 from mptier.workers.launcher import BootSpec
@@ -61,6 +61,7 @@ class PoolSettings:
     n_load_workers: int = 2
     n_store_workers: int = 2
     use_o_direct: bool | str = "auto"
+    checksum_blocks: bool | str = "auto"
     backend: str = "native"
     prefault: bool = True
     nice: int = 0
@@ -76,6 +77,7 @@ class PoolSettings:
     def from_config(cls, cfg: Any) -> PoolSettings:
         return cls(root_dir=cfg.root_dir, n_load_workers=cfg.n_load_workers,
                    n_store_workers=cfg.n_store_workers, use_o_direct=cfg.use_o_direct,
+                   checksum_blocks=cfg.checksum_blocks,
                    backend=backend_name(cfg.native), prefault=cfg.prefault,
                    nice=cfg.worker_nice, cpus=list(cfg.worker_cpus),
                    io_timeout_s=cfg.io_timeout_s, max_task_retries=cfg.max_task_retries,
@@ -97,18 +99,35 @@ def backend_name(prefer_native: bool) -> str:
 def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
                ) -> IoSettings:
     """Make the cache folder for ``layout`` under the root, check its block size and
-    probe O_DIRECT; returns the settings workers use. Raises ``OSError`` naming the path
-    or ``ConfigError`` (a block-size clash)."""
+    probe what the file system offers (O_DIRECT, user xattrs for checksums, O_TMPFILE
+    files that survive being published); returns the settings workers use. Raises
+    ``OSError`` naming the path, or ``ConfigError`` for a block-size clash or
+    ``checksum_blocks=true`` on a root without user xattrs."""
     mapper = FileMapper(settings.root_dir, **layout)
     mapper.prepare(block_bytes)
+    backend = native.get_backend(settings.backend)
+    where = mapper.blocks_dir
     o_direct = settings.use_o_direct
     if o_direct == "auto":
-        o_direct = native.get_backend(settings.backend).probe_o_direct(mapper.blocks_dir)
+        o_direct = backend.probe_o_direct(where)
         if not o_direct:
             log.warning("mptier: O_DIRECT is not supported under %s; using buffered I/O",
                         settings.root_dir)
+    checksum = settings.checksum_blocks
+    if checksum is not False and not backend.probe_xattr(where):
+        if checksum is True:
+            raise ConfigError(
+                f"checksum_blocks=true, but {settings.root_dir} does not keep user extended "
+                f"attributes, where the block checksums (xattr {native.XATTR_NAME}) live; "
+                "mount it with user xattrs (e.g. -o user_xattr), or set checksum_blocks to "
+                '"auto" or false')
+        log.warning("mptier: %s does not keep user extended attributes; block checksums "
+                    "(checksum_blocks) are off for this tier", settings.root_dir)
+        checksum = False
     return IoSettings(root_dir=settings.root_dir, use_o_direct=bool(o_direct),
-                      backend=settings.backend, prefault=settings.prefault)
+                      backend=settings.backend, prefault=settings.prefault,
+                      checksum=bool(checksum), touch=True,
+                      tmpfile=backend.probe_o_tmpfile(where))
 
 
 def _bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:

@@ -602,14 +602,14 @@ class Supervisor:
         self._post(MessageType.LOST, task_id, err, text)
 
     def _remove_temp_files(self, keys: list[bytes], w: Worker) -> None:
-        """A killed store may leave ``<final>.<tag>.*.tmp`` (or, from an older core,
-        ``<final>.<pid>.*.tmp``) files: have the ones of this worker removed -- by the
-        janitor's process, never this thread (a hung mount would hang it)."""
-        if self._mapper is None:
+        """A killed store may leave ``<final>.<tag>.*.tmp`` files (where blocks are not
+        written as O_TMPFILE files): have this worker's removed right away -- by the
+        janitor's process, never this thread (a hung mount would hang it). The sweeper
+        would find them too, once the worker's lease is free."""
+        if self._mapper is None or not w.temp_tag:
             return
-        marks = [m for m in (w.temp_tag, str(w.pid)) if m]
-        self._janitor.remove([f"{glob.escape(self._mapper.path_for(key))}.{mark}.*.tmp"
-                              for key in keys for mark in marks])
+        self._janitor.remove([f"{glob.escape(self._mapper.path_for(key))}.{w.temp_tag}.*.tmp"
+                              for key in keys])
 
     def _post(self, type_: MessageType, task_id: int, err: int, text: str,
               attempt: int = 0) -> None:

@@ -34,6 +34,7 @@ import ctypes
 import errno
 import fcntl
 import json
+import logging
 import os
 import select
 import signal
@@ -45,7 +46,15 @@ import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mptier.jobs import TASK_RECORD_BYTES, MessageType, TaskKind, decode_task, encode_message
+from mptier import native
+from mptier.jobs import (
+    TASK_HEADER_BYTES,
+    TASK_RECORD_BYTES,
+    MessageType,
+    TaskKind,
+    decode_task,
+    encode_message,
+)
 from mptier.layout import FileMapper
 from mptier.workers import protocol
 from mptier.workers.bounce import Bounce, needs_bounce
@@ -55,6 +64,7 @@ from mptier.workers.session import QUEUE_ORDER, IoSettings, WorkerSession
 # Idle wake-up: a backstop for the lifeline's end-of-file event; nothing depends on it.
 IDLE_POLL_S = 1.0
 _EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 0)
+log = logging.getLogger("mptier.workers")
 _PR_SET_PDEATHSIG = 1
 # Fault injection for tests: MPTIER_FAULT_STALL="store:0.5,load:2" makes the worker sleep
 # that long at the start of each task of that kind, as a slow or hung file system would.
@@ -104,6 +114,9 @@ class WorkerContext:
     backend: Any
     io: IoSettings
     session: WorkerSession
+    root_fd: int  # the blocks folder: every path resolves beneath it, no symlinks
+    flags: int  # the native layer's flags (O_DIRECT, CHECKSUM, TOUCH, TMPFILE)
+    tag: bytes  # names this writer's temporary files (its lease)
     mapped: Any = None  # the MappedBuffer when this worker mapped the buffer itself
     owns_descriptors: bool = True  # False for threads: the fds are the engine's
     bounce: Bounce | None = None  # loads that may outlive a kill go through it (bounce.py)
@@ -129,24 +142,29 @@ class WorkerContext:
             memory = mapped.memory
         try:
             mapper = FileMapper(io.root_dir, **session.layout)
+            # A process worker can be killed while stuck in a read; the read must not
+            # land in a slot the engine reused since (see mptier.workers.bounce).
+            bounce = Bounce(session.block_bytes) if mapped is not None and needs_bounce(
+                mapper.blocks_dir, io.use_o_direct) else None
+            root_fd = native.open_root(mapper.blocks_dir)
         except BaseException:
             if mapped is not None:
                 mapped.close()
             raise
-        # A process worker can be killed mid-read and stuck; its late read must not land
-        # in a slot the engine reused (see mptier.workers.bounce).
-        bounce = Bounce(session.block_bytes) if mapped is not None and needs_bounce(
-            mapper.blocks_dir, io.use_o_direct) else None
         return cls(role=role, slot_writer=slot_writer,
                    queues=tuple(session.queues[k] for k in QUEUE_ORDER[role]),
                    completion_fd=session.completion, lifeline_fd=session.lifeline,
                    doorbell_fd=session.doorbell[0], doorbell_write_fd=session.doorbell[1],
                    memory=memory, block_bytes=session.block_bytes, mapper=mapper,
-                   backend=backend, io=io, session=session, mapped=mapped,
+                   backend=backend, io=io, session=session, root_fd=root_fd,
+                   flags=io.flags(), tag=native.new_tag().encode(), mapped=mapped,
                    owns_descriptors=mapped is not None, bounce=bounce)
 
     def close(self) -> None:
         """Unmap the buffer and close the session's descriptors (process workers)."""
+        if self.root_fd >= 0:
+            os.close(self.root_fd)
+            self.root_fd = -1
         if self.mapped is not None:
             self.mapped.close()
             self.mapped = None
@@ -237,7 +255,8 @@ def _take(queues: tuple[int, ...], record: memoryview) -> bool:
             continue
         if n == TASK_RECORD_BYTES:
             return True
-        record[:16] = bytes(16)  # cannot happen with whole-record writes; never run half
+        # Cannot happen with whole-record writes; never run half a record.
+        record[:TASK_HEADER_BYTES] = bytes(TASK_HEADER_BYTES)
     return False
 
 
@@ -257,27 +276,38 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
         time.sleep(_STALLS[task.kind])
     if _GROW:
         _leaked.append(bytearray(b"\1" * _GROW))
-    paths = [ctx.mapper.path_for(key) for key in task.keys]
+    relative = ctx.mapper.relative_path_for
+    paths = [relative(key).encode() for key in task.keys]
     err = 0
     n_done = len(paths)
     payload: bytes | str = b""
+    backend = ctx.backend
     try:
         if task.kind == TaskKind.LOOKUP:
-            payload = bytes(ctx.backend.batch_exists(paths))
+            payload = backend.lookup(ctx.root_fd, paths, ctx.block_bytes, ctx.flags)
         else:
-            offsets = [block_id * ctx.block_bytes for block_id in task.block_ids]
-            if task.kind == TaskKind.LOAD and ctx.bounce is not None:
-                ctx.bounce.load(ctx.backend.batch_load, paths, ctx.memory, offsets,
-                                use_o_direct=ctx.io.use_o_direct)
+            block_bytes = ctx.block_bytes
+            offsets = [block_id * block_bytes for block_id in task.block_ids]
+            if task.kind == TaskKind.STORE:
+                rc, n_done, index, temp_err = backend.store(
+                    ctx.root_fd, paths, ctx.memory, offsets, block_bytes, ctx.flags, ctx.tag)
+                if temp_err:
+                    log.warning("mptier: a temporary file in %s could not be removed (%s); "
+                                "the sweeper removes it once this writer's lease is free",
+                                os.path.dirname(f"{ctx.mapper.blocks_dir}/"
+                                                f"{paths[index].decode()}"),
+                                os.strerror(temp_err))
+            elif ctx.bounce is not None:
+                rc, n_done, index = ctx.bounce.load(backend.load, ctx.root_fd, paths,
+                                                    ctx.memory, offsets, ctx.flags)
             else:
-                io = ctx.backend.batch_store if task.kind == TaskKind.STORE \
-                    else ctx.backend.batch_load
-                io(paths, ctx.memory, offsets, ctx.block_bytes,
-                   use_o_direct=ctx.io.use_o_direct)
-    except OSError as exc:
-        err = exc.errno or errno.EIO
-        n_done = getattr(exc, "n_succeeded", 0)
-        payload = str(exc)
+                rc, n_done, index = backend.load(ctx.root_fd, paths, ctx.memory, offsets,
+                                                 block_bytes, ctx.flags)
+            if rc:
+                err = -rc
+                payload = str(native.batch_error(
+                    "store" if task.kind == TaskKind.STORE else "load", err, n_done, index,
+                    f"{ctx.mapper.blocks_dir}/{paths[index].decode()}"))
     except Exception as exc:  # a bug or bad input must not kill the worker: report it
         err, n_done = errno.EIO, 0
         payload = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -382,7 +412,8 @@ def _attached(control: socket.socket, writer: SlotWriter, role: str, backend: An
                     os.close(fd)
         protocol.send(control, protocol.ATTACH_FAILED, error=_describe(exc))
         return ""
-    protocol.send(control, protocol.ATTACHED, backend=backend.name)
+    protocol.send(control, protocol.ATTACHED, backend=backend.name,
+                  temp_tag=ctx.tag.decode())
     try:
         ended = serve(ctx, control)
     finally:

@@ -1,0 +1,197 @@
+"""One object a worker drives to keep a root in shape, a slice at a time.
+
+    worker loop (between I/O tasks, never the engine's scheduler thread)
+      report = maintainer.step(budget)        walk <= budget entries
+        ├─ UsageTracker    usage rebuilt pass by pass, own stores/evictions as deltas
+        ├─ TempSweeper     stale temporary files and dead writers' leases removed
+        ├─ OldestBlocks    the oldest blocks of this pass, for the next eviction
+        └─ evict           past the high watermark: oldest first, down to the low one
+      report.removed       -> "removed" events;  maintainer.usage_bytes -> stats()
+
+Eviction uses the candidates of the last complete pass, so it follows LRU over the whole
+root. Before the first pass completes (a tier just started on a full root) it waits,
+unless what the pass has counted so far already exceeds the capacity itself: then it
+evicts the oldest seen so far (LRU approximate, once) rather than fail stores for the
+length of a walk of millions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from mptier.storage.leases import DEFAULT_STALE_TEMP_S, TempSweeper
+from mptier.storage.names import key_of_block_path
+from mptier.storage.usage import (
+    DEFAULT_MAX_CANDIDATES,
+    OldestBlocks,
+    UsageTracker,
+    bytes_to_free,
+    check_watermarks,
+    evict,
+)
+from mptier.storage.walk import Entry, Kind
+
+# Candidates kept per pass cover this many times the band between the watermarks, so
+# that one pass's candidates outlast some blocks becoming recently used (refused).
+CANDIDATE_SLACK = 2.0
+
+
+@dataclass
+class StepReport:
+    """What one :meth:`RootMaintainer.step` did."""
+
+    walked: int = 0                     # directory entries visited
+    # Evicted blocks as (block folder, key): the tier emits "removed" events for the
+    # keys in its own folder (other folders under the root belong to other models).
+    removed: list[tuple[str, bytes]] = field(default_factory=list)
+    removed_bytes: int = 0
+    refused: int = 0                    # candidates in use again or replaced: kept
+    temps_removed: int = 0
+    pass_completed: bool = False
+    usage_bytes: int = 0
+
+
+class RootMaintainer:
+    """Usage, temporary-file sweeping and LRU eviction for one root.
+
+    ``capacity_bytes`` 0 means unlimited (no eviction). ``block_bytes`` is this tier's
+    block size, used where a cache folder has no ``mptier.json``. ``locks_work`` None
+    probes the root on the first step. Not thread-safe; every call blocks its thread on
+    file-system metadata calls only (no data is read).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, capacity_bytes: int = 0,
+                 high_watermark: float = 0.95, low_watermark: float = 0.85,
+                 block_bytes: int | Mapping[str, int] | None = None,
+                 stale_temp_s: float = DEFAULT_STALE_TEMP_S, locks_work: bool | None = None,
+                 sweep: bool = True, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0 (0 = unlimited), got "
+                             f"{capacity_bytes}")
+        if capacity_bytes:
+            check_watermarks(capacity_bytes, high_watermark, low_watermark)
+        self.root = os.path.normpath(os.fspath(root))
+        self.capacity_bytes = capacity_bytes
+        self.high = high_watermark
+        self.low = low_watermark
+        self.max_candidates = max_candidates
+        self.tracker = UsageTracker(self.root, default_block_bytes=block_bytes)
+        self.sweeper = TempSweeper(self.root, locks_work=locks_work,
+                                   stale_temp_s=stale_temp_s) if sweep else None
+        self._next = self._new_candidates()
+        self._ready: deque[Entry] = deque()  # last complete pass, oldest first, consumed
+        self._pass_begun = False
+        self.evicting = False   # past high, not yet back under low (hysteresis)
+        self.evicted_blocks = 0
+        self.evicted_bytes = 0
+
+    def _new_candidates(self) -> OldestBlocks | None:
+        if not self.capacity_bytes:
+            return None
+        band = (self.high - self.low) * self.capacity_bytes
+        over = max(0, self.tracker.usage_bytes - self.low * self.capacity_bytes)
+        return OldestBlocks(math.ceil(max(band, over) * CANDIDATE_SLACK), self.max_candidates)
+
+    @property
+    def usage_bytes(self) -> int:
+        """Bytes of blocks under the root (a lower bound until :attr:`complete`)."""
+        return self.tracker.usage_bytes
+
+    @property
+    def complete(self) -> bool:
+        return self.tracker.complete
+
+    def usage(self) -> dict:
+        """Usage as a plain dict: bytes, blocks, per folder, and whether it is complete."""
+        return {**self.tracker.usage.as_dict(), "complete": self.complete,
+                "passes": self.tracker.passes, "capacity_bytes": self.capacity_bytes}
+
+    def bytes_to_free(self) -> int:
+        """Bytes to evict now: once usage passed the high watermark, whatever brings it
+        under the low one (and 0 again only when it is there)."""
+        if not self.capacity_bytes:
+            return 0
+        if bytes_to_free(self.usage_bytes, self.capacity_bytes, self.high, self.low):
+            self.evicting = True
+        if self.evicting:
+            need = self.usage_bytes - math.floor(self.low * self.capacity_bytes)
+            if need <= 0:
+                self.evicting = False
+            return max(0, need)
+        return 0
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more stay within the capacity (always, when unlimited)."""
+        return not self.capacity_bytes or self.usage_bytes + nbytes <= self.capacity_bytes
+
+    def record_store(self, path: str, nbytes: int) -> None:
+        """A block this process created (see :meth:`UsageTracker.record_store`)."""
+        self.tracker.record_store(path, nbytes)
+
+    def record_remove(self, path: str, nbytes: int) -> None:
+        """A block this process removed (not one :meth:`step` evicted: those count)."""
+        self.tracker.record_remove(path, nbytes)
+
+    def record_unplaced(self, folder: str, nbytes: int, nblocks: int) -> None:
+        """Blocks created by other processes of this tier, paths unknown: counted high
+        until the walk passes (see :meth:`UsageTracker.record_unplaced`)."""
+        self.tracker.record_unplaced(folder, nbytes, nblocks)
+
+    def step(self, budget: int) -> StepReport:
+        """Walk at most ``budget`` entries (sweeping and collecting as it goes), then, if
+        past the high watermark, evict at most ``budget`` blocks. Work per call is
+        bounded by ``budget`` metadata calls of each kind; a few hundred to a few
+        thousand keeps a step in the low milliseconds on a local disk."""
+        report = StepReport()
+        passes = self.tracker.passes
+        if self.sweeper is not None and not self._pass_begun:
+            self.sweeper.begin_pass()
+            self._pass_begun = True
+        entries = self.tracker.step(budget)
+        report.walked = self.tracker.last_visited
+        for entry in entries:
+            if entry.kind is Kind.BLOCK:
+                if self._next is not None:
+                    self._next.offer(entry)
+            elif self.sweeper is not None and self.sweeper.offer(entry) \
+                    and entry.kind is Kind.TEMP:
+                report.temps_removed += 1
+        if self.tracker.passes != passes:
+            report.pass_completed = True
+            self._pass_begun = False
+            self._ready = deque(self._next.oldest_first() if self._next is not None else ())
+            self._next = self._new_candidates()
+        if self.capacity_bytes:
+            self._evict(budget, report)
+        report.usage_bytes = self.usage_bytes
+        return report
+
+    def _evict(self, budget: int, report: StepReport) -> None:
+        need = self.bytes_to_free()
+        if need <= 0:
+            return
+        if not self._ready and not self.complete and self._next is not None \
+                and self.usage_bytes > self.capacity_bytes:
+            # The first pass is still running and what it has counted so far is already
+            # past the capacity: stores would fail. Evict the oldest seen so far rather
+            # than wait for the whole walk (LRU is then approximate, once).
+            self._ready = deque(self._next.oldest_first())
+            self._next = self._new_candidates()
+        freed = 0
+        tried = 0
+        while self._ready and freed < need and tried < budget:
+            entry = self._ready.popleft()
+            tried += 1
+            if evict(entry):
+                self.tracker.record_remove(entry.path, entry.size)
+                freed += entry.size
+                report.removed_bytes += entry.size
+                report.removed.append((entry.folder, key_of_block_path(entry.path)))
+                self.evicted_blocks += 1
+                self.evicted_bytes += entry.size
+            else:
+                report.refused += 1

@@ -1,0 +1,118 @@
+"""Pre-faulting the primary buffer: existing pages are mapped, holes are never filled."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import resource
+
+import pytest
+
+from mptier import mapping
+from mptier.mapping import PAGE_SIZE, MappedBuffer, Segment
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def sparse_shm():
+    """A 16 MiB /dev/shm file (unlinked at once) whose MiB 0-3 and 8 hold data."""
+    path = f"/dev/shm/mptier-test-mapping.{os.getpid()}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.unlink(path)
+    os.ftruncate(fd, 16 * MIB)
+    os.pwrite(fd, b"\x07" * (4 * MIB), 0)
+    os.pwrite(fd, b"\x09" * MIB, 8 * MIB)
+    yield fd
+    os.close(fd)
+
+
+def allocated(fd: int) -> int:
+    return os.fstat(fd).st_blocks * 512
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_prefault_maps_resident_pages_and_allocates_nothing(sparse_shm):
+    before = allocated(sparse_shm)
+    buf = MappedBuffer([Segment(sparse_shm, 0, 16 * MIB, 0)], 16 * MIB)
+    try:
+        result = buf.prefault()
+        assert result.method == "populate_read"
+        assert result.mapped_bytes == 5 * MIB
+        assert result.hole_bytes == 11 * MIB
+        assert allocated(sparse_shm) == before  # no hole was filled
+        # Writing the resident pages now takes no fault (the read-populated entries of a
+        # shared shmem mapping are writable) -- what a load into a slot does.
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf.memory))
+        faults = minor_faults()
+        ctypes.memset(addr, 1, 4 * MIB)
+        ctypes.memset(addr + 8 * MIB, 1, MIB)
+        assert minor_faults() - faults < 16, "resident pages were not mapped"
+        # A hole still faults (and allocates) on first write, as without a tier.
+        faults = minor_faults()
+        ctypes.memset(addr + 12 * MIB, 1, MIB)
+        assert minor_faults() - faults >= MIB // PAGE_SIZE // 2
+        assert allocated(sparse_shm) == before + MIB
+    finally:
+        buf.close()
+
+
+def test_prefault_without_populate_advice_touches_resident_pages_only(sparse_shm,
+                                                                      monkeypatch):
+    real = mapping._libc
+
+    class OldKernel:  # madvise(MADV_POPULATE_READ) is EINVAL before Linux 5.14
+        mmap, munmap, mincore = real.mmap, real.munmap, real.mincore
+
+        @staticmethod
+        def madvise(addr, length, advice):
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+
+    monkeypatch.setattr(mapping, "_libc", OldKernel)
+    before = allocated(sparse_shm)
+    buf = MappedBuffer([Segment(sparse_shm, 0, 16 * MIB, 0)], 16 * MIB)
+    try:
+        result = buf.prefault()
+        assert (result.method, result.mapped_bytes) == ("touch", 5 * MIB)
+        assert allocated(sparse_shm) == before
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf.memory))
+        faults = minor_faults()
+        ctypes.memset(addr, 2, 4 * MIB)
+        assert minor_faults() - faults < 16
+        assert bytes(buf.memory[8 * MIB:8 * MIB + 4]) == b"\x09" * 4  # values kept
+    finally:
+        buf.close()
+
+
+def test_prefault_of_a_two_segment_buffer(tmp_path):
+    """Segments back to back (vLLM's .mmap, .mmap.1): both are covered."""
+    fds = []
+    try:
+        for i in range(2):
+            path = f"/dev/shm/mptier-test-mapping-seg{i}.{os.getpid()}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.unlink(path)
+            os.ftruncate(fd, 2 * MIB)
+            os.pwrite(fd, b"\x05" * MIB, 0)  # first half of each segment resident
+            fds.append(fd)
+        buf = MappedBuffer([Segment(fd, 0, 2 * MIB, i * 2 * MIB) for i, fd in enumerate(fds)],
+                           4 * MIB)
+        try:
+            result = buf.prefault()
+            assert (result.mapped_bytes, result.hole_bytes) == (2 * MIB, 2 * MIB)
+            assert [allocated(fd) for fd in fds] == [MIB, MIB]
+        finally:
+            buf.close()
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_page_size_is_the_mapping_unit():
+    assert PAGE_SIZE == mmap.PAGESIZE

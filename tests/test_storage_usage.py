@@ -1,0 +1,268 @@
+"""Usage totals, deltas merged into a walk in progress, LRU eviction plans, evict()'s
+checks, and the maintainer a worker steps."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from storage_tree import file_totals, key_for, make_cache, start_lease_holder, write_block
+
+from mptier.storage import (
+    Kind,
+    OldestBlocks,
+    RootMaintainer,
+    UsageTracker,
+    Walker,
+    evict,
+    key_of_block_path,
+    plan_eviction,
+)
+
+BB = 4096
+T0 = 1_700_000_000 * 10**9   # a fixed epoch for atimes: tests never read the clock
+
+
+def _run_pass(tracker, budget=7):
+    passes = tracker.passes
+    while tracker.passes == passes:
+        tracker.step(budget)
+
+
+def test_usage_totals_equal_the_files(tmp_path):
+    root = str(tmp_path)
+    small = make_cache(root, "a", block_bytes=BB)
+    big = make_cache(root, "b", block_bytes=2 * BB)
+    for i in range(40):
+        write_block(small, key_for(i))
+    for i in range(25):
+        write_block(big, key_for(i), block_bytes=2 * BB)
+    write_block(small, key_for(99), size=10)   # bad size: not usage
+    tracker = UsageTracker(root)
+    assert not tracker.complete
+    _run_pass(tracker)
+    usage = tracker.usage
+    assert tracker.complete
+    assert (usage.blocks, usage.bytes) == (65, 40 * BB + 25 * 2 * BB)
+    assert usage.folders == {os.path.basename(small.blocks_dir): [40 * BB, 40],
+                             os.path.basename(big.blocks_dir): [25 * 2 * BB, 25]}
+    assert (file_totals(root, BB)[1] + file_totals(root, 2 * BB)[1]) == usage.bytes
+
+
+def test_own_stores_and_removals_during_a_pass_are_counted_once(tmp_path):
+    root = str(tmp_path)
+    mapper = make_cache(root, block_bytes=BB)
+    for i in range(0, 200, 2):
+        write_block(mapper, key_for(i))
+    tracker = UsageTracker(root)
+    _run_pass(tracker)
+    # Half-way through the next pass, store and remove both behind and ahead of it.
+    seen = []
+    while len(seen) < 50:
+        seen.extend(e for e in tracker.step(1) if e.kind is Kind.BLOCK)
+    walker = tracker.walker
+    new_behind = new_ahead = 0
+    for i in range(0, 200, 2):
+        # A neighbour of block i (same folders, last hash byte flipped), and a block in
+        # folders of its own.
+        old = key_for(i)
+        for key in (old[:-5] + bytes([old[-5] ^ 1]) + old[-4:], key_for(i + 1)):
+            path = mapper.path_for(key)
+            behind = not walker.will_visit(path)
+            write_block(mapper, key)
+            tracker.record_store(path, BB)
+            new_behind += behind
+            new_ahead += not behind
+    removed_seen = seen[:10]
+    blocks = [e for e in Walker(root).walk_all() if e.kind is Kind.BLOCK]
+    removed_ahead = [e for e in blocks if walker.will_visit(e.path)][-10:]
+    for entry in removed_seen + removed_ahead:
+        os.unlink(entry.path)
+        tracker.record_remove(entry.path, BB)
+    assert new_behind and new_ahead, "the test must store on both sides of the walk"
+    assert len(removed_ahead) == 10
+    truth = file_totals(root, BB)
+    assert (tracker.usage.blocks, tracker.usage_bytes) == truth   # last pass + deltas
+    _run_pass(tracker, budget=13)
+    assert (tracker.usage.blocks, tracker.usage_bytes) == truth   # the new pass, merged
+
+
+def _aged_tree(root, n, seed=0):
+    """``n`` blocks with distinct atimes in a random order; returns {path: atime_ns}."""
+    mapper = make_cache(root, block_bytes=BB)
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    atimes = {}
+    for i, rank in enumerate(order):
+        atimes[write_block(mapper, key_for(i), atime_ns=T0 + rank * 10**9)] = \
+            T0 + rank * 10**9
+    return mapper, atimes
+
+
+def test_plan_brings_usage_under_low_with_the_oldest_atimes(tmp_path):
+    root = str(tmp_path)
+    _, atimes = _aged_tree(root, 500)
+    usage = 500 * BB
+    capacity = 480 * BB          # 104 % of capacity: past high (95 %)
+    plan = plan_eviction(Walker(root).walk_all(), usage, capacity, 0.95, 0.85)
+    low = 0.85 * capacity
+    assert plan.complete and usage - plan.bytes_planned <= low
+    assert usage - plan.bytes_planned + BB > low         # no more than needed
+    oldest = sorted(atimes, key=atimes.get)[:len(plan.entries)]
+    assert [e.path for e in plan.entries] == oldest
+    assert [e.atime_ns for e in plan.entries] == sorted(e.atime_ns for e in plan.entries)
+    for entry in plan.entries:
+        assert evict(entry)
+    assert file_totals(root, BB)[1] <= low
+    # Under the high watermark, nothing is planned.
+    assert plan_eviction(Walker(root).walk_all(), int(0.95 * capacity), capacity,
+                         0.95, 0.85).entries == []
+
+
+def test_bounded_candidates_make_a_partial_plan(tmp_path):
+    root = str(tmp_path)
+    _, atimes = _aged_tree(root, 300, seed=3)
+    plan = plan_eviction(Walker(root).walk_all(), 300 * BB, 100 * BB, 0.9, 0.5,
+                         max_entries=20)
+    assert len(plan.entries) == 20 and not plan.complete
+    assert [e.path for e in plan.entries] == sorted(atimes, key=atimes.get)[:20]
+
+
+def test_oldest_blocks_keeps_only_what_covers_the_target(tmp_path):
+    root = str(tmp_path)
+    _aged_tree(root, 400, seed=5)
+    oldest = OldestBlocks(target_bytes=10 * BB)
+    sizes = []
+    for entry in Walker(root).walk_all():
+        if entry.kind is Kind.BLOCK:
+            oldest.offer(entry)
+            sizes.append(len(oldest))
+    assert max(sizes) <= 11 and len(oldest) == 10 and oldest.offered == 400
+    assert [e.atime_ns for e in oldest.oldest_first()] == [T0 + r * 10**9 for r in range(10)]
+
+
+def test_bad_watermarks_are_named():
+    with pytest.raises(ValueError, match="need 0 < low < high <= 1"):
+        plan_eviction([], 10, 10, 0.8, 0.9)
+    with pytest.raises(ValueError, match="capacity_bytes must be positive"):
+        plan_eviction([], 10, 0, 0.9, 0.8)
+
+
+def _one_block(tmp_path):
+    mapper = make_cache(str(tmp_path), block_bytes=BB)
+    path = write_block(mapper, key_for(1), atime_ns=T0)
+    entry = next(e for e in Walker(str(tmp_path)).walk_all() if e.kind is Kind.BLOCK)
+    return mapper, path, entry
+
+
+@pytest.mark.parametrize("change", ["atime newer", "atime older (clock skew)",
+                                    "replaced by a new file", "gone"])
+def test_evict_refuses_a_block_that_changed(tmp_path, change):
+    _mapper, path, entry = _one_block(tmp_path)
+    st = os.stat(path)
+    if change == "atime newer":
+        os.utime(path, ns=(T0 + 1, st.st_mtime_ns))
+    elif change == "atime older (clock skew)":
+        os.utime(path, ns=(T0 - 10**9, st.st_mtime_ns))
+    elif change == "replaced by a new file":
+        os.link(path, f"{tmp_path}/old-inode")   # keeps the old inode number from reuse
+        new = f"{path}.new"
+        with open(path, "rb") as src, open(new, "wb") as dst:
+            dst.write(src.read())
+        os.utime(new, ns=(T0, st.st_mtime_ns))   # same size, same atime: only the inode
+        os.rename(new, path)
+    else:
+        os.unlink(path)
+    assert evict(entry) is False
+    if change != "gone":
+        assert os.path.exists(path)
+
+
+def test_evict_removes_an_unchanged_block(tmp_path):
+    _, path, entry = _one_block(tmp_path)
+    assert evict(entry) is True
+    assert not os.path.exists(path)
+    assert evict(entry) is False
+
+
+def test_maintainer_evicts_oldest_down_to_low_and_reports_keys(tmp_path):
+    root = str(tmp_path)
+    mapper, atimes = _aged_tree(root, 300, seed=7)
+    capacity = 320 * BB     # 300 blocks: past high (288), under the capacity itself
+    recent = sorted(atimes, key=atimes.get)[:5]   # the five oldest, then used again
+    for path in recent:
+        os.utime(path, ns=(T0 + 10**12, os.stat(path).st_mtime_ns))
+        atimes[path] = T0 + 10**12
+    maint = RootMaintainer(root, capacity_bytes=capacity, high_watermark=0.9,
+                           low_watermark=0.8, locks_work=True)
+    removed = []
+    for _ in range(10_000):
+        report = maint.step(64)
+        removed.extend(report.removed)
+        if maint.complete and not maint.evicting:
+            break
+    blocks, total = file_totals(root, BB)
+    assert total <= 0.8 * capacity and maint.usage_bytes == total
+    assert all(os.path.exists(p) for p in recent), "recently used blocks must survive"
+    gone = [p for p in atimes if not os.path.exists(p)]
+    assert len(gone) == len(removed) == 300 - blocks
+    survivors_oldest = min(atimes[p] for p in atimes if os.path.exists(p))
+    assert max(atimes[p] for p in gone) < survivors_oldest      # LRU order held
+    folder = os.path.basename(mapper.blocks_dir)
+    assert sorted(removed) == sorted((folder, key_of_block_path(p)) for p in gone)
+    assert {key_of_block_path(p) for p in gone} <= {key_for(i) for i in range(300)}
+
+
+def test_maintainer_unlimited_never_evicts_and_counts(tmp_path):
+    root = str(tmp_path)
+    _aged_tree(root, 50)
+    maint = RootMaintainer(root, locks_work=True)
+    while not maint.complete:
+        assert maint.step(16).removed == []
+    assert maint.usage_bytes == 50 * BB and maint.fits(1 << 40)
+    assert maint.usage()["folders"]
+
+
+def test_maintainer_over_capacity_at_start_evicts_before_the_first_pass_ends(tmp_path):
+    root = str(tmp_path)
+    _aged_tree(root, 300, seed=9)
+    maint = RootMaintainer(root, capacity_bytes=200 * BB, high_watermark=0.9,
+                           low_watermark=0.8, locks_work=True)
+    evicted_early = 0
+    while not maint.complete:
+        evicted_early += len(maint.step(16).removed)
+    assert evicted_early > 0
+    for _ in range(1000):
+        maint.step(16)
+        if not maint.evicting:
+            break
+    _blocks, total = file_totals(root, BB)
+    assert total <= 0.8 * 200 * BB and maint.usage_bytes == total
+
+
+def test_maintainer_sweeps_a_killed_writers_temps_in_its_steps(tmp_path):
+    root = str(tmp_path)
+    mapper, _ = _aged_tree(root, 40)
+    final = mapper.path_for(key_for(1000))
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    dead, dead_tag = start_lease_holder(root, final, n_temps=3)
+    live, live_tag = start_lease_holder(root, final, n_temps=2)
+    try:
+        dead.kill()
+        dead.wait()
+        maint = RootMaintainer(root)     # probes the root's locks itself
+        removed = 0
+        while not maint.complete:
+            report = maint.step(8)
+            assert report.walked <= 8
+            removed += report.temps_removed
+        assert removed == 3 and maint.sweeper.locks_work
+        names = os.listdir(os.path.dirname(final))
+        assert not any(dead_tag in n for n in names)
+        assert sum(live_tag in n for n in names) == 2
+        assert not os.path.exists(f"{root}/.mptier/leases/{dead_tag}.lease")
+        assert maint.usage_bytes == 40 * BB
+    finally:
+        live.kill()
+        live.wait()
