@@ -210,6 +210,7 @@ def test_a_root_that_disappears_or_turns_into_a_file_fails_by_name_and_never_han
                "the lookup of a vanished block to miss", book.collect)
     stored = book.store(keys[2:3], [2])  # a store makes its folders again
     assert book.wait([stored])[stored].success
+    assert os.path.exists(tier.mapper.record_path)  # with the block-size record
     loaded = book.load(keys[2:3], [9])
     assert book.wait([loaded])[loaded].success
     shutil.rmtree(tmp_path / "vanishing")
@@ -217,7 +218,9 @@ def test_a_root_that_disappears_or_turns_into_a_file_fails_by_name_and_never_han
     root.write_bytes(b"")  # a file where the root folder was
     for job in (book.store(keys[3:4], [3]), book.load(keys[2:3], [10])):
         result = book.wait([job])[job]
-        assert not result.success and result.errno == errno.ENOTDIR, result
+        # ENOTDIR where the path is walked again; ENOENT from a worker still holding
+        # the removed folder (it cannot make the folder again: a file is in the way)
+        assert not result.success and result.errno in (errno.ENOTDIR, errno.ENOENT), result
         assert str(root) in result.error
     assert not book.wrong and not book.twice and not book.lost()
     assert calls.slowest < ENGINE_CALL_BOUND_S

@@ -27,8 +27,6 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
-
 
 # File systems whose buffered reads go through the page cache (killable waits, nothing
 # copied after SIGKILL). Everything else -- NFS, CIFS, Ceph, Lustre, 9p, every FUSE file

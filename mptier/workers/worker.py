@@ -269,6 +269,49 @@ def _more_waiting(ctx: WorkerContext) -> bool:
     return False
 
 
+def _move(ctx: WorkerContext, kind: TaskKind, paths: list[bytes], offsets: list[int]
+          ) -> tuple[int, int, int]:
+    """Store or load one batch: the native errno layer's ``(rc, n_done, fail_index)``."""
+    backend, block_bytes = ctx.backend, ctx.block_bytes
+    if kind == TaskKind.STORE:
+        rc, n_done, index, temp_err = backend.store(
+            ctx.root_fd, paths, ctx.memory, offsets, block_bytes, ctx.flags, ctx.tag)
+        if temp_err:
+            log.warning("mptier: a temporary file in %s could not be removed (%s); "
+                        "the sweeper removes it once this writer's lease is free",
+                        os.path.dirname(f"{ctx.mapper.blocks_dir}/{paths[index].decode()}"),
+                        os.strerror(temp_err))
+        return rc, n_done, index
+    if ctx.bounce is not None:
+        return ctx.bounce.load(backend.load, ctx.root_fd, paths, ctx.memory, offsets,
+                               ctx.flags)
+    return backend.load(ctx.root_fd, paths, ctx.memory, offsets, block_bytes, ctx.flags)
+
+
+def _reopen_root(ctx: WorkerContext) -> bool:
+    """The blocks folder this worker holds open was removed (an operator wiped the
+    cache): make it again, as a tier start does, and hold the new one. True when the
+    batch is worth running again; False when the folder is still there (the ENOENT was
+    a block's) or cannot be made (the batch's error stands)."""
+    try:
+        if os.fstat(ctx.root_fd).st_nlink > 0:
+            return False
+    except OSError as exc:  # a network file system says ESTALE for a removed folder
+        if exc.errno != errno.ESTALE:
+            return False
+    try:
+        ctx.mapper.prepare(ctx.block_bytes)
+        fresh = native.open_root(ctx.mapper.blocks_dir)
+    except (OSError, ValueError) as exc:
+        log.warning("mptier: %s was removed and cannot be made again: %s",
+                    ctx.mapper.blocks_dir, exc)
+        return False
+    os.close(ctx.root_fd)
+    ctx.root_fd = fresh
+    log.warning("mptier: %s was removed; made it again", ctx.mapper.blocks_dir)
+    return True
+
+
 def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
               ) -> tuple[bytes, int, bool]:
     task = decode_task(record)
@@ -286,23 +329,10 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
         if task.kind == TaskKind.LOOKUP:
             payload = backend.lookup(ctx.root_fd, paths, ctx.block_bytes, ctx.flags)
         else:
-            block_bytes = ctx.block_bytes
-            offsets = [block_id * block_bytes for block_id in task.block_ids]
-            if task.kind == TaskKind.STORE:
-                rc, n_done, index, temp_err = backend.store(
-                    ctx.root_fd, paths, ctx.memory, offsets, block_bytes, ctx.flags, ctx.tag)
-                if temp_err:
-                    log.warning("mptier: a temporary file in %s could not be removed (%s); "
-                                "the sweeper removes it once this writer's lease is free",
-                                os.path.dirname(f"{ctx.mapper.blocks_dir}/"
-                                                f"{paths[index].decode()}"),
-                                os.strerror(temp_err))
-            elif ctx.bounce is not None:
-                rc, n_done, index = ctx.bounce.load(backend.load, ctx.root_fd, paths,
-                                                    ctx.memory, offsets, ctx.flags)
-            else:
-                rc, n_done, index = backend.load(ctx.root_fd, paths, ctx.memory, offsets,
-                                                 block_bytes, ctx.flags)
+            offsets = [block_id * ctx.block_bytes for block_id in task.block_ids]
+            rc, n_done, index = _move(ctx, task.kind, paths, offsets)
+            if rc == -errno.ENOENT and _reopen_root(ctx):  # the cache folder was wiped
+                rc, n_done, index = _move(ctx, task.kind, paths, offsets)
             if rc:
                 err = -rc
                 payload = str(native.batch_error(
