@@ -318,3 +318,39 @@ def test_status_still_answers_while_the_root_hangs(make_fuse_fs, make_buffer, ma
     book = JobBook(calls, buf)
     job = book.store(keys_for(1, b"status"), [0])
     assert book.wait([job], timeout=10)[job].success
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_a_sweep_during_a_store_leaves_the_live_writers_temporary_file(
+        make_fuse_fs, make_buffer, make_tier):
+    """`mptier gc` (the lease sweeper) while a store is writing its temporary file (a
+    named one: FUSE has no O_TMPFILE): the writer's lease is held, so the file is kept
+    and the store publishes; a dead writer's file is the only kind it removes."""
+    import json
+    import subprocess
+    import sys
+
+    from reliability_kit import temp_files
+
+    fs, buf, tier = fuse_tier(make_fuse_fs, make_buffer, make_tier)
+    book = JobBook(EngineCalls(tier), buf)
+    key = keys_for(1, b"live temp")[0]
+    rule = fs.block("write", name_of(tier, key))
+    job = book.store([key], [0])
+    fs.wait_blocked(rule)
+    [live] = temp_files(fs.path("kv"))
+    # A dry run: a real one that took the file for dead would wait in unlink behind the
+    # blocked write (the file's lock) until the rule is released.
+    gc = subprocess.run([sys.executable, "-m", "mptier.cli", "gc", str(fs.path("kv")),
+                         "--older-than", "1000d", "--dry-run", "--json", "--no-progress"],
+                        capture_output=True, text=True, timeout=60)
+    assert gc.returncode == 0, gc.stderr
+    report = json.loads(gc.stdout)
+    assert report["locks_work"] and report["temps_removed"] == 0, report
+    assert report["temps_kept"] == 1
+    assert os.path.exists(live)
+    rule.release()
+    assert book.wait([job], timeout=10)[job].success
+    with open(tier.mapper.path_for(key), "rb") as f:
+        assert np.array_equal(np.frombuffer(f.read(), np.uint8), content(key, BLOCK))

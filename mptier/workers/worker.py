@@ -117,6 +117,7 @@ class WorkerContext:
     root_fd: int  # the blocks folder: every path resolves beneath it, no symlinks
     flags: int  # the native layer's flags (O_DIRECT, CHECKSUM, TOUCH, TMPFILE)
     tag: bytes  # names this writer's temporary files (its lease)
+    lease: Any = None  # the writer's lease (mptier.storage.leases): held while it serves
     mapped: Any = None  # the MappedBuffer when this worker mapped the buffer itself
     owns_descriptors: bool = True  # False for threads: the fds are the engine's
     bounce: Bounce | None = None  # loads that may outlive a kill go through it (bounce.py)
@@ -130,6 +131,7 @@ class WorkerContext:
         engine's own) and get ready to serve it. Raises on failure, having released
         what it took; the session's descriptors stay the caller's to close."""
         from mptier.mapping import MappedBuffer
+        from mptier.storage.leases import Lease  # on attach: booting stays quick
 
         mapped = None
         if memory is None:
@@ -151,13 +153,22 @@ class WorkerContext:
             if mapped is not None:
                 mapped.close()
             raise
+        try:
+            # Its temporary files are named after a lease it holds: a sweeper (mptier gc,
+            # another tier) then sees a live writer and keeps them.
+            lease = Lease.create(io.root_dir)
+        except BaseException:
+            os.close(root_fd)
+            if mapped is not None:
+                mapped.close()
+            raise
         return cls(role=role, slot_writer=slot_writer,
                    queues=tuple(session.queues[k] for k in QUEUE_ORDER[role]),
                    completion_fd=session.completion, lifeline_fd=session.lifeline,
                    doorbell_fd=session.doorbell[0], doorbell_write_fd=session.doorbell[1],
                    memory=memory, block_bytes=session.block_bytes, mapper=mapper,
                    backend=backend, io=io, session=session, root_fd=root_fd,
-                   flags=io.flags(), tag=native.new_tag().encode(), mapped=mapped,
+                   flags=io.flags(), tag=lease.tag.encode(), lease=lease, mapped=mapped,
                    owns_descriptors=mapped is not None, bounce=bounce)
 
     def close(self) -> None:
@@ -170,6 +181,8 @@ class WorkerContext:
             self.mapped = None
         if self.bounce is not None:
             self.bounce.close()
+        if self.lease is not None:  # after the last store returned: see Lease.release
+            self.lease.release()
         if self.owns_descriptors:
             self.session.close()
 
