@@ -450,6 +450,17 @@ def hung_fuse_mount(row: Row, root: str) -> None:
         shutil.rmtree(fs.mountpoint, ignore_errors=True)
         buf.close()
         buf.unlink()
+    # The aborted mount could not remove the stuck writer's temporary file; the files
+    # are still in the backing folder. The lease sweeper (what an operator runs, and what
+    # a tier will run at start) finds that writer dead and removes them.
+    left = temp_files(fs.backing)
+    if left:
+        gc = subprocess.run([sys.executable, "-m", "mptier.cli", "gc",
+                             str(fs.backing / "kv"), "--older-than", "1000d", "--json",
+                             "--no-progress"], capture_output=True, text=True, timeout=60)
+        removed = json.loads(gc.stdout)["temps_removed"] if gc.returncode == 0 else gc.stderr
+        row.notes.append(f"the aborted mount left {len(left)} temporary file(s) of the stuck "
+                         f"writer; `mptier gc` afterwards removed {removed}")
 
 
 ENGINE_STORING = textwrap.dedent("""
