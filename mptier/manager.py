@@ -112,7 +112,7 @@ class FileSystemTier:
         self._closed = self._shut_down = True  # until constructed: shutdown() is a no-op
         cfg = TierConfig.from_dict(overrides, base=config) if overrides or config is None \
             else config
-        if not cfg.root_dir:
+        if not cfg.root_dir and not cfg.service:  # a service brings its own root
             raise ConfigError("TierConfig.root_dir is required: the folder block files go "
                               "into, e.g. FileSystemTier(buf, root_dir='/mnt/kv')")
         self.config = cfg
@@ -153,6 +153,9 @@ class FileSystemTier:
                 for seg in segments:  # the pool keeps copies of its own
                     os.close(seg.fd)
             self.use_o_direct = self._io.use_o_direct
+            # Whether blocks carry vLLM's CRC32C record, written and verified: the
+            # probe's answer for "auto", the service's setting when attached to one.
+            self.checksum_blocks = self._io.checksum
             self.backend = self._io.backend
             if self._io.root_dir != cfg.root_dir:  # a service's root
                 self.mapper = FileMapper(self._io.root_dir, **cfg.layout_kwargs())
