@@ -822,6 +822,8 @@ def crc_record(row: np.ndarray) -> bytes:
 # the real 0.33 classes (the same field and metric names the adapter looks for).
 VLLM_VERSIONS = ["0.33", "newer"]
 CHECKSUM_METRIC = "vllm:kv_offload_tiering_checksum_failures"
+# Both of mptier's I/O backends write and check the record (C core, pure-Python twin).
+BACKENDS = pytest.mark.parametrize("io_backend", ["native", "python"])
 
 
 @pytest.fixture(params=VLLM_VERSIONS)
@@ -955,14 +957,18 @@ def test_checksum_metric_is_declared_only_with_checksums_on(tmp_path, vllm_versi
 
 
 @pytest.mark.vllm
-def test_block_stored_with_checksums_loads_in_vllms_033_tier(tmp_path, primary, make_tier):
+@BACKENDS
+def test_block_stored_with_checksums_loads_in_vllms_033_tier(tmp_path, primary, make_tier,
+                                                             io_backend):
     """vLLM 0.33's own tier ignores the record: a cache written by mptier with
     checksums on stays readable to it."""
     spec = make_spec()
     view = primary(spec)
     rows = np.asarray(view)
     root = str(tmp_path)
-    ours = make_tier(view, spec, root_dir=root, checksum_blocks=True, **SMALL)
+    ours = make_tier(view, spec, root_dir=root, checksum_blocks=True,
+                     native=io_backend == "native", **SMALL)
+    assert ours.tier.stats()["backend"] == io_backend
     theirs = make_tier(view, spec, VLLM_FS, root_dir=root)
     keys = [key(1), key(2)]
     fill(rows, [0, 1], seed=12)
@@ -978,15 +984,19 @@ def test_block_stored_with_checksums_loads_in_vllms_033_tier(tmp_path, primary, 
 
 
 @pytest.mark.vllm
+@BACKENDS
 def test_block_stored_by_vllms_033_tier_loads_with_checksums_on(tmp_path, primary,
-                                                                make_tier, vllm_version):
+                                                                make_tier, vllm_version,
+                                                                io_backend):
     """A block without a record (vLLM 0.33 writes none) loads as before."""
     spec = make_spec()
     view = primary(spec)
     rows = np.asarray(view)
     root = str(tmp_path)
     theirs = make_tier(view, spec, VLLM_FS, root_dir=root)
-    ours = make_tier(view, spec, root_dir=root, checksum_blocks=True, **SMALL)
+    ours = make_tier(view, spec, root_dir=root, checksum_blocks=True,
+                     native=io_backend == "native", **SMALL)
+    assert ours.tier.stats()["backend"] == io_backend
     assert ours.tier.checksum_blocks
     keys = [key(1), key(2)]
     fill(rows, [0, 1], seed=13)
@@ -1006,9 +1016,10 @@ def test_block_stored_by_vllms_033_tier_loads_with_checksums_on(tmp_path, primar
 
 
 @pytest.mark.vllm
+@BACKENDS
 def test_corrupted_block_fails_its_checksum_and_becomes_a_miss(tmp_path, primary,
                                                                make_tier, caplog,
-                                                               vllm_version):
+                                                               vllm_version, io_backend):
     """A flipped byte under a valid record: vLLM 0.33's tier loads the bad bytes without
     a word; mptier fails that block's load (EBADMSG), keeps the blocks before it,
     deletes the file, turns the key into a miss and, where vLLM has the field, sets
@@ -1017,7 +1028,9 @@ def test_corrupted_block_fails_its_checksum_and_becomes_a_miss(tmp_path, primary
     view = primary(spec)
     rows = np.asarray(view)
     root = str(tmp_path)
-    ours = make_tier(view, spec, root_dir=root, checksum_blocks=True, **SMALL)
+    ours = make_tier(view, spec, root_dir=root, checksum_blocks=True,
+                     native=io_backend == "native", **SMALL)
+    assert ours.tier.stats()["backend"] == io_backend
     theirs = make_tier(view, spec, VLLM_FS, root_dir=root)
     keys = [key(1), key(2), key(3)]
     fill(rows, [0, 1, 2], seed=14)
@@ -1132,8 +1145,9 @@ def test_tier_attached_to_a_service_round_trips_in_vllms_layout(
     reference = vllm_mapper(spec, service.root)
     assert tier.file_mapper.base_path == reference.base_path == tier.tier.mapper.base_path
     assert tier.file_mapper.base_path.startswith(service.root + "/")
-    with open(reference.get_config_file_path()) as f:
-        assert json.load(f) == reference.get_run_config()
+    with open(reference.get_config_file_path(), "rb") as f:  # as vLLM's fs tier writes it
+        assert f.read() == json.dumps(reference.get_run_config(), indent=2,
+                                      sort_keys=True).encode()
     assert tier.tier.checksum_blocks  # the service's "auto" on a root with user xattrs
 
     keys = [key(1), key(2), key(3)]
