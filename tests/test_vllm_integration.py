@@ -943,10 +943,14 @@ def test_checksum_metric_is_declared_only_with_checksums_on(tmp_path, vllm_versi
         path = tmp_path / "mptier.toml"
         path.write_text(files[tier_config["config"]])
         tier_config = {**tier_config, "config": str(path)}
-    definitions = MPFileSystemTierManager.build_metric_definitions(
-        {**OUR_TIER, "root_dir": str(tmp_path), **tier_config})
+    entry = {**OUR_TIER, "root_dir": str(tmp_path), **tier_config}
+    definitions = MPFileSystemTierManager.build_metric_definitions(entry)
     baseline = MPFileSystemTierManager.build_metric_definitions({**OUR_TIER})
     extra = set(definitions) - set(baseline)
+    # vLLM's spec gathers every tier's definitions the same way (metrics front end).
+    gathered = TieringOffloadingSpec.build_metric_definitions(
+        {"cpu_bytes_to_use": ROWS * BLOCK, "secondary_tiers": [entry]})
+    assert (CHECKSUM_METRIC in gathered) == (vllm_version == "newer" and declared)
     if vllm_version == "newer" and declared:
         assert extra == {CHECKSUM_METRIC}
         metric = definitions[CHECKSUM_METRIC]
@@ -1246,7 +1250,8 @@ def test_cascade_and_promotion_through_vllms_tiering_manager(tmp_path):
     """vLLM builds the tier from its config, cascades a store to it, and after the
     primary tier forgets the blocks promotes them back through mptier's workers."""
     spec = make_spec(events=True, tiers=[{**OUR_TIER, "root_dir": str(tmp_path),
-                                          "enable_kv_events": True, **SMALL}])
+                                          "enable_kv_events": True,
+                                          "checksum_blocks": True, **SMALL}])
     manager = spec.get_manager()
     region_path = f"/dev/shm/vllm_offload_{spec.config.engine_id}.mmap"
     try:
@@ -1269,6 +1274,9 @@ def test_cascade_and_promotion_through_vllms_tiering_manager(tmp_path):
             storage_events = [e for e in manager.take_events() if e.medium is Medium.STORAGE]
             time.sleep(0.005)
         assert set(storage_events[0].keys) == set(keys)
+        for i, k in enumerate(keys):  # each with vLLM's checksum record
+            row = np.full(BLOCK, i + 1, dtype=np.int8)
+            assert record_of(tier.file_mapper.get_file_name(k)) == crc_record(row)
         manager.on_request_finished(writer)
 
         manager.reset_cache()  # the primary tier forgets; only mptier holds the blocks
