@@ -112,7 +112,7 @@ class FileSystemTier:
         self._closed = self._shut_down = True  # until constructed: shutdown() is a no-op
         cfg = TierConfig.from_dict(overrides, base=config) if overrides or config is None \
             else config
-        if not cfg.root_dir:
+        if not cfg.root_dir and not cfg.service:  # a service brings its own root
             raise ConfigError("TierConfig.root_dir is required: the folder block files go "
                               "into, e.g. FileSystemTier(buf, root_dir='/mnt/kv')")
         self.config = cfg
@@ -152,8 +152,6 @@ class FileSystemTier:
             finally:
                 for seg in segments:  # the pool keeps copies of its own
                     os.close(seg.fd)
-            self.use_o_direct = self._io.use_o_direct
-            self.backend = self._io.backend
             if self._io.root_dir != cfg.root_dir:  # a service's root
                 self.mapper = FileMapper(self._io.root_dir, **cfg.layout_kwargs())
             self._seen_counts = self._pool.control.counters_snapshot()
@@ -164,6 +162,21 @@ class FileSystemTier:
             self._cleanup = stack.pop_all()
         self._closed = self._shut_down = False
         _live_tiers.add(self)
+
+    # What the workers do, as the pool (or the service, after each attach) settled it.
+    @property
+    def use_o_direct(self) -> bool:
+        return self._pool.io.use_o_direct
+
+    @property
+    def checksum_blocks(self) -> bool:
+        """Whether blocks carry vLLM's CRC32C record, written and verified: the probe's
+        answer for "auto", the service's setting when attached to one."""
+        return self._pool.io.checksum
+
+    @property
+    def backend(self) -> str:
+        return self._pool.io.backend
 
     @staticmethod
     def _open_pool(cfg: TierConfig, buffer: SharedKVBuffer) -> Any:

@@ -318,7 +318,7 @@ class Service:
 # The fields a service takes from its own configuration (the rest is the engine's).
 _SERVICE_FIELDS = frozenset({
     "root_dir", "n_load_workers", "n_store_workers", "io_timeout_s", "max_task_retries",
-    "use_o_direct", "native", "worker_nice", "worker_cpus", "prefault",
+    "use_o_direct", "checksum_blocks", "native", "worker_nice", "worker_cpus", "prefault",
     "worker_start_timeout_s", "max_stuck_workers", "heartbeat_s", "max_worker_rss_bytes",
     "metrics_port", "metrics_addr"})
 
