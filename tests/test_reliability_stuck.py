@@ -204,7 +204,7 @@ def test_reads_hung_on_a_fuse_mount_fail_the_load_in_time_and_the_engine_stays_f
 @pytest.mark.parametrize("backend", ["native"], indirect=True)
 @pytest.mark.parametrize("op", ["open", "getattr", "write"])
 def test_a_blocked_open_stat_or_write_parks_its_worker_until_the_connection_is_aborted(
-        make_fuse_fs, make_buffer, make_tier, op):
+        make_fuse_fs, make_buffer, make_tier, op, capfd):
     """These calls wait in the kernel for the FUSE server whatever the signal: the
     worker is parked; the engine goes on; aborting the connection frees it."""
     fs, buf, tier = fuse_tier(make_fuse_fs, make_buffer, make_tier)
@@ -249,6 +249,8 @@ def test_a_blocked_open_stat_or_write_parks_its_worker_until_the_connection_is_a
     book.drain(10)
     assert not book.lost() and not book.twice and not book.wrong
     assert calls.slowest < ENGINE_CALL_BOUND_S, (calls.slowest, calls.slowest_call)
+    tier.shutdown()  # workers leave cleanly, though their root is dead (their leases too)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 @pytest.mark.fuse

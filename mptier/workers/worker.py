@@ -182,7 +182,12 @@ class WorkerContext:
         if self.bounce is not None:
             self.bounce.close()
         if self.lease is not None:  # after the last store returned: see Lease.release
-            self.lease.release()
+            lease, self.lease = self.lease, None
+            try:
+                lease.release()
+            except OSError as exc:  # a dead mount (ENOTCONN, EIO...): the lock goes with
+                # the descriptor all the same, and a sweeper removes the file later
+                log.warning("mptier: could not release lease %s: %s", lease.path, exc)
         if self.owns_descriptors:
             self.session.close()
 
