@@ -166,8 +166,8 @@ def test_engine_sigkill_workers_leave_and_next_start_cleans_up(root):
         assert time.monotonic() - killed_at < 2.0
         leftover = f"/dev/shm/{info['buffer']}"
         assert os.path.exists(leftover)  # a killed engine cannot clean up after itself
-        assert info["buffer"] in cleanup_stale(min_age_s=0)  # what every start runs
-        assert not os.path.exists(leftover)
+        cleanup_stale(min_age_s=0)  # what every start runs (another test run's start,
+        assert not os.path.exists(leftover)  # sharing /dev/shm, may have been first)
     finally:
         engine.kill()
         engine.wait()

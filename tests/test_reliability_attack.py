@@ -290,7 +290,7 @@ def test_sigstop_sigcont_storm_loses_nothing_and_serves_no_wrong_byte(make_buffe
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["native"], indirect=True)
 def test_workers_killed_while_tiers_attach_and_detach(make_buffer, backend, root):
-    """A killer SIGKILLs a random worker every 0.2-0.6 s while tiers start, work and
+    """A killer SIGKILLs a random worker every 0.1-0.4 s while tiers start, work and
     shut down in a row: each start either succeeds or says why; each shutdown returns
     in bounded time; every job is reported exactly once; nothing is left behind."""
     rng = random.Random(11)
@@ -299,7 +299,7 @@ def test_workers_killed_while_tiers_attach_and_detach(make_buffer, backend, root
 
     def killer() -> None:
         nonlocal kills
-        while not stop.wait(rng.uniform(0.2, 0.6)):
+        while not stop.wait(rng.uniform(0.1, 0.4)):
             pids = [p for tier in live for p in tier.worker_pids()]
             if pids:
                 with contextlib.suppress(ProcessLookupError):
@@ -326,7 +326,7 @@ def test_workers_killed_while_tiers_attach_and_detach(make_buffer, backend, root
             book = JobBook(EngineCalls(tier), buf)
             keys = keys_for(4, b"cycle%d" % cycle)
             jobs = [book.store(keys, [0, 1, 2, 3]), book.load(keys[:2], [8, 9])]
-            time.sleep(rng.uniform(0.0, 0.5))
+            time.sleep(rng.uniform(0.2, 0.8))
             began = time.monotonic()
             tier.shutdown()  # with jobs in flight, while workers are being killed
             assert time.monotonic() - began < 30
