@@ -356,3 +356,51 @@ def test_a_sweep_during_a_store_leaves_the_live_writers_temporary_file(
     assert book.wait([job], timeout=10)[job].success
     with open(tier.mapper.path_for(key), "rb") as f:
         assert np.array_equal(np.frombuffer(f.read(), np.uint8), content(key, BLOCK))
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_a_hung_writer_does_not_hang_the_rest_of_its_folder(make_fuse_fs, make_buffer,
+                                                            make_tier):
+    """A store hangs in write: its worker is parked, holding its temporary file's lock.
+    That file is removed only once the writer exits -- an unlink would wait for the lock
+    holding the folder's, and every other block of the folder would hang behind it."""
+    import time
+
+    from reliability_kit import temp_files
+
+    fs, buf, tier = fuse_tier(make_fuse_fs, make_buffer, make_tier)
+    calls = EngineCalls(tier)
+    book = JobBook(calls, buf)
+    hung = keys_for(1, b"hung writer")[0]
+    neighbour = make_key(hung[:31] + bytes([hung[31] ^ 1]))  # same folder, other block
+    folder = os.path.dirname(tier.mapper.path_for(hung))
+    assert os.path.dirname(tier.mapper.path_for(neighbour)) == folder
+    book.wait([book.store([neighbour], [1])])
+    rule = fs.block("write", name_of(tier, hung), times=1)
+    job = book.store([hung], [0])
+    fs.wait_blocked(rule)
+    pid = busy_worker(tier)["pid"]
+    wait_until(lambda: worker_state(tier, pid) == "stuck",
+               IO_TIMEOUT_S + supervisor.STUCK_AFTER_S + 2 * supervisor.TICK_S + LATE_S,
+               "the hung writer parked", book.collect)
+    # its store, retried on the other worker, and the folder's other blocks go on --
+    # also a new one, whose creation needs the folder's lock (given the janitor time)
+    assert book.wait([job], timeout=IO_TIMEOUT_S + LATE_S)[job].success
+    time.sleep(1.0)
+    fresh = make_key(hung[:31] + bytes([hung[31] ^ 2]))
+    stored = book.store([fresh], [2])
+    result = book.wait([stored], timeout=IO_TIMEOUT_S + LATE_S).get(stored)
+    assert result is not None and result.success, f"a new block of the folder: {result}"
+    loaded = book.load([neighbour], [8])
+    assert book.wait([loaded], timeout=IO_TIMEOUT_S + LATE_S)[loaded].success
+    assert calls.lookup(neighbour, "r") is LookupResult.RETRY
+    calls.on_schedule_end()
+    wait_until(lambda: calls.lookup(neighbour, "r") is LookupResult.HIT, 10,
+               "a lookup in the folder answered", book.collect)
+    rule.release()  # the writer returns from its write and dies of its pending kill
+    wait_until(lambda: worker_state(tier, pid) is None, 10, "the writer gone",
+               book.collect)
+    wait_until(lambda: not temp_files(fs.path("kv")), 10,
+               "its temporary file removed after it exited", book.collect)
+    assert not book.lost() and not book.twice and not book.wrong

@@ -127,6 +127,10 @@ class Worker:
     ping_progress: int = 0
     last_ping_at: float = 0.0
     stuck_logged: bool = False
+    # Temporary files its killed store may have left, removed once it has exited: while
+    # a writer hangs in the kernel it holds its file's lock, and an unlink then waits
+    # for it holding the folder's lock -- every lookup in that folder would hang too.
+    temp_patterns: list[str] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -537,6 +541,8 @@ class Supervisor:
                 self.counters.stuck -= 1
         self.control.release_slot(w.slot)
         self._free_slots.append(w.slot)
+        if w.temp_patterns:  # it is gone: nothing holds its files any more
+            self._janitor.remove(w.temp_patterns)
         self._notify()
 
     def _close_handles(self, w: Worker) -> None:
@@ -603,13 +609,13 @@ class Supervisor:
 
     def _remove_temp_files(self, keys: list[bytes], w: Worker) -> None:
         """A killed store may leave ``<final>.<tag>.*.tmp`` files (where blocks are not
-        written as O_TMPFILE files): have this worker's removed right away -- by the
-        janitor's process, never this thread (a hung mount would hang it). The sweeper
-        would find them too, once the worker's lease is free."""
+        written as O_TMPFILE files): have this worker's removed once it has exited (see
+        :attr:`Worker.temp_patterns`) -- by the janitor's process, never this thread (a
+        hung mount would hang it). The sweeper would find them too: its lease is free."""
         if self._mapper is None or not w.temp_tag:
             return
-        self._janitor.remove([f"{glob.escape(self._mapper.path_for(key))}.{w.temp_tag}.*.tmp"
-                              for key in keys])
+        w.temp_patterns += [f"{glob.escape(self._mapper.path_for(key))}.{w.temp_tag}.*.tmp"
+                            for key in keys]
 
     def _post(self, type_: MessageType, task_id: int, err: int, text: str,
               attempt: int = 0) -> None:
