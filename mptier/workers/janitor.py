@@ -8,7 +8,10 @@ in state D, no retry of the store was ever posted and no worker was replaced or 
 again until the mount came back (``tests/test_reliability_stuck.py``).
 
 So removals run in a short-lived child process, one at a time; patterns asked for
-meanwhile wait for the next one. A child stuck on a hung mount delays only later
+meanwhile wait for the next one. The supervisor asks for a killed writer's files only
+once that writer has exited: while it hangs it holds its file's lock, and the unlink
+would wait for it holding the folder's lock -- every new block of that folder would
+hang behind it. A child stuck on a hung mount delays only later
 removals (at most :data:`MAX_PENDING` wait; the oldest are dropped, logged), never
 supervision, and it is never waited for longer than a moment.
 """
