@@ -136,23 +136,64 @@ class RootMaintainer:
         """A block this process removed (not one :meth:`step` evicted: those count)."""
         self.tracker.record_remove(path, nbytes)
 
+    @property
+    def pass_id(self) -> int:
+        """The number of the walk pass in progress (0 for the first)."""
+        return self.tracker.passes
+
+    def top_position(self, folder: str) -> int:
+        """Where the pass in progress stands in block folder ``folder``
+        (:meth:`Walker.top_position`): published for other processes of the tier, who
+        sort their new blocks into "ahead" and "behind" for
+        :meth:`record_other_stores`."""
+        return self.tracker.walker.top_position(folder)
+
+    def record_other_stores(self, pass_id: int, folder: str, ahead: tuple[int, int],
+                            behind: tuple[int, int]) -> None:
+        """Blocks another process of this tier created in ``folder``, as ``(bytes,
+        blocks)``, sorted by that process against :meth:`top_position` of pass
+        ``pass_id`` into those the pass will still count (``ahead``) and those it may
+        not (``behind``). Counted so that the total is right whichever pass is in
+        progress now: in the same pass, ``ahead`` goes into the finished total only (the
+        walk will find them) and ``behind`` into both; a pass later, the walk already
+        counted ``ahead`` and the new pass will find ``behind``; older, the new pass
+        finds everything. Errs high only for blocks in the h3 folder being walked."""
+        current = self.tracker.passes
+        if pass_id == current:
+            self.tracker.record_counted(folder, *ahead, in_current=True, in_building=False)
+            self.tracker.record_counted(folder, *behind, in_current=True, in_building=True)
+        elif pass_id == current - 1:
+            self.tracker.record_counted(folder, *behind, in_current=True, in_building=False)
+        else:
+            self.tracker.record_counted(folder, ahead[0] + behind[0], ahead[1] + behind[1],
+                                        in_current=True, in_building=False)
+
+    @property
+    def candidates_left(self) -> int:
+        """Eviction candidates of the last complete pass not yet tried."""
+        return len(self._ready)
+
     def record_unplaced(self, folder: str, nbytes: int, nblocks: int) -> None:
         """Blocks created by other processes of this tier, paths unknown: counted high
         until the walk passes (see :meth:`UsageTracker.record_unplaced`)."""
         self.tracker.record_unplaced(folder, nbytes, nblocks)
 
-    def step(self, budget: int) -> StepReport:
+    def step(self, budget: int, want_free: int = 0, walk: bool = True) -> StepReport:
         """Walk at most ``budget`` entries (sweeping and collecting as it goes), then, if
         past the high watermark, evict at most ``budget`` blocks. Work per call is
         bounded by ``budget`` metadata calls of each kind; a few hundred to a few
-        thousand keeps a step in the low milliseconds on a local disk."""
+        thousand keeps a step in the low milliseconds on a local disk.
+
+        ``want_free``: bytes writers are waiting to store; eviction then also frees
+        what takes usage to ``capacity - want_free`` (when that is below the low
+        watermark). ``walk=False`` only evicts (a pause between passes)."""
         report = StepReport()
         passes = self.tracker.passes
         if self.sweeper is not None and not self._pass_begun:
             self.sweeper.begin_pass()
             self._pass_begun = True
-        entries = self.tracker.step(budget)
-        report.walked = self.tracker.last_visited
+        entries = self.tracker.step(budget) if walk else []
+        report.walked = self.tracker.last_visited if walk else 0
         for entry in entries:
             if entry.kind is Kind.BLOCK:
                 if self._next is not None:
@@ -166,16 +207,17 @@ class RootMaintainer:
             self._ready = deque(self._next.oldest_first() if self._next is not None else ())
             self._next = self._new_candidates()
         if self.capacity_bytes:
-            self._evict(budget, report)
+            self._evict(budget, report, want_free)
         report.usage_bytes = self.usage_bytes
         return report
 
-    def _evict(self, budget: int, report: StepReport) -> None:
-        need = self.bytes_to_free()
+    def _evict(self, budget: int, report: StepReport, want_free: int = 0) -> None:
+        need = max(self.bytes_to_free(),
+                   self.usage_bytes + want_free - self.capacity_bytes if want_free else 0)
         if need <= 0:
             return
         if not self._ready and not self.complete and self._next is not None \
-                and self.usage_bytes > self.capacity_bytes:
+                and self.usage_bytes + want_free > self.capacity_bytes:
             # The first pass is still running and what it has counted so far is already
             # past the capacity: stores would fail. Evict the oldest seen so far rather
             # than wait for the whole walk (LRU is then approximate, once).
