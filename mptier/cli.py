@@ -63,8 +63,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
     from mptier.service import serve
 
+    if args.run_dir:
+        os.environ["MPTIER_RUN_DIR"] = args.run_dir
     if args.root:
         args.set = [*(args.set or []), f"root_dir={json.dumps(args.root)}"]
     if args.metrics_port is not None:
@@ -108,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "$MPTIER_RUN_DIR, else /run/mptier, else /tmp/mptier-<uid>).")
     serve.add_argument("--name", required=True, help="the service's name (engines use it)")
     serve.add_argument("--root", help="folder the block files go into (root_dir)")
+    serve.add_argument("--run-dir", metavar="DIR",
+                       help="where the service's sockets go (default: $MPTIER_RUN_DIR, "
+                            "else /run/mptier, else /tmp/mptier-<uid>); engines and "
+                            "`mptier status` must look there too (MPTIER_RUN_DIR)")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="serve Prometheus metrics on this port (metrics_addr, "
                             "default 127.0.0.1)")

@@ -28,14 +28,14 @@ class TierClosedError(MptierError, RuntimeError):
 class BatchIOError(MptierError, OSError):
     """A batch store/load stopped at its first failing block.
 
-    ``n_succeeded`` blocks (indices ``0 .. index-1``) completed before block
+    ``n_done`` blocks (indices ``0 .. index-1``) completed before block
     ``index`` failed with ``errno``; blocks after ``index`` were not attempted.
     """
 
-    def __init__(self, err: int, message: str, *, n_succeeded: int, index: int,
+    def __init__(self, err: int, message: str, *, n_done: int, index: int,
                  path: str | None = None) -> None:
         super().__init__(err, message)
-        self.n_succeeded = n_succeeded
+        self.n_done = n_done
         self.index = index
         self.path = path
         if path is not None:
@@ -43,16 +43,16 @@ class BatchIOError(MptierError, OSError):
 
     def __reduce__(self):  # keep the keyword-only fields across pickling
         return (_rebuild_batch_io_error,
-                (self.errno, self.strerror, self.n_succeeded, self.index, self.path))
+                (self.errno, self.strerror, self.n_done, self.index, self.path))
 
     def __str__(self) -> str:
         where = f" at block {self.index}" + (f" ({self.path})" if self.path else "")
         return (f"[Errno {self.errno}] {self.strerror}{where}; "
-                f"{self.n_succeeded} block(s) succeeded before it")
+                f"{self.n_done} block(s) succeeded before it")
 
 
-def _rebuild_batch_io_error(err, message, n_succeeded, index, path):
-    return BatchIOError(err, message, n_succeeded=n_succeeded, index=index, path=path)
+def _rebuild_batch_io_error(err, message, n_done, index, path):
+    return BatchIOError(err, message, n_done=n_done, index=index, path=path)
 
 
 def describe_exit(exitcode: int | None) -> str:

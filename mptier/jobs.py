@@ -41,7 +41,7 @@ from typing import Any
 WIRE_VERSION = 2
 TASK_RECORD_BYTES = 4096  # == PIPE_BUF on Linux: larger writes are not atomic
 _TASK_HEADER = struct.Struct("<3sBBBHIQ")
-TASK_HEADER_BYTES = _TASK_HEADER.size
+TASK_HEADER_BYTES = _TASK_HEADER.size  # 20: magic .. task_id, see the module docstring
 _TASK_MAGIC = b"MPT"
 # Bytes one item costs in a task record besides the key itself.
 TASK_ITEM_OVERHEAD = 8 + 2  # block id (u64) + key length (u16)

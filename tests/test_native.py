@@ -246,7 +246,7 @@ def test_failed_write_removes_temp_file(io, tmp_path, tmpfile):
             io.batch_store(root, paths, buf, [0, 16384, 32768], 16384, o_direct=direct,
                            tmpfile=tmpfile, checksum=True)
         except BatchIOError as e:
-            print(json.dumps([e.errno, e.index, e.n_succeeded, e.filename]))
+            print(json.dumps([e.errno, e.index, e.n_done, e.filename]))
     """
     for direct in ("1", "0"):
         out = run_python(code, io.variant, str(tmp_path), json.dumps(paths), direct,
@@ -269,7 +269,7 @@ def test_short_file_is_deleted_and_reported(io, tmp_path):
         io.batch_load(tmp_path, paths, buf, offsets(range(n, 2 * n)), BLOCK)
     e = info.value
     full = str(tmp_path / paths[2])
-    assert (e.errno, e.index, e.n_succeeded, e.path, e.filename) == (
+    assert (e.errno, e.index, e.n_done, e.path, e.filename) == (
         errno.ENODATA, 2, 2, full, full)
     assert full in str(e) and "shorter than a block" in e.strerror
     assert not (tmp_path / paths[2]).exists()
@@ -288,7 +288,7 @@ def test_missing_file_fails_only_from_that_block_on(io, tmp_path):
     with pytest.raises(BatchIOError) as info:
         io.batch_load(tmp_path, paths, buf, offsets(range(n, 2 * n)), BLOCK)
     e = info.value
-    assert (e.errno, e.index, e.n_succeeded, e.filename) == (
+    assert (e.errno, e.index, e.n_done, e.filename) == (
         errno.ENOENT, 1, 1, str(tmp_path / paths[1]))
     assert bytes(buf[n * BLOCK : (n + 1) * BLOCK]) == bytes(buf[:BLOCK])
     assert set(buf[(n + 1) * BLOCK :].tolist()) == {0xCD}
@@ -307,7 +307,7 @@ def test_symlink_loop_at_a_block_is_removed(io, tmp_path):
     with pytest.raises(BatchIOError) as info:
         io.batch_load(tmp_path, paths, buf, offsets([2, 3]), BLOCK)
     e = info.value
-    assert (e.errno, e.index, e.n_succeeded) == (errno.ELOOP, 1, 1)
+    assert (e.errno, e.index, e.n_done) == (errno.ELOOP, 1, 1)
     assert "symlink" in e.strerror and "removed" in e.strerror
     assert not os.path.lexists(link) and os.path.islink(other)
     assert bytes(buf[2 * BLOCK : 3 * BLOCK]) == bytes(buf[:BLOCK])
@@ -472,7 +472,7 @@ def test_injected_store_fault(io, tmp_path):
     with pytest.raises(BatchIOError) as info:
         io.batch_store(tmp_path, paths, aligned(3 * BLOCK, seed=1), offsets(range(3)), BLOCK)
     e = info.value
-    assert (e.errno, e.index, e.n_succeeded, e.filename) == (
+    assert (e.errno, e.index, e.n_done, e.filename) == (
         errno.EACCES, 1, 1, str(tmp_path / paths[1]))
     assert "injected" in str(e)
     assert [(tmp_path / p).exists() for p in paths] == [True, False, False]
@@ -499,7 +499,7 @@ def test_injected_load_fault(io, tmp_path):
     with pytest.raises(BatchIOError) as info:
         io.batch_load(tmp_path, paths, buf, offsets(range(4, 8)), BLOCK)
     e = info.value
-    assert (e.errno, e.index, e.n_succeeded, e.filename) == (
+    assert (e.errno, e.index, e.n_done, e.filename) == (
         errno.EIO, 2, 2, str(tmp_path / paths[2]))
     assert bytes(buf[4 * BLOCK : 6 * BLOCK]) == bytes(buf[: 2 * BLOCK])
     assert set(buf[6 * BLOCK :].tolist()) == {0xEE}
@@ -577,7 +577,7 @@ def _scenario(io, root: Path) -> dict:
             out = fn(*args, **kw)
             result[name] = "ok" if out is None else out
         except BatchIOError as e:
-            result[name] = (e.errno, e.index, e.n_succeeded,
+            result[name] = (e.errno, e.index, e.n_done,
                             os.path.relpath(e.filename, root), type(e).__name__)
 
     n = 6

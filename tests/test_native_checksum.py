@@ -149,7 +149,7 @@ def test_corrupt_block_fails_with_ebadmsg_and_heals(io, tmp_path, how, o_direct)
         io.batch_load(tmp_path, paths, buf, offsets(range(n, 2 * n), size), size,
                       checksum=True, o_direct=o_direct)
     e = info.value
-    assert (e.errno, e.index, e.n_succeeded, e.filename) == (
+    assert (e.errno, e.index, e.n_done, e.filename) == (
         errno.EBADMSG, 2, 2, str(tmp_path / paths[2]))
     assert "checksum mismatch" in e.strerror and "removed" in e.strerror
     assert bytes(buf[n * size : (n + 2) * size]) == bytes(buf[: 2 * size])  # kept

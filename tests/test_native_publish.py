@@ -50,7 +50,7 @@ STORE_UNDER_SHIM = """
                           checksum=True)
             out["same"] = buf[: n * 8192].tobytes() == buf[n * 8192 :].tobytes()
         except BatchIOError as e:
-            out["error"] = [e.errno, e.index, e.n_succeeded]
+            out["error"] = [e.errno, e.index, e.n_done]
     out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     print(json.dumps(out))
 """

@@ -37,9 +37,10 @@ def gone(pid: int) -> bool:
 class ServiceProcess:
     def __init__(self, name: str, root: str, run_dir: str, *extra: str) -> None:
         self.name, self.root, self.run_dir = name, root, run_dir
-        env = {**os.environ, "MPTIER_RUN_DIR": run_dir}
-        self.proc = subprocess.Popen(
+        env = {k: v for k, v in os.environ.items() if k != "MPTIER_RUN_DIR"}
+        self.proc = subprocess.Popen(  # --run-dir, while the engine's side uses the variable
             [sys.executable, "-m", "mptier.cli", "serve", "--name", name, "--root", root,
+             "--run-dir", run_dir,
              "--set", "prefault=false", "--set", "n_load_workers=1",
              "--set", "n_store_workers=1", *extra],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -40,7 +40,7 @@ several threads and processes. The two backends behave identically:
 - Lookup: one status per path (``LOOKUP_*``); it removes symlinks, nothing else.
 - Store and load stop at the first failing block. The errno layer returns ``(rc,
   n_done, fail_index[, tmp_unlink_errno])``, ``rc`` 0 or -errno; the wrappers raise
-  :class:`mptier.errors.BatchIOError` with ``errno``, ``index``, ``n_succeeded`` and the
+  :class:`mptier.errors.BatchIOError` with ``errno``, ``index``, ``n_done`` and the
   failing path. Blocks after ``index`` are not attempted (their slots are untouched).
 - O_DIRECT is used with flag ``O_DIRECT`` where the block's address and ``block_bytes``
   are multiples of 4096; a block whose O_DIRECT open or I/O fails with EINVAL is redone
@@ -151,7 +151,7 @@ def batch_error(op: str, err: int, n_done: int, index: int, path: str,
     hint = (_STORE_HINTS if op == "store" else _LOAD_HINTS).get(err) or _HINTS.get(err)
     message = (f"batch {op} failed: {strerror(err)} ({errno_name(err)})"
                + (f": {hint}" if hint else "") + note)
-    return BatchIOError(err, message, n_succeeded=n_done, index=index, path=path)
+    return BatchIOError(err, message, n_done=n_done, index=index, path=path)
 
 
 class Backend:

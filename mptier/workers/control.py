@@ -40,7 +40,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from mptier.jobs import TASK_RECORD_BYTES, peek_task
+from mptier.jobs import TASK_HEADER_BYTES, TASK_RECORD_BYTES, peek_task
 
 PAGE_BYTES = mmap.PAGESIZE
 # A slot is a header page and a record page: the record area starts page-aligned, so a
@@ -312,7 +312,7 @@ class ControlBlock:
 
     def clear_record(self, slot: int) -> None:
         base = self._slot_at(slot) + RECORD_OFFSET
-        self.memory[base:base + 16] = bytes(16)
+        self.memory[base:base + TASK_HEADER_BYTES] = bytes(TASK_HEADER_BYTES)
 
     def close(self) -> None:
         """Unmap and close the descriptor (the memory goes with the last holder).
@@ -366,7 +366,7 @@ class SlotWriter:
 
     def release(self) -> None:
         """Empty the record area: the task is no longer held."""
-        self.record[:16] = bytes(16)
+        self.record[:TASK_HEADER_BYTES] = bytes(TASK_HEADER_BYTES)
         self.set_root(None)
         self.set_state(SlotState.IDLE)
 

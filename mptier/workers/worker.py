@@ -48,7 +48,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mptier import native
-from mptier.jobs import TASK_RECORD_BYTES, MessageType, TaskKind, decode_task, encode_message
+from mptier.jobs import (
+    TASK_HEADER_BYTES,
+    TASK_RECORD_BYTES,
+    MessageType,
+    TaskKind,
+    decode_task,
+    encode_message,
+)
 from mptier.layout import FileMapper
 from mptier.storage.leases import Lease
 from mptier.storage.roots import RootRouter
@@ -294,7 +301,8 @@ def _take(queues: tuple[int, ...], record: memoryview) -> bool:
             continue
         if n == TASK_RECORD_BYTES:
             return True
-        record[:16] = bytes(16)  # cannot happen with whole-record writes; never run half
+        # Cannot happen with whole-record writes; never run half a record.
+        record[:TASK_HEADER_BYTES] = bytes(TASK_HEADER_BYTES)
     return False
 
 
