@@ -66,6 +66,8 @@ _ROOT_USAGE_AT = _ROOT_HEALTH.size
 # root: pass id (u32, pad), ahead bytes, ahead blocks, behind bytes, behind blocks, bytes
 # waiting for room (u64 each).
 SLOT_ROOT_AT = 960
+# Stores that had to wait for room (capacity_bytes), and the time they waited (u64 each).
+SLOT_WAITS_AT = 968
 SLOT_STORES_AT = 1024
 _SLOT_STORES = struct.Struct("<IIQQQQQ")
 _SLOT_HEADER = struct.Struct("<QQQQQQII")
@@ -261,6 +263,10 @@ class ControlBlock:
         """The pid of the worker in ``slot`` (0: none yet)."""
         return struct.unpack_from("<I", self.memory, self._slot_at(slot) + 48)[0]
 
+    def slot_waits(self, slot: int) -> tuple[int, int]:
+        """``(stores that waited for room, ns they waited)`` of the worker in ``slot``."""
+        return struct.unpack_from("<QQ", self.memory, self._slot_at(slot) + SLOT_WAITS_AT)
+
     def slot_root(self, slot: int) -> int | None:
         """The root the task in ``slot`` was working on, if it said."""
         value = struct.unpack_from("<I", self.memory, self._slot_at(slot) + SLOT_ROOT_AT)[0]
@@ -369,6 +375,11 @@ class SlotWriter:
         self.record[:TASK_HEADER_BYTES] = bytes(TASK_HEADER_BYTES)
         self.set_root(None)
         self.set_state(SlotState.IDLE)
+
+    def waited_for_room(self, ns: int) -> None:
+        """Count a store that waited ``ns`` for its root's caretaker to make room."""
+        waits, total = struct.unpack_from("<QQ", self._mem, SLOT_WAITS_AT)
+        struct.pack_into("<QQ", self._mem, SLOT_WAITS_AT, waits + 1, total + ns)
 
     def set_root(self, root: int | None) -> None:
         """Say which root the task in hand works on now (None: none)."""

@@ -203,6 +203,11 @@ def root_figures(control: ControlBlock, io: IoSettings) -> list[dict[str, Any]]:
     return out
 
 
+def _room_waits(control: ControlBlock, slot: int) -> dict[str, Any]:
+    waits, ns = control.slot_waits(slot)
+    return {"room_waits": waits, "room_wait_s": ns / 1e9}
+
+
 def _bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """Run ``fn`` on a helper thread and wait at most ``timeout_s`` (a root on a hung
     mount must not hang the caller forever). Raises ``MptierError`` on timeout."""
@@ -359,6 +364,7 @@ class WorkerPool:
                 "bytes_done": snap.bytes_done, "busy_s": snap.busy_ns / 1e9,
                 "task_age_s": (now - snap.started_ns) / 1e9 if busy else None,
                 "generation": w.generation, "backend": w.backend,
+                **_room_waits(self.control, w.slot),
             })
         return out
 
@@ -524,7 +530,8 @@ class ThreadWorkers:
                         "tasks_done": w.tasks_done, "tasks_failed": w.tasks_failed,
                         "bytes_done": w.bytes_done, "busy_s": w.busy_ns / 1e9,
                         "task_age_s": None, "generation": 0,
-                        "backend": ctx.backend.name})
+                        "backend": ctx.backend.name,
+                        **_room_waits(self.control, w.slot)})
         return out
 
     def stats(self) -> dict[str, Any]:

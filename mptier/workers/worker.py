@@ -202,6 +202,8 @@ class WorkerContext:
     def close(self) -> None:
         """Give up the leases, unmap the buffer and close the session's descriptors
         (process workers)."""
+        if self.caretaker is not None:
+            self.caretaker.close()
         for root in self.roots:
             root.release()
         if self.mapped is not None:
@@ -492,19 +494,23 @@ def _room(ctx: WorkerContext, index: int, nbytes: int) -> bool:
         return True
     if nbytes > capacity:
         return False  # no eviction can make room for more than the whole budget
+    started = time.monotonic_ns()
     deadline = time.monotonic() + ctx.io.room_wait_s
-    if ctx.caretaker is not None and index in ctx.caretaker.kept:
-        return ctx.caretaker.make_room(index, nbytes, deadline)
     writer = ctx.slot_writer
-    writer.want_free(index, nbytes)
     try:
-        while time.monotonic() < deadline:
-            time.sleep(ROOM_POLL_S)
-            if control.usage_bytes(index) + nbytes <= capacity:
-                return True
-        return False
+        if ctx.caretaker is not None and index in ctx.caretaker.kept:
+            return ctx.caretaker.make_room(index, nbytes, deadline)
+        writer.want_free(index, nbytes)
+        try:
+            while time.monotonic() < deadline:
+                time.sleep(ROOM_POLL_S)
+                if control.usage_bytes(index) + nbytes <= capacity:
+                    return True
+            return False
+        finally:
+            writer.want_free(index, 0)
     finally:
-        writer.want_free(index, 0)
+        writer.waited_for_room(time.monotonic_ns() - started)
 
 
 def _lookup(ctx: WorkerContext, keys: list[bytes]) -> bytes:
