@@ -44,6 +44,9 @@ class TierConfig:
     low_watermark: float = 0.85
     # Where file locks do not work, a temporary file this old is a dead writer's.
     stale_temp_s: float = 3600.0
+    # Whether a writer's lease lock proves it alive to every node: "auto" (probe each
+    # root), true, or false (locks are node-local: temporaries are judged by age only).
+    lease_locks: bool | str = "auto"
     # Fault results (EIO, ETIMEDOUT, ENOTCONN, ...) in a row that take a root out of
     # rotation, and how long it stays out before an operation probes it again.
     root_failures_to_fail: int = 3
@@ -205,7 +208,7 @@ class TierConfig:
             _want(isinstance(value, (int, float)) and not isinstance(value, bool)
                   and value > 0, name, value, "a positive number of seconds")
         _want_int(self, "max_task_retries", low=0, high=100)
-        for name in ("use_o_direct", "checksum_blocks"):
+        for name in ("use_o_direct", "checksum_blocks", "lease_locks"):
             setattr(self, name, _tristate(name, getattr(self, name)))
         for name in ("native", "enable_events", "prefault", "parallel_agnostic",
                      "replicated_layout"):

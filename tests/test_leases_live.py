@@ -130,3 +130,30 @@ def test_each_worker_holds_a_lease_per_root_and_gives_it_up_at_shutdown(
     assert per_root[0] & per_root[1]
     tier.shutdown()
     assert not any(glob.glob(f"{r}/.mptier/leases/*.lease*") for r in roots)
+
+
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+@pytest.mark.parametrize("lease_locks", ["auto", False])
+def test_lease_locks_false_judges_temporaries_by_age_only(make_buffer, make_tier, root,
+                                                          lease_locks):
+    """A temporary file whose lease is gone is a dead writer's: removed at once where
+    lease locks are trusted; with lease_locks=false (node-local locks) only once older
+    than stale_temp_s -- a young one stays."""
+    from mptier.layout import FileMapper
+    from mptier.storage import temp_name
+
+    mapper = FileMapper(root, model_name="model")
+    mapper.prepare(BLOCK)
+    key = keys_for(b"orphan", 1)[0]
+    final = mapper.path_for(key)
+    os.makedirs(os.path.dirname(final))
+    young = temp_name(final, "deadbeef00000000", 1)
+    old = temp_name(final, "deadbeef00000000", 2)
+    for path in (young, old):
+        with open(path, "wb") as f:
+            f.write(b"x" * 100)
+    os.utime(old, (1, 1))  # 1970: older than any stale_temp_s
+    tier = make_tier(make_buffer(4, BLOCK), lease_locks=lease_locks, stale_temp_s=600)
+    wait_for(lambda: not os.path.exists(old), 20, "the old orphan swept")
+    wait_for(lambda: tier.stats()["roots"][0]["usage_complete"], 20, "a whole pass")
+    assert os.path.exists(young) == (lease_locks is False)

@@ -86,6 +86,7 @@ class PoolSettings:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     stale_temp_s: float = 3600.0
+    lease_locks: bool | str = "auto"
     root_failures_to_fail: int = 3
     root_retry_s: float = 30.0
 
@@ -95,6 +96,7 @@ class PoolSettings:
         return cls(root_dir=roots[0] if roots else "", root_dirs=roots,
                    capacity_bytes=cfg.capacity_bytes, high_watermark=cfg.high_watermark,
                    low_watermark=cfg.low_watermark, stale_temp_s=cfg.stale_temp_s,
+                   lease_locks=cfg.lease_locks,
                    root_failures_to_fail=cfg.root_failures_to_fail,
                    root_retry_s=cfg.root_retry_s, n_load_workers=cfg.n_load_workers,
                    n_store_workers=cfg.n_store_workers, use_o_direct=cfg.use_o_direct,
@@ -151,6 +153,8 @@ def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
                       high_watermark=settings.high_watermark,
                       low_watermark=settings.low_watermark,
                       stale_temp_s=settings.stale_temp_s,
+                      lease_locks=None if settings.lease_locks == "auto"
+                      else bool(settings.lease_locks),
                       room_wait_s=min(ROOM_WAIT_S, settings.io_timeout_s / 4))
 
 

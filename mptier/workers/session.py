@@ -62,6 +62,7 @@ class IoSettings:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     stale_temp_s: float = 3600.0
+    lease_locks: bool | None = None  # None: probe each root (mptier.storage.probe_locks)
     # How long a store waits for the caretaker to make room before failing (ENOSPC).
     room_wait_s: float = 1.0
 
