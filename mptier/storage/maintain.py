@@ -176,9 +176,14 @@ class RootMaintainer:
     def top_position(self, folder: str) -> int:
         """Where the pass in progress stands in block folder ``folder``
         (:meth:`Walker.top_position`): published for other processes of the tier, who
-        sort their new blocks into "ahead" and "behind" for
-        :meth:`record_other_stores`."""
+        sort their new blocks into "ahead" (their h3 folder is past this and in
+        :meth:`top_listing`, or the folder is not listed yet) and "behind" (the rest)
+        for :meth:`record_other_stores`."""
         return self.tracker.walker.top_position(folder)
+
+    def top_listing(self, folder: str) -> bytes | None:
+        """:meth:`Walker.top_listing` of the pass in progress."""
+        return self.tracker.walker.top_listing(folder)
 
     def record_other_stores(self, pass_id: int, folder: str, ahead: tuple[int, int],
                             behind: tuple[int, int]) -> None:

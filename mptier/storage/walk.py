@@ -130,6 +130,7 @@ class Walker:
         self.vanished = 0       # entries or folders gone between listing and lstat
         self.errors = 0         # folders that could not be listed (not counting vanished)
         self.error_samples: list[str] = []
+        self._listing_cache: tuple[_Frame, bytes] | None = None
 
     # -- position ------------------------------------------------------------------------
 
@@ -190,6 +191,27 @@ class Walker:
         if i < len(top.names) and top.names[i] == folder and i >= top.i:
             return TOP_NOT_REACHED
         return TOP_PASSED
+
+    def top_listing(self, folder: str) -> bytes | None:
+        """The ``<h3>`` folders of block folder ``folder`` that this pass listed, as a
+        4096-bit map (bit ``n`` of byte ``n >> 3`` for name ``n``): a block in a folder
+        missing from it is not counted by this pass, even if ahead of
+        :meth:`top_position`. None while ``folder`` is not being walked (not listed yet,
+        or done with). Computed once per listing."""
+        stack = self._stack
+        if len(stack) < 2 or stack[1].rel != (folder,):
+            return None
+        frame = stack[1]
+        cached = self._listing_cache
+        if cached is not None and cached[0] is frame:
+            return cached[1]
+        bits = bytearray(4096 // 8)
+        for name in frame.names:
+            if N.TOP_RE.match(name):
+                top = int(name, 16)
+                bits[top >> 3] |= 1 << (top & 7)
+        self._listing_cache = (frame, bytes(bits))
+        return self._listing_cache[1]
 
     # -- walking -------------------------------------------------------------------------
 

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 
 from mptier.jobs import MessageType, encode_message, pack_keys
 from mptier.storage import Entry, RootMaintainer, evict
-from mptier.workers.control import ROOT_COMPLETE, ROOT_EVICTING, RootState
+from mptier.storage.walk import TOP_PASSED
+from mptier.workers.control import ROOT_COMPLETE, ROOT_EVICTING, ROOT_LISTED, RootState
 from mptier.workers.health import is_fault
 
 if TYPE_CHECKING:
@@ -135,6 +136,7 @@ class _Kept:
     seen: dict[int, tuple[tuple[int, int], tuple[int, int, int, int]]] = field(
         default_factory=dict)
     evictor: _Evictor | None = None
+    listing: bytes | None = None  # the listing last published
 
 
 class Caretaker:
@@ -325,15 +327,25 @@ class Caretaker:
 
     def _publish(self, kept: _Kept) -> None:
         m = kept.maintainer
+        control = self.ctx.slot_writer.control
         usage = m.tracker.usage
         usage_bytes = usage.bytes if m.complete else max(usage.bytes, kept.inherited_bytes)
         flags = (ROOT_COMPLETE if m.complete else 0) | (ROOT_EVICTING if m.evicting else 0)
-        self.ctx.slot_writer.control.set_root_usage(
+        position = m.top_position(self.folder)
+        listing = m.top_listing(self.folder)
+        if position == TOP_PASSED:
+            flags |= ROOT_LISTED  # everything is behind: no listing needed
+        elif listing is not None:
+            if listing is not kept.listing:  # once per pass: 512 bytes
+                control.set_listing(kept.index, listing)
+                kept.listing = listing
+            flags |= ROOT_LISTED
+        control.set_root_usage(
             kept.index, usage_bytes=usage_bytes, usage_blocks=usage.blocks,
             evicted_blocks=kept.evicted_base[0] + m.evicted_blocks,
             evicted_bytes=kept.evicted_base[1] + m.evicted_bytes,
             temps_removed=kept.temps_base + kept.temps_removed,
-            pass_id=kept.pass_base + m.pass_id, top_position=m.top_position(self.folder),
+            pass_id=kept.pass_base + m.pass_id, top_position=position,
             flags=flags, caretaker_pid=os.getpid())
 
     def _send_removed(self, keys: list[bytes]) -> None:

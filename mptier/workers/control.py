@@ -15,6 +15,9 @@ attaches. Three parts::
                   writes a message to an engine's completion pipe bumps its own counter
                   afterwards, so the engine tells "nothing new" from a few integers in
                   shared memory, without a system call
+    listings      per root, 4096 bits: which <h3> folders the walk pass in progress
+                  listed in the engine's block folder (written by the caretaker; a
+                  worker's new block in a folder the pass did not list is "behind" it)
     counters_end  one slot per worker (SLOT_BYTES each):
         +0            header: state, started_ns, tasks_done, bytes_done, busy_ns,
                       tasks_failed (u64 each), pid, role (u32 each)
@@ -101,6 +104,10 @@ class RootState(enum.IntEnum):
 
 ROOT_COMPLETE = 1  # flags: the usage is a whole walk's total (else a lower bound)
 ROOT_EVICTING = 2  # flags: past the high watermark, evicting to the low one
+ROOT_LISTED = 4  # flags: the pass listed the block folder; its listing is published
+# The listing of one block folder: a bit per <h3> folder name (000-fff).
+LISTING_BYTES = 4096 // 8
+LISTINGS_BYTES = MAX_ROOTS * LISTING_BYTES
 
 
 @dataclass
@@ -167,7 +174,8 @@ class ControlBlock:
     def __init__(self, n_slots: int, fd: int | None = None) -> None:
         self.n_slots = n_slots
         self._counters_at = PAGE_BYTES
-        self._slots_at = PAGE_BYTES + counters_bytes(n_slots)
+        self._listings_at = PAGE_BYTES + counters_bytes(n_slots)
+        self._slots_at = self._listings_at + LISTINGS_BYTES
         size = self._slots_at + n_slots * SLOT_BYTES
         created = fd is None
         if fd is None:
@@ -186,7 +194,7 @@ class ControlBlock:
 
     @classmethod
     def size_for(cls, n_slots: int) -> int:
-        return PAGE_BYTES + counters_bytes(n_slots) + n_slots * SLOT_BYTES
+        return PAGE_BYTES + counters_bytes(n_slots) + LISTINGS_BYTES + n_slots * SLOT_BYTES
 
     # -- pool header ---------------------------------------------------------------------
 
@@ -249,6 +257,22 @@ class ControlBlock:
         at = self._root_at(index) + _ROOT_USAGE_AT
         values = _ROOT_USAGE.unpack_from(self.memory, at)
         return values[5], values[6]
+
+    def set_listing(self, index: int, listing: bytes) -> None:
+        """(The caretaker.) Publish which <h3> folders the pass listed (before the flag
+        that says it is there)."""
+        at = self._listings_at + index * LISTING_BYTES
+        self.memory[at:at + LISTING_BYTES] = listing
+
+    def listed(self, index: int, top: int) -> bool:
+        """Whether <h3> folder ``top`` was in the published listing of root ``index``."""
+        at = self._listings_at + index * LISTING_BYTES + (top >> 3)
+        return bool(self.memory[at] & (1 << (top & 7)))
+
+    def walk_state(self, index: int) -> tuple[int, int, bool]:
+        """``(pass id, h3 position, listing published)`` of root ``index``."""
+        values = _ROOT_USAGE.unpack_from(self.memory, self._root_at(index) + _ROOT_USAGE_AT)
+        return values[5], values[6], bool(values[7] & ROOT_LISTED)
 
     def usage_bytes(self, index: int) -> int:
         return struct.unpack_from("<Q", self.memory, self._root_at(index) + _ROOT_USAGE_AT)[0]

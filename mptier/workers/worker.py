@@ -39,6 +39,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import sys
 import termios
 import time
@@ -376,7 +377,7 @@ def _gate(ctx: WorkerContext, root: RootHandle) -> tuple[int, str] | None:
     ctx.report_probe(root.index)  # others wait for this probe instead of probing too
     root.close()
     try:
-        os.fstat(_open_root(ctx, root, create=False))
+        _probe(ctx, root)
     except OSError as exc:
         perr = exc.errno or errno.EIO
         text = f"probe of root {root.path} failed: {exc}"
@@ -386,6 +387,18 @@ def _gate(ctx: WorkerContext, root: RootHandle) -> tuple[int, str] | None:
                       f"failed ({exc}); its keys read as misses and stores of them fail")
     ctx.report_root(root.index, True, 0, "")
     return None
+
+
+def _probe(ctx: WorkerContext, root: RootHandle) -> None:
+    """Does ``root`` answer? The root folder must stat as a folder, and its block
+    folder open (a missing block folder is an answer too: a store makes it again).
+    Raises OSError when not."""
+    if not stat.S_ISDIR(os.stat(root.path).st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", root.path)
+    try:
+        os.fstat(_open_root(ctx, root, create=False))
+    except FileNotFoundError:
+        pass
 
 
 def _open_root(ctx: WorkerContext, root: RootHandle, create: bool) -> int:
@@ -478,8 +491,13 @@ def _count_new(ctx: WorkerContext, index: int, paths: list[bytes]) -> None:
     if not paths:
         return
     writer = ctx.slot_writer
-    pass_id, position = writer.control.walk_position(index)
-    ahead = sum(1 for p in paths if int(p[:3], 16) > position)
+    control = writer.control
+    pass_id, position, listed = control.walk_state(index)
+    if not listed:  # the pass has not listed the block folder yet: it will see them all
+        ahead = len(paths)
+    else:  # ahead: past the walk's position, in an h3 folder its listing holds
+        tops = [int(p[:3], 16) for p in paths]
+        ahead = sum(1 for top in tops if top > position and control.listed(index, top))
     behind = len(paths) - ahead
     size = ctx.block_bytes
     writer.add_stores(index, pass_id, (ahead * size, ahead), (behind * size, behind))
