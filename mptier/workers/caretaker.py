@@ -94,6 +94,7 @@ class _Evictor:
     The unlink releases the GIL, as the worker's native I/O does."""
 
     def __init__(self, path: str) -> None:
+        self.failures = 0
         self._todo: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
         self.done: collections.deque[tuple[Entry, bool]] = collections.deque()
         self._thread = threading.Thread(target=self._run, name=f"mptier-evict {path}",
@@ -111,7 +112,9 @@ class _Evictor:
             try:
                 removed = evict(entry)
             except OSError as exc:  # a failing root: keep the block, say why once
-                log.warning("mptier: could not evict %s: %s", entry.path, exc)
+                if not self.failures:
+                    log.warning("mptier: could not evict %s: %s", entry.path, exc)
+                self.failures += 1
                 removed = False
             self.done.append((entry, removed))
 
