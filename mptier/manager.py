@@ -114,7 +114,7 @@ class FileSystemTier:
         self._closed = self._shut_down = True  # until constructed: shutdown() is a no-op
         cfg = TierConfig.from_dict(overrides, base=config) if overrides or config is None \
             else config
-        if not cfg.roots():
+        if not cfg.roots() and not cfg.service:  # a service brings its own root
             raise ConfigError("TierConfig.root_dir is required: the folder block files go "
                               "into, e.g. FileSystemTier(buf, root_dir='/mnt/kv') (or "
                               "root_dirs=[...] for several)")
@@ -124,7 +124,7 @@ class FileSystemTier:
         self._buffer = buffer
         self._block_bytes = buffer.block_bytes
         self._num_blocks = buffer.num_blocks
-        self.mapper = FileMapper(cfg.roots()[0], **cfg.layout_kwargs())
+        self.mapper = FileMapper((cfg.roots() or [""])[0], **cfg.layout_kwargs())
         self._per_task = max(1, cfg.task_bytes // self._block_bytes)
         # Keys up to this length always fit self._per_task items in a record.
         self._fast_key_len = next((k for k in range(MAX_KEY_BYTES, 0, -1)
@@ -155,8 +155,6 @@ class FileSystemTier:
             finally:
                 for seg in segments:  # the pool keeps copies of its own
                     os.close(seg.fd)
-            self.use_o_direct = self._io.use_o_direct
-            self.backend = self._io.backend
             if self._io.root_dir != self.mapper.root_dir:  # a service's root
                 self.mapper = FileMapper(self._io.root_dir, **cfg.layout_kwargs())
             # Several roots: each key lives on the one RootRouter names.
@@ -170,6 +168,21 @@ class FileSystemTier:
             self._cleanup = stack.pop_all()
         self._closed = self._shut_down = False
         _live_tiers.add(self)
+
+    # What the workers do, as the pool (or the service, after each attach) settled it.
+    @property
+    def use_o_direct(self) -> bool:
+        return self._pool.io.use_o_direct
+
+    @property
+    def checksum_blocks(self) -> bool:
+        """Whether blocks carry vLLM's CRC32C record, written and verified: the probe's
+        answer for "auto", the service's setting when attached to one."""
+        return self._pool.io.checksum
+
+    @property
+    def backend(self) -> str:
+        return self._pool.io.backend
 
     @staticmethod
     def _open_pool(cfg: TierConfig, buffer: SharedKVBuffer) -> Any:
@@ -412,7 +425,7 @@ class FileSystemTier:
                       for q in self._queues.values()}
         pool = self._final_pool_stats or self._pool.stats()
         roots = self._root_figures(pool)
-        capacity = self._io.capacity_bytes
+        capacity = (self._pool.io or self._io).capacity_bytes
         usage = sum(r["usage_bytes"] for r in roots)
         return {
             "mode": self.mode,
@@ -455,7 +468,7 @@ class FileSystemTier:
 
     def _root_figures(self, pool: dict[str, Any]) -> list[dict[str, Any]]:
         if not self._closed and self._pool.control is not None:
-            return root_figures(self._pool.control, self._io)
+            return root_figures(self._pool.control, self._pool.io or self._io)
         return pool.get("roots") or []
 
     @property

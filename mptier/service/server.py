@@ -317,7 +317,7 @@ _SERVICE_FIELDS = frozenset({
     "root_dir", "root_dirs", "capacity_bytes", "high_watermark", "low_watermark",
     "stale_temp_s", "lease_locks", "root_failures_to_fail", "root_retry_s", "n_load_workers",
     "n_store_workers", "io_timeout_s", "max_task_retries",
-    "use_o_direct", "native", "worker_nice", "worker_cpus", "prefault",
+    "use_o_direct", "checksum_blocks", "native", "worker_nice", "worker_cpus", "prefault",
     "worker_start_timeout_s", "max_stuck_workers", "heartbeat_s", "max_worker_rss_bytes",
     "metrics_port", "metrics_addr"})
 
