@@ -181,8 +181,36 @@ def _prepare_root(settings: PoolSettings, root: str, layout: dict[str, Any],
         log.warning("mptier: %s does not keep user extended attributes; block checksums "
                     "(checksum_blocks) are off for this tier", root)
         checksum = False
+    tmpfile = backend.probe_o_tmpfile(where)
+    if tmpfile and fs_magic(where) not in TMPFILE_FILE_SYSTEMS:
+        # The probe publishes, closes and reads back, but a FUSE daemon may drop the
+        # inode after close() returned (the release is sent asynchronously): measured on
+        # JuiceFS 1.4.2, 2 of 4 probes passed and every store of those tiers "succeeded"
+        # into files that were gone a moment later. Only file systems known to keep a
+        # linked O_TMPFILE file get it; the rest write named temporaries under leases.
+        log.info("mptier: %s accepts O_TMPFILE, but its file system (magic %#x) is not "
+                 "one known to keep linked O_TMPFILE files; using named temporary files",
+                 root, fs_magic(where) or 0)
+        tmpfile = False
     return RootIo(root, use_o_direct=bool(o_direct), checksum=bool(checksum),
-                  tmpfile=backend.probe_o_tmpfile(where))
+                  tmpfile=tmpfile)
+
+
+# statfs f_type of the local file systems whose O_TMPFILE files survive linkat + close:
+# ext2/3/4, xfs, btrfs, tmpfs, f2fs. Not NFS (no O_TMPFILE), not FUSE (JuiceFS loses them).
+TMPFILE_FILE_SYSTEMS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0xF2F52010})
+_STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
+
+
+def fs_magic(path: str) -> int | None:
+    """The file system type (statfs ``f_type``) of ``path``, or None if unknown."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(_STATFS_BYTES)
+    if libc.statfs(os.fsencode(path), buf) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
 def root_figures(control: ControlBlock, io: IoSettings) -> list[dict[str, Any]]:
