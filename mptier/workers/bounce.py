@@ -19,7 +19,8 @@ copy: the late bytes land in memory that dies with it.
 
 Where it is used: O_DIRECT loads, and any load from a file system not known to read
 through the page cache (:data:`PAGE_CACHE_FS_TYPES`: local disks and memory file
-systems). The cost is one memory copy per block, small beside a network or direct read.
+systems). The cost is one memory copy per block, small beside a network or direct read; blocks
+go through in chunks of :data:`BOUNCE_BYTES`, so a task stays one native call.
 """
 
 from __future__ import annotations
@@ -65,36 +66,56 @@ def needs_bounce(root_dir: str, use_o_direct: bool) -> bool:
     return use_o_direct or fs_type(root_dir) not in PAGE_CACHE_FS_TYPES
 
 
+# A bounce buffer holds this many bytes of blocks (at least one block): a default 8 MiB
+# task goes through in one native call, so the batch path keeps its blocks in flight
+# (io_uring) and pays one call per task, not one per block; a worker's private memory
+# stays bounded. Measured on this VM's ext4 with O_DIRECT, 2 MiB blocks: block by block,
+# loads ran at 0.57-0.81 of unbounced ones; in 16 MiB chunks see docs/reliability.md.
+BOUNCE_BYTES = 16 << 20
+
+
 class Bounce:
-    """A worker's private one-block buffer (page-aligned, so O_DIRECT reads into it).
+    """A worker's private buffer of whole blocks (page-aligned, so O_DIRECT reads into
+    it), mapped at first use.
 
     Not thread-safe: one per worker process.
     """
 
-    def __init__(self, block_bytes: int) -> None:
+    def __init__(self, block_bytes: int, nbytes: int = BOUNCE_BYTES) -> None:
         self.block_bytes = block_bytes
-        self._map: mmap.mmap | None = mmap.mmap(-1, block_bytes)
-        self._view = memoryview(self._map)
+        self.blocks = max(1, nbytes // block_bytes)
+        self._map: mmap.mmap | None = None
+        self._view: memoryview | None = None
 
     def load(self, load: Callable[..., tuple[int, int, int]], root_fd: int,
              paths: Sequence[bytes], memory: memoryview, offsets: Sequence[int],
              flags: int) -> tuple[int, int, int]:
-        """Load ``paths[i]`` into ``memory[offsets[i]:+block_bytes]`` one block at a time
-        through this buffer, with the native errno layer's ``load(root_fd, paths,
-        buffer, offsets, block_bytes, flags)``; returns what it would for the whole
-        batch, ``(rc, n_done, fail_index)``. A failing block's slot is left untouched."""
+        """Load ``paths[i]`` into ``memory[offsets[i]:+block_bytes]`` through this
+        buffer, as many blocks per call of the native errno layer's ``load(root_fd,
+        paths, buffer, offsets, block_bytes, flags)`` as it holds; returns what that
+        would for the whole batch, ``(rc, n_done, fail_index)``. Only the blocks before
+        a failure reach ``memory``; the failing block's slot is left untouched."""
         size = self.block_bytes
+        if self._view is None:
+            self._map = mmap.mmap(-1, self.blocks * size)
+            self._view = memoryview(self._map)
         view = self._view
-        for i, (path, offset) in enumerate(zip(paths, offsets)):
-            rc, _, _ = load(root_fd, [path], view, [0], size, flags)
+        for start in range(0, len(paths), self.blocks):
+            chunk = paths[start:start + self.blocks]
+            rc, done, index = load(root_fd, chunk, view, [i * size for i in range(len(chunk))],
+                                   size, flags)
+            done = min(done, len(chunk)) if rc == 0 else min(done, index)
+            for i in range(done):  # only after the reads returned
+                offset = offsets[start + i]
+                memory[offset:offset + size] = view[i * size:(i + 1) * size]
             if rc:
-                return rc, i, i
-            memory[offset:offset + size] = view  # only after the read returned
+                return rc, start + done, start + index
         return 0, len(paths), 0
 
     def close(self) -> None:
         """Release the buffer. Idempotent."""
         if self._map is not None:
-            self._view.release()
+            if self._view is not None:
+                self._view.release()
             self._map.close()
-            self._map = None
+        self._map = self._view = None

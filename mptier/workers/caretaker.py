@@ -9,7 +9,8 @@ steps it -- never on the engine's scheduler thread -- ::
     busy (between tasks)            a step every BUSY_GAP_S, or EVICT_GAP_S while the
                                     root is past its high watermark or a store waits
                                     for room, so eviction keeps up under load
-    after a complete pass           WALK_REST_S without walking (eviction still runs)
+    after a complete pass           a rest without walking (eviction still runs): four
+                                    times the pass's duration, 0.5 s to WALK_REST_S
 
 After each step it publishes the root's usage and the walk's position in the control
 block (other workers and the engine read them without a message), and reports keys it
@@ -63,9 +64,14 @@ EVICT_GAP_S = 0.005
 # Entries walked and blocks evicted per step while urgent: a pass that must find new
 # candidates ends sooner.
 URGENT_BUDGET = 4 * MAINT_BUDGET
-# After a complete pass, no walking for this long (eviction and accounting go on): a
-# small root would otherwise be walked over and over. Other nodes' stores are seen this
-# much later.
+# After a complete pass, no walking for a while (eviction and accounting go on): a small
+# root would otherwise be walked over and over. Other nodes' stores are seen only by the
+# walk, so the rest is as short as the walk's cost allows: WALK_REST_FACTOR times the
+# pass's own duration (walking then takes at most a fifth of the caretaker's steps),
+# within [WALK_REST_MIN_S, WALK_REST_S]. A root of a few thousand blocks is walked again
+# every half second; a root of a million files (a pass ~80 s) every 10 s.
+WALK_REST_FACTOR = 4.0
+WALK_REST_MIN_S = 0.5
 WALK_REST_S = 10.0
 # A store of the caretaker itself, waiting for room, steps this often.
 MAKE_ROOM_POLL_S = 0.005
@@ -143,6 +149,7 @@ class _Kept:
     next_at: float = 0.0
     last_at: float = 0.0
     rest_until: float = 0.0
+    pass_began: float | None = None  # when the current pass started walking
     temps_removed: int = 0
     seen: dict[int, tuple[tuple[int, int], tuple[int, int, int, int]]] = field(
         default_factory=dict)
@@ -270,6 +277,8 @@ class Caretaker:
         freeing = m.evicting or bool(want)
         urgent = freeing or _near_high(m, m.usage_bytes)
         walking = now >= kept.rest_until or (freeing and not m.candidates_left)
+        if walking and kept.pass_began is None:
+            kept.pass_began = now
         writer.set_root(kept.index)  # a hang here is blamed on this root
         try:
             report = m.step(URGENT_BUDGET if urgent else MAINT_BUDGET, want_free=want,
@@ -288,7 +297,10 @@ class Caretaker:
                 kept.evictor.put(entry)
         self._take_evicted(kept)
         if report.pass_completed:
-            kept.rest_until = now + WALK_REST_S
+            took = now - (kept.pass_began if kept.pass_began is not None else now)
+            kept.rest_until = now + min(WALK_REST_S,
+                                        max(WALK_REST_MIN_S, WALK_REST_FACTOR * took))
+            kept.pass_began = None
         kept.temps_removed += report.temps_removed
         if report.temps_removed:
             log.info("mptier: removed %d stale temporary file(s) under %s",

@@ -1,0 +1,84 @@
+"""What the bounce buffer costs a load (mptier.workers.bounce), measured side by side.
+
+Stores N blocks under ROOT once, then in interleaved rounds loads them into a shared
+mapping three ways with the native batch call: straight into the slots, through a
+bounce buffer of BOUNCE_BYTES (a task per call), and through a one-block bounce buffer
+(one call per block: the first design). O_DIRECT where the root takes it, so every
+round reads the disk. Prints GB/s per round and the medians' ratios to direct.
+
+    python bench/experiments/bounce_cost.py --root /var/tmp --block-bytes 2M --blocks 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+from mptier import native
+from mptier.config import parse_bytes
+from mptier.workers.bounce import BOUNCE_BYTES, Bounce
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", default="/var/tmp")
+    ap.add_argument("--block-bytes", default="2M")
+    ap.add_argument("--blocks", type=int, default=256)
+    ap.add_argument("--task-blocks", type=int, default=4, help="blocks per load call")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    size = parse_bytes(args.block_bytes)
+    n = args.blocks
+    folder = tempfile.mkdtemp(prefix="mptier-bounce-", dir=args.root)
+    backend = native.get_backend("native")
+    try:
+        flags = native.O_DIRECT if native.probe_o_direct(folder) else 0
+        shared = mmap.mmap(-1, n * size)
+        memory = memoryview(shared)
+        memory[:] = os.urandom(size) * n
+        fd = native.open_root(folder)
+        paths = [f"b{i:05d}".encode() for i in range(n)]
+        offsets = [i * size for i in range(n)]
+        rc, *_ = backend.store(fd, paths, memory, offsets, size, flags,
+                               native.new_tag().encode())
+        assert rc == 0, rc
+        designs = {"direct": None, "bounce": Bounce(size),
+                   "bounce-1-block": Bounce(size, nbytes=size)}
+        results: dict[str, list[float]] = {name: [] for name in designs}
+        step = args.task_blocks
+        for r in range(args.rounds):
+            for name, bounce in designs.items():
+                t0 = time.perf_counter()
+                for i in range(0, n, step):
+                    p, o = paths[i:i + step], offsets[i:i + step]
+                    if bounce is None:
+                        rc, *_ = backend.load(fd, p, memory, o, size, flags)
+                    else:
+                        rc, *_ = bounce.load(backend.load, fd, p, memory, o, flags)
+                    assert rc == 0, rc
+                gbps = n * size / (time.perf_counter() - t0) / 1e9
+                results[name].append(gbps)
+                print(f"round {r} {name:15s} {gbps:6.2f} GB/s", flush=True)
+        base = statistics.median(results["direct"])
+        print(f"\n{args.root} O_DIRECT={bool(flags)} {args.block_bytes} x{step} per call, "
+              f"bounce {BOUNCE_BYTES >> 20} MiB")
+        for name, values in results.items():
+            med = statistics.median(values)
+            print(f"{name:15s} median {med:6.2f} GB/s  ratio to direct {med / base:.2f}")
+        for bounce in designs.values():
+            if bounce is not None:
+                bounce.close()
+        os.close(fd)
+        memory.release()
+        shared.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
