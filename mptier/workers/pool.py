@@ -62,6 +62,7 @@ class PoolSettings:
     n_store_workers: int = 2
     use_o_direct: bool | str = "auto"
     checksum_blocks: bool | str = "auto"
+    io_uring: bool | str = "auto"
     backend: str = "native"
     prefault: bool = True
     nice: int = 0
@@ -77,7 +78,7 @@ class PoolSettings:
     def from_config(cls, cfg: Any) -> PoolSettings:
         return cls(root_dir=cfg.root_dir, n_load_workers=cfg.n_load_workers,
                    n_store_workers=cfg.n_store_workers, use_o_direct=cfg.use_o_direct,
-                   checksum_blocks=cfg.checksum_blocks,
+                   checksum_blocks=cfg.checksum_blocks, io_uring=cfg.io_uring,
                    backend=backend_name(cfg.native), prefault=cfg.prefault,
                    nice=cfg.worker_nice, cpus=list(cfg.worker_cpus),
                    io_timeout_s=cfg.io_timeout_s, max_task_retries=cfg.max_task_retries,
@@ -100,8 +101,8 @@ def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
                ) -> IoSettings:
     """Make the cache folder for ``layout`` under the root, check its block size and
     probe what the file system offers (O_DIRECT, user xattrs for checksums, O_TMPFILE
-    files that survive being published); returns the settings workers use. Raises
-    ``OSError`` naming the path, or ``ConfigError`` for a block-size clash or
+    files that survive being published, whether io_uring pays); returns the settings
+    workers use. Raises ``OSError`` naming the path, or ``ConfigError`` for a block-size clash or
     ``checksum_blocks=true`` on a root without user xattrs."""
     mapper = FileMapper(settings.root_dir, **layout)
     mapper.prepare(block_bytes)
@@ -127,7 +128,18 @@ def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
     return IoSettings(root_dir=settings.root_dir, use_o_direct=bool(o_direct),
                       backend=settings.backend, prefault=settings.prefault,
                       checksum=bool(checksum), touch=True,
-                      tmpfile=backend.probe_o_tmpfile(where))
+                      tmpfile=backend.probe_o_tmpfile(where),
+                      uring=use_uring(settings.io_uring, backend, where))
+
+
+def use_uring(setting: bool | str, backend: Any, where: str) -> bool:
+    """Whether workers batch through io_uring (``TierConfig.io_uring``): "auto" where
+    this process can use it and the root is not in memory (on tmpfs the loop is as fast:
+    docs/performance.md), True wherever it can, False never. Workers whose kernel
+    refuses it take the system-call loop anyway."""
+    if setting is False or not backend.uring_available():
+        return False
+    return setting is True or not backend.probe_in_memory(where)
 
 
 def _bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:

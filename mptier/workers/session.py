@@ -44,6 +44,7 @@ class IoSettings:
     checksum: bool = False  # write and verify vLLM's CRC32C record (user xattr)
     touch: bool = True  # set a block's atime on load and store (LRU on shared roots)
     tmpfile: bool = False  # publish through O_TMPFILE files (probed: they survive close)
+    uring: bool = False  # batches through io_uring, several blocks in flight
 
     def flags(self) -> int:
         """The native layer's flags for these settings."""
@@ -52,7 +53,8 @@ class IoSettings:
         return ((native.O_DIRECT if self.use_o_direct else 0)
                 | (native.CHECKSUM if self.checksum else 0)
                 | (native.TOUCH if self.touch else 0)
-                | (native.TMPFILE if self.tmpfile else 0))
+                | (native.TMPFILE if self.tmpfile else 0)
+                | (native.URING if self.uring else 0))
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

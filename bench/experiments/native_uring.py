@@ -1,0 +1,147 @@
+"""The native core's batch calls with and without ``URING``, interleaved in one run.
+
+    python bench/experiments/native_uring.py [--roots /var/tmp,/dev/shm] [--procs 1,4]
+
+For each root, block size and process count, round after round in alternating order:
+``batch_store`` of ``--bytes`` into a fresh folder in the tier's layout (tasks of
+``--batch`` blocks, each process on its share), then -- after the page cache is dropped
+(root only; skipped otherwise, said so) -- ``batch_load`` of the same blocks, with the
+syscall loop ("loop") and with io_uring ("uring"). Flags as the tier sets them on that
+root (O_DIRECT where the probe says so, TOUCH, TMPFILE where it works, CHECKSUM with
+``--checksum``). Prints GB/s, the median over rounds and each round, and uring / loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from mptier import native
+
+VARIANTS = [("loop", 0), ("uring", native.URING)]
+
+
+def paths_for(n: int, salt: str) -> list[bytes]:
+    out = []
+    for i in range(n):
+        h = hashlib.sha256(f"{salt}{i}".encode()).hexdigest()
+        out.append(f"{h[:3]}/{h[3:5]}_g0/{h}.bin".encode())
+    return out
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def worker(op: str, folder: str, paths: list[bytes], block: int, batch: int, flags: int,
+           slots: int, start, done) -> None:
+    buf = np.full(slots * block + 4096, 0x5A, np.uint8)
+    off0 = (-buf.ctypes.data) % 4096
+    be = native.get_backend("native")
+    fd = native.open_root(folder)
+    tag = native.new_tag().encode()
+    start.wait()
+    try:
+        for first in range(0, len(paths), batch):
+            part = paths[first:first + batch]
+            offs = [off0 + ((first + k) % slots) * block for k in range(len(part))]
+            if op == "store":
+                rc = be.store(fd, part, buf, offs, block, flags, tag)[0]
+            else:
+                rc = be.load(fd, part, buf, offs, block, flags)[0]
+            if rc:
+                raise OSError(-rc, f"{op} failed: {os.strerror(-rc)}")
+    finally:
+        os.close(fd)
+    done.put(time.perf_counter())
+
+
+def run(op: str, folder: str, paths: list[bytes], block: int, batch: int, flags: int,
+        procs: int) -> float:
+    ctx = mp.get_context("fork")
+    start, done = ctx.Barrier(procs + 1), ctx.Queue()
+    share = -(-len(paths) // procs)
+    ps = [ctx.Process(target=worker, args=(op, folder, paths[k * share:(k + 1) * share],
+                                           block, batch, flags, 64, start, done))
+          for k in range(procs)]
+    for p in ps:
+        p.start()
+    start.wait()
+    t0 = time.perf_counter()
+    ends = [done.get() for _ in ps]
+    for p in ps:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"{op} worker failed")
+    return len(paths) * block / (max(ends) - t0) / 1e9
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--roots", default="/var/tmp,/dev/shm")
+    p.add_argument("--blocks", default="2097152,262144")
+    p.add_argument("--bytes", type=int, default=512 << 20)
+    p.add_argument("--batch", type=int, default=0,
+                   help="blocks per call (default: the tier's 8 MiB tasks)")
+    p.add_argument("--procs", default="1,4")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--checksum", action="store_true")
+    args = p.parse_args()
+    be = native.get_backend("native")
+    print(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}; "
+          f"{be.uring_status()}", flush=True)
+    for root in args.roots.split(","):
+        base = dict(o_direct=be.probe_o_direct(root), tmpfile=be.probe_o_tmpfile(root))
+        flags = ((native.O_DIRECT if base["o_direct"] else 0) | native.TOUCH
+                 | (native.TMPFILE if base["tmpfile"] else 0)
+                 | (native.CHECKSUM if args.checksum else 0))
+        for block in (int(b) for b in args.blocks.split(",")):
+            batch = args.batch or max(1, (8 << 20) // block)
+            n = args.bytes // block
+            for procs in (int(x) for x in args.procs.split(",")):
+                res: dict[str, list[float]] = {}
+                dropped = True
+                for rnd in range(args.rounds):
+                    order = VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]
+                    for name, extra in order:
+                        folder = tempfile.mkdtemp(prefix="perf-nu-", dir=root)
+                        try:
+                            paths = paths_for(n, f"{rnd}{name}")
+                            res.setdefault(f"store {name}", []).append(
+                                run("store", folder, paths, block, batch, flags | extra,
+                                    procs))
+                            dropped &= drop_caches()
+                            res.setdefault(f"load {name}", []).append(
+                                run("load", folder, paths, block, batch, flags | extra,
+                                    procs))
+                        finally:
+                            shutil.rmtree(folder, ignore_errors=True)
+                print(f"\n{root} {block >> 10} KiB x {n}, {batch} per call, {procs} "
+                      f"process(es), flags {flags}, {args.rounds} rounds"
+                      f"{'' if dropped else ' (page cache NOT dropped: not root)'}:")
+                for op in ("store", "load"):
+                    med = {name: statistics.median(res[f"{op} {name}"]) for name, _ in VARIANTS}
+                    for name, _ in VARIANTS:
+                        vals = " ".join(f"{v:.2f}" for v in res[f"{op} {name}"])
+                        print(f"  {op:5s} {name:5s} {med[name]:6.2f} GB/s   ({vals})")
+                    print(f"  {op:5s} uring / loop: x{med['uring'] / med['loop']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
