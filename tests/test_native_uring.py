@@ -73,7 +73,7 @@ def test_blocks_are_in_flight_at_once(ring, make_fuse_fs, tmp_path):
     for io, expect in ((ring, n), (make_io("native"), 1)):
         rule = fs.block("read", "*.bin")
         done: list = []
-        reader = threading.Thread(target=lambda: done.append(_outcome(
+        reader = threading.Thread(target=lambda io=io, done=done: done.append(_outcome(
             io.batch_load, fs.mountpoint, paths, buf, offsets(range(n, 2 * n)), BLOCK,
             o_direct=False)))
         reader.start()
@@ -268,7 +268,7 @@ def test_forked_child_and_threads_each_get_a_ring(ring, tmp_path):
                 ring.batch_load(tmp_path, names, mine, offsets(range(n, 2 * n)), BLOCK,
                                 checksum=True)
                 assert bytes(mine[n * BLOCK:]) == bytes(mine[:n * BLOCK])
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]

@@ -28,6 +28,8 @@ import numpy as np
 from mptier import native
 
 VARIANTS = [("loop", 0), ("uring", native.URING)]
+# --threads N adds "threads": one process, N threads each running the loop on its share
+# (the in-process reference pool on the native calls, design c of mptier bench).
 
 
 def paths_for(n: int, salt: str) -> list[bytes]:
@@ -36,6 +38,18 @@ def paths_for(n: int, salt: str) -> list[bytes]:
         h = hashlib.sha256(f"{salt}{i}".encode()).hexdigest()
         out.append(f"{h[:3]}/{h[3:5]}_g0/{h}.bin".encode())
     return out
+
+
+def disk_stat(root: str) -> list[int] | None:
+    """/sys/block/<dev>/stat of the disk under root (None for a memory fs)."""
+    dev = os.stat(root).st_dev
+    try:
+        name = os.path.basename(os.path.realpath(
+            f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"))
+        with open(f"/sys/class/block/{name}/stat") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return None
 
 
 def drop_caches() -> bool:
@@ -71,6 +85,26 @@ def worker(op: str, folder: str, paths: list[bytes], block: int, batch: int, fla
     done.put(time.perf_counter())
 
 
+def run_threads(op: str, folder: str, paths: list[bytes], block: int, batch: int,
+                flags: int, threads: int) -> float:
+    import queue
+    import threading
+
+    start, done = threading.Barrier(threads + 1), queue.Queue()
+    share = -(-len(paths) // threads)
+    ts = [threading.Thread(target=worker, args=(op, folder, paths[k * share:(k + 1) * share],
+                                                block, batch, flags, 64, start, done))
+          for k in range(threads)]
+    for t in ts:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    ends = [done.get() for _ in ts]
+    for t in ts:
+        t.join()
+    return len(paths) * block / (max(ends) - t0) / 1e9
+
+
 def run(op: str, folder: str, paths: list[bytes], block: int, batch: int, flags: int,
         procs: int) -> float:
     ctx = mp.get_context("fork")
@@ -101,7 +135,12 @@ def main() -> int:
     p.add_argument("--procs", default="1,4")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--checksum", action="store_true")
+    p.add_argument("--disk", action="store_true",
+                   help="also print the disk's mean requests in flight and busy share")
+    p.add_argument("--threads", type=int, default=0,
+                   help="also run N threads of the loop in one process (0: not)")
     args = p.parse_args()
+    variants = VARIANTS + ([("threads", 0)] if args.threads else [])
     be = native.get_backend("native")
     print(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}; "
           f"{be.uring_status()}", flush=True)
@@ -115,30 +154,42 @@ def main() -> int:
             n = args.bytes // block
             for procs in (int(x) for x in args.procs.split(",")):
                 res: dict[str, list[float]] = {}
+                disk: dict[str, list[tuple[float, float]]] = {}
                 dropped = True
                 for rnd in range(args.rounds):
-                    order = VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]
+                    order = variants if rnd % 2 == 0 else variants[::-1]
                     for name, extra in order:
+                        go = (lambda *a: run_threads(*a[:-1], args.threads)) \
+                            if name == "threads" else run
                         folder = tempfile.mkdtemp(prefix="perf-nu-", dir=root)
                         try:
                             paths = paths_for(n, f"{rnd}{name}")
-                            res.setdefault(f"store {name}", []).append(
-                                run("store", folder, paths, block, batch, flags | extra,
-                                    procs))
-                            dropped &= drop_caches()
-                            res.setdefault(f"load {name}", []).append(
-                                run("load", folder, paths, block, batch, flags | extra,
-                                    procs))
+                            for op in ("store", "load"):
+                                if op == "load":
+                                    dropped &= drop_caches()
+                                d0, t0 = disk_stat(root), time.perf_counter()
+                                res.setdefault(f"{op} {name}", []).append(
+                                    go(op, folder, paths, block, batch, flags | extra,
+                                       procs))
+                                d1, wall = disk_stat(root), time.perf_counter() - t0
+                                if d0 and d1:  # time_in_queue, io_ticks (ms)
+                                    disk.setdefault(f"{op} {name}", []).append(
+                                        ((d1[10] - d0[10]) / 1e3 / wall,
+                                         (d1[9] - d0[9]) / 1e3 / wall))
                         finally:
                             shutil.rmtree(folder, ignore_errors=True)
                 print(f"\n{root} {block >> 10} KiB x {n}, {batch} per call, {procs} "
                       f"process(es), flags {flags}, {args.rounds} rounds"
                       f"{'' if dropped else ' (page cache NOT dropped: not root)'}:")
                 for op in ("store", "load"):
-                    med = {name: statistics.median(res[f"{op} {name}"]) for name, _ in VARIANTS}
-                    for name, _ in VARIANTS:
+                    med = {name: statistics.median(res[f"{op} {name}"]) for name, _ in variants}
+                    for name, _ in variants:
                         vals = " ".join(f"{v:.2f}" for v in res[f"{op} {name}"])
-                        print(f"  {op:5s} {name:5s} {med[name]:6.2f} GB/s   ({vals})")
+                        dd = disk.get(f"{op} {name}") if args.disk else None
+                        note = "" if not dd else "   disk: in flight " + " ".join(
+                            f"{q:.1f}" for q, _ in dd) + ", busy " + " ".join(
+                            f"{b:.0%}" for _, b in dd)
+                        print(f"  {op:5s} {name:7s} {med[name]:6.2f} GB/s   ({vals}){note}")
                     print(f"  {op:5s} uring / loop: x{med['uring'] / med['loop']:.2f}")
     return 0
 

@@ -9,6 +9,8 @@ sizes and CPU priority are compared side by side in one run::
     mptier:cpus=1               worker_cpus=[1] (keep the workers off core 0)
     mptier:task_bytes=8M        any other TierConfig field by its own name
     mptier:native=0             the pure-Python I/O twin instead of the C core
+    mptier:checksum=true        checksum_blocks=true (against checksum=false: their cost)
+    mptier:uring=false          io_uring=false: the C core's system-call loop
 
 The primary buffer must be mptier's ``SharedKVBuffer`` (worker processes map it); the
 harness makes one when the class exists.
@@ -22,7 +24,7 @@ from mptier.bench.base import MODEL_NAME, Design, DesignContext
 
 # Short option names -> TierConfig fields.
 _ALIASES = {"nice": "worker_nice", "task": "task_bytes", "prefault": "prefault",
-            "o_direct": "use_o_direct"}
+            "o_direct": "use_o_direct", "checksum": "checksum_blocks", "uring": "io_uring"}
 
 
 def _literal(text: str) -> Any:
