@@ -304,3 +304,34 @@ def test_failed_batches_leave_no_descriptor_or_temporary_file(ring, tmp_path):
     assert not any(p in files_under(tmp_path) for p in block_paths(30, "y"))
     assert ring.batch_lookup(tmp_path, [paths[10], paths[20]], BLOCK) == [
         native.LOOKUP_ABSENT, native.LOOKUP_ABSENT]
+
+
+# -- the tier ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("uring", [True, False], ids=["io_uring", "loop"])
+def test_tier_reports_only_the_prefix_of_a_failed_load(ring, tmp_path, uring):
+    """With the ring, blocks after a missing one are read while the task runs; the job
+    still reports exactly the blocks before it as loaded."""
+    import numpy as np
+
+    from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
+
+    block = 16 << 10
+    n = 8
+    keys = [make_key(os.urandom(32), 0) for _ in range(n)]
+    with SharedKVBuffer.create(2 * n, block) as buf, \
+            FileSystemTier(buf, root_dir=str(tmp_path), n_load_workers=1,
+                           n_store_workers=1, io_uring=uring, prefault=False) as tier:
+        assert tier.stats()["io_uring"] is uring
+        buf.view[:n] = np.random.default_rng(29).integers(0, 256, (n, block), np.uint8)
+        tier.submit_store(TransferJob(1, keys, list(range(n))))
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        os.unlink(tier.mapper.path_for(keys[3]))
+        tier.submit_load(TransferJob(2, keys, list(range(n, 2 * n))))
+        tier.drain_jobs()
+        (result,) = tier.get_finished_jobs()
+        assert (result.success, result.errno) == (False, errno.ENOENT)
+        assert result.successful_keys == tuple(keys[:3])
+        assert result.transfer_bytes == 3 * block
+        assert np.array_equal(buf.view[n:n + 3], buf.view[:3])

@@ -11,7 +11,15 @@
  *
  * Every function returns 0 or -errno and never touches a Python object. A batch stops
  * at its first failing block: *n_done blocks (0 .. *fail_index - 1) completed, block
- * *fail_index failed with the returned errno, later blocks were not attempted.
+ * *fail_index failed with the returned errno, and nothing after it is published,
+ * removed or touched. The memory of a load's blocks from *fail_index on is undefined:
+ * the failing block may be partly read, and with MPT_URING (uring.c) later blocks may
+ * have been read meanwhile -- never reported as loaded. Every transfer into the
+ * caller's memory has ended when a call returns.
+ *
+ * With MPT_URING, store and load run through io_uring, several blocks in flight
+ * (uring.c); every decision stays the loop's, in batch order, and the loop below runs
+ * wherever io_uring cannot.
  *
  * Nothing under the root is reached through a symlink. Paths resolve with openat2
  * (RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS) where the kernel has it, else (or with

@@ -29,7 +29,11 @@
 #define MPT_TMPFILE 8    /* store through an unnamed O_TMPFILE file linked into place */
 #define MPT_NO_OPENAT2 16 /* resolve paths with the O_NOFOLLOW walk even where openat2 exists */
 #define MPT_URING 32      /* store / load through io_uring, several blocks in flight, where
-                           * this process can use it (probed once); else the syscall loop */
+                           * this process can use it (probed once); else the syscall loop.
+                           * Same results, except what a failed batch leaves undefined
+                           * anyway: a load's memory for blocks after the failing one may
+                           * hold their data (never reported as loaded), a store may have
+                           * made empty folders for them (nothing after it is published) */
 
 /* Alignment O_DIRECT needs for the user address, the length and the file offset.
  * 4096 covers both 512-byte and 4 KiB logical sectors. */
@@ -67,6 +71,10 @@
 
 /* -- the Python interface (build_ffi.py's cdef declares the same) ----------------------- */
 
+/* Store / load: 0, or -errno of block *fail_index; blocks 0 .. *n_done - 1 (= *fail_index)
+ * are done, nothing after *fail_index is published, removed or touched, and a load's
+ * memory from *fail_index on is undefined (see MPT_URING). All I/O into base has ended
+ * when they return. */
 int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
                     const uint64_t *offsets, size_t block_bytes, int flags, const char *tag,
                     size_t *n_done, size_t *fail_index, int *tmp_unlink_errno);
