@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import multiprocessing as mp
+import resource
 import os
 import shutil
 import statistics
@@ -28,6 +29,7 @@ import numpy as np
 from mptier import native
 
 VARIANTS = [("loop", 0), ("uring", native.URING)]
+CPU: list[float] = []  # CPU seconds of the last run, all its processes and threads
 # --threads N adds "threads": one process, N threads each running the loop on its share
 # (the in-process reference pool on the native calls, design c of mptier bench).
 
@@ -70,6 +72,7 @@ def worker(op: str, folder: str, paths: list[bytes], block: int, batch: int, fla
     fd = native.open_root(folder)
     tag = native.new_tag().encode()
     start.wait()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     try:
         for first in range(0, len(paths), batch):
             part = paths[first:first + batch]
@@ -82,7 +85,8 @@ def worker(op: str, folder: str, paths: list[bytes], block: int, batch: int, fla
                 raise OSError(-rc, f"{op} failed: {os.strerror(-rc)}")
     finally:
         os.close(fd)
-    done.put(time.perf_counter())
+    r1 = resource.getrusage(resource.RUSAGE_SELF)  # every thread, the ring's io-wq too
+    done.put((time.perf_counter(), r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime))
 
 
 def run_threads(op: str, folder: str, paths: list[bytes], block: int, batch: int,
@@ -97,11 +101,14 @@ def run_threads(op: str, folder: str, paths: list[bytes], block: int, batch: int
           for k in range(threads)]
     for t in ts:
         t.start()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     start.wait()
     t0 = time.perf_counter()
-    ends = [done.get() for _ in ts]
+    ends = [done.get()[0] for _ in ts]
     for t in ts:
         t.join()
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    CPU.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
     return len(paths) * block / (max(ends) - t0) / 1e9
 
 
@@ -117,7 +124,9 @@ def run(op: str, folder: str, paths: list[bytes], block: int, batch: int, flags:
         p.start()
     start.wait()
     t0 = time.perf_counter()
-    ends = [done.get() for _ in ps]
+    got = [done.get() for _ in ps]
+    ends = [g[0] for g in got]
+    CPU.append(sum(g[1] for g in got))
     for p in ps:
         p.join()
         if p.exitcode:
@@ -155,6 +164,7 @@ def main() -> int:
             for procs in (int(x) for x in args.procs.split(",")):
                 res: dict[str, list[float]] = {}
                 disk: dict[str, list[tuple[float, float]]] = {}
+                cpu: dict[str, list[float]] = {}
                 dropped = True
                 for rnd in range(args.rounds):
                     order = variants if rnd % 2 == 0 else variants[::-1]
@@ -171,6 +181,7 @@ def main() -> int:
                                 res.setdefault(f"{op} {name}", []).append(
                                     go(op, folder, paths, block, batch, flags | extra,
                                        procs))
+                                cpu.setdefault(f"{op} {name}", []).append(CPU[-1] / n * 1e6)
                                 d1, wall = disk_stat(root), time.perf_counter() - t0
                                 if d0 and d1:  # time_in_queue, io_ticks (ms)
                                     disk.setdefault(f"{op} {name}", []).append(
@@ -189,7 +200,9 @@ def main() -> int:
                         note = "" if not dd else "   disk: in flight " + " ".join(
                             f"{q:.1f}" for q, _ in dd) + ", busy " + " ".join(
                             f"{b:.0%}" for _, b in dd)
-                        print(f"  {op:5s} {name:7s} {med[name]:6.2f} GB/s   ({vals}){note}")
+                        us = statistics.median(cpu[f"{op} {name}"])
+                        print(f"  {op:5s} {name:7s} {med[name]:6.2f} GB/s   ({vals}), CPU "
+                              f"{us:.0f} µs/block{note}")
                     print(f"  {op:5s} uring / loop: x{med['uring'] / med['loop']:.2f}")
     return 0
 
