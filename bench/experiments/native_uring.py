@@ -144,6 +144,7 @@ def main() -> int:
     p.add_argument("--procs", default="1,4")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--checksum", action="store_true")
+    p.add_argument("--no-touch", action="store_true", help="without TOUCH (atime)")
     p.add_argument("--disk", action="store_true",
                    help="also print the disk's mean requests in flight and busy share")
     p.add_argument("--threads", type=int, default=0,
@@ -155,7 +156,8 @@ def main() -> int:
           f"{be.uring_status()}", flush=True)
     for root in args.roots.split(","):
         base = dict(o_direct=be.probe_o_direct(root), tmpfile=be.probe_o_tmpfile(root))
-        flags = ((native.O_DIRECT if base["o_direct"] else 0) | native.TOUCH
+        flags = ((native.O_DIRECT if base["o_direct"] else 0)
+                 | (0 if args.no_touch else native.TOUCH)
                  | (native.TMPFILE if base["tmpfile"] else 0)
                  | (native.CHECKSUM if args.checksum else 0))
         for block in (int(b) for b in args.blocks.split(",")):
