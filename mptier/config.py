@@ -33,6 +33,24 @@ class TierConfig:
 
     # Where block files live (created on demand).
     root_dir: str = ""
+    # Several roots instead of root_dir (one per drive, no RAID): each key lives on
+    # exactly one, chosen by rendezvous hashing of its block hash with a seed from the
+    # root's path (mptier.storage.roots). Give root_dir or root_dirs, not both.
+    root_dirs: list[str] = field(default_factory=list)
+    # Bytes of blocks each root may hold (0 = unlimited); past high_watermark of it the
+    # least recently used blocks are evicted down to low_watermark of it.
+    capacity_bytes: int = 0
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    # Where file locks do not work, a temporary file this old is a dead writer's.
+    stale_temp_s: float = 3600.0
+    # Whether a writer's lease lock proves it alive to every node: "auto" (probe each
+    # root), true, or false (locks are node-local: temporaries are judged by age only).
+    lease_locks: bool | str = "auto"
+    # Fault results (EIO, ETIMEDOUT, ENOTCONN, ...) in a row that take a root out of
+    # rotation, and how long it stays out before an operation probes it again.
+    root_failures_to_fail: int = 3
+    root_retry_s: float = 30.0
     # Load-priority worker processes: take loads and lookups first, stores when idle.
     n_load_workers: int = 2
     # Store-priority worker processes: take stores first, loads when idle.
@@ -152,6 +170,13 @@ class TierConfig:
     def replace(self, **changes: Any) -> TierConfig:
         return self.from_dict(changes, base=self)
 
+    def roots(self) -> list[str]:
+        """The roots in use: ``root_dirs``, else ``[root_dir]`` (normalised paths; empty
+        when neither is set)."""
+        if self.root_dirs:
+            return [os.path.normpath(r) for r in self.root_dirs]
+        return [os.path.normpath(self.root_dir)] if self.root_dir else []
+
     def layout_kwargs(self) -> dict[str, Any]:
         """Arguments for :class:`mptier.layout.FileMapper` (without ``root_dir``)."""
         names = ("model_name", "tokens_per_hash", "blocks_per_file", "tp_size", "pp_size",
@@ -166,6 +191,7 @@ class TierConfig:
         """Raise ``ConfigError`` naming the first bad field and what it accepts."""
         self.root_dir = os.fspath(self.root_dir) if self.root_dir is not None else ""
         _want(isinstance(self.root_dir, str), "root_dir", self.root_dir, "a path string")
+        self._validate_storage()
         for name in ("n_load_workers", "n_store_workers"):
             _want_int(self, name, low=0, high=256)
         _want(self.n_load_workers + self.n_store_workers >= 1, "n_load_workers",
@@ -186,7 +212,7 @@ class TierConfig:
             _want(isinstance(value, (int, float)) and not isinstance(value, bool)
                   and value > 0, name, value, "a positive number of seconds")
         _want_int(self, "max_task_retries", low=0, high=100)
-        for name in ("use_o_direct", "checksum_blocks", "io_uring"):
+        for name in ("use_o_direct", "checksum_blocks", "io_uring", "lease_locks"):
             setattr(self, name, _tristate(name, getattr(self, name)))
         for name in ("native", "enable_events", "prefault", "parallel_agnostic",
                      "replicated_layout"):
@@ -229,6 +255,42 @@ class TierConfig:
               self.inference_engine, "a string")
         _want(self.canonical_format is None or isinstance(self.canonical_format, str),
               "canonical_format", self.canonical_format, "a string, or absent")
+
+
+    def _validate_storage(self) -> None:
+        from mptier.storage.roots import MAX_ROOTS
+
+        dirs = self.root_dirs
+        _want(isinstance(dirs, (list, tuple)) and all(
+            isinstance(d, (str, os.PathLike)) and os.fspath(d) for d in dirs),
+            "root_dirs", dirs, 'a list of folder paths, e.g. ["/mnt/nvme0/kv", "/mnt/nvme1/kv"]')
+        self.root_dirs = [os.fspath(d) for d in dirs]
+        if self.root_dirs and self.root_dir:
+            raise ConfigError(
+                f"TierConfig.root_dir = {self.root_dir!r} and TierConfig.root_dirs = "
+                f"{self.root_dirs!r} are both set: give one root as root_dir, or every root "
+                "in root_dirs (then leave root_dir empty)")
+        _want(len(self.root_dirs) <= MAX_ROOTS, "root_dirs", self.root_dirs,
+              f"at most {MAX_ROOTS} roots")
+        normalized = [os.path.normpath(d) for d in self.root_dirs]
+        twice = sorted({d for d in normalized if normalized.count(d) > 1})
+        _want(not twice, "root_dirs", self.root_dirs,
+              f"each root once (listed more than once: {', '.join(twice)})")
+        self.capacity_bytes = _parse_bytes("capacity_bytes", self.capacity_bytes)
+        _want(self.capacity_bytes >= 0, "capacity_bytes", self.capacity_bytes,
+              'a byte count per root >= 0 such as "500G" (0 = unlimited)')
+        for name in ("high_watermark", "low_watermark"):
+            value = getattr(self, name)
+            _want(isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and 0 < value <= 1, name, value, "a fraction of capacity_bytes in (0, 1]")
+        _want(self.low_watermark < self.high_watermark, "low_watermark", self.low_watermark,
+              f"a fraction below high_watermark = {self.high_watermark!r} (0 < "
+              "low_watermark < high_watermark <= 1, e.g. 0.85 and 0.95)")
+        for name in ("stale_temp_s", "root_retry_s"):
+            value = getattr(self, name)
+            _want(isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and value > 0, name, value, "a positive number of seconds")
+        _want_int(self, "root_failures_to_fail", low=1, high=1_000_000)
 
 
 def _want(ok: bool, name: str, value: Any, accepted: str) -> None:

@@ -69,6 +69,8 @@ class MessageType(enum.IntEnum):
     RETRY = 5  # the supervisor: the worker holding this task died; run it again as
     #            ``attempt`` -- unless it was already reported (only the engine knows:
     #            a worker may have sent DONE just before it died)
+    REMOVED = 6  # a root's caretaker evicted these keys of the engine's own folder
+    #              (payload: pack_keys; n_done = how many); no task_id
 
 
 class LookupResult(enum.Enum):
@@ -117,7 +119,8 @@ class JobResult:
 class TierEvent:
     """``kind`` is ``"stored"`` (keys a successful store wrote) or ``"removed"`` (keys
     whose files the tier deleted: ``extra["reason"]`` is ``"corrupt"`` for a file shorter
-    than a block, ``"checksum"`` for one that failed its CRC32C record)."""
+    than a block, ``"checksum"`` for one that failed its CRC32C record, ``"evicted"`` for
+    least recently used blocks removed to stay within ``capacity_bytes``)."""
 
     kind: str
     keys: tuple[bytes, ...]
@@ -309,6 +312,38 @@ def encode_message(type_: MessageType, slot: int, pid: int, *, errno: int = 0,
         raise ValueError(f"message of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
     return _MESSAGE_HEADER.pack(length, int(type_), WIRE_VERSION, slot, attempt, pid, errno,
                                 n_done, task_id, started_ns, elapsed_ns) + payload
+
+
+def pack_keys(keys: Sequence[bytes]) -> list[tuple[bytes, int]]:
+    """Payloads of REMOVED messages and how many keys each holds: each key as
+    ``length(u8) + key``, as many per payload as fit one message (keys are at most 255
+    bytes)."""
+    room = MAX_MESSAGE_BYTES - MESSAGE_HEADER_BYTES
+    out: list[tuple[bytes, int]] = []
+    part = bytearray()
+    count = 0
+    for key in keys:
+        if len(part) + 1 + len(key) > room:
+            out.append((bytes(part), count))
+            part = bytearray()
+            count = 0
+        part.append(len(key))
+        part += key
+        count += 1
+    if part:
+        out.append((bytes(part), count))
+    return out
+
+
+def unpack_keys(payload: bytes) -> list[bytes]:
+    """The keys of one :func:`pack_keys` payload."""
+    keys = []
+    pos = 0
+    while pos < len(payload):
+        n = payload[pos]
+        keys.append(bytes(payload[pos + 1:pos + 1 + n]))
+        pos += 1 + n
+    return keys
 
 
 def decode_messages(buffer: bytearray) -> list[Message]:

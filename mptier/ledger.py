@@ -18,7 +18,15 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from mptier.jobs import JobResult, Message, MessageType, TaskKind, TierEvent, encode_task
+from mptier.jobs import (
+    JobResult,
+    Message,
+    MessageType,
+    TaskKind,
+    TierEvent,
+    encode_task,
+    unpack_keys,
+)
 from mptier.lookup import LookupTable
 
 # A lookup task's DONE payload holds one status byte per key (mptier.native's LOOKUP_*
@@ -79,6 +87,7 @@ class Counters:
     corrupt_removed: int = 0  # blocks deleted on load: short, or failing their checksum
     checksum_failures: int = 0  # of those, the ones whose CRC32C record did not match
     bad_entries: int = 0  # non-block entries met at block paths (see BAD_ENTRY_ERRNOS)
+    evicted_keys: int = 0  # keys of this tier's folder evicted to stay within capacity
 
 
 class JobLedger:
@@ -162,6 +171,17 @@ class JobLedger:
         self._next_group = group + 1
         self.groups[group] = Group(job, keys, per_task, bytearray(n_tasks), n_tasks)
         return group << TASK_INDEX_BITS
+
+    def keys_removed(self, m: Message) -> None:
+        """Apply a REMOVED message: a caretaker evicted these keys of this tier's own
+        folder. They become "removed" events, and requests holding a HIT for them see
+        MISS from now on."""
+        keys = unpack_keys(m.payload)
+        if not keys:
+            return
+        self.counters.evicted_keys += len(keys)
+        self._lookups.mark_miss(keys)
+        self._events.append(TierEvent("removed", tuple(keys), {"reason": "evicted"}))
 
     def fail_task(self, task_id: int, err: int, text: str) -> None:
         self.task_finished(Message(MessageType.LOST, 0, 0, errno=err, task_id=task_id,

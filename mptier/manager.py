@@ -69,7 +69,9 @@ from mptier.ledger import JobLedger
 from mptier.lookup import LookupTable
 from mptier.monitor.tier import attach_tier
 from mptier.shm import SharedKVBuffer, cleanup_stale
+from mptier.storage.roots import RootRouter
 from mptier.workers import PoolSettings, open_pool
+from mptier.workers.pool import root_figures
 
 log = logging.getLogger(__name__)
 
@@ -112,16 +114,17 @@ class FileSystemTier:
         self._closed = self._shut_down = True  # until constructed: shutdown() is a no-op
         cfg = TierConfig.from_dict(overrides, base=config) if overrides or config is None \
             else config
-        if not cfg.root_dir:
+        if not cfg.roots() and not cfg.service:  # a service brings its own root
             raise ConfigError("TierConfig.root_dir is required: the folder block files go "
-                              "into, e.g. FileSystemTier(buf, root_dir='/mnt/kv')")
+                              "into, e.g. FileSystemTier(buf, root_dir='/mnt/kv') (or "
+                              "root_dirs=[...] for several)")
         self.config = cfg
         if not isinstance(buffer, SharedKVBuffer):
             buffer = SharedKVBuffer.from_memoryview(buffer)
         self._buffer = buffer
         self._block_bytes = buffer.block_bytes
         self._num_blocks = buffer.num_blocks
-        self.mapper = FileMapper(cfg.root_dir, **cfg.layout_kwargs())
+        self.mapper = FileMapper((cfg.roots() or [""])[0], **cfg.layout_kwargs())
         self._per_task = max(1, cfg.task_bytes // self._block_bytes)
         # Keys up to this length always fit self._per_task items in a record.
         self._fast_key_len = next((k for k in range(MAX_KEY_BYTES, 0, -1)
@@ -152,10 +155,11 @@ class FileSystemTier:
             finally:
                 for seg in segments:  # the pool keeps copies of its own
                     os.close(seg.fd)
-            self.use_o_direct = self._io.use_o_direct
-            self.backend = self._io.backend
-            if self._io.root_dir != cfg.root_dir:  # a service's root
+            if self._io.root_dir != self.mapper.root_dir:  # a service's root
                 self.mapper = FileMapper(self._io.root_dir, **cfg.layout_kwargs())
+            # Several roots: each key lives on the one RootRouter names.
+            self.mappers = [FileMapper(r, **cfg.layout_kwargs()) for r in self._io.root_dirs]
+            self._router = RootRouter(self._io.root_dirs)
             self._seen_counts = self._pool.control.counters_snapshot()
             # Status socket / metrics (config status_socket, metrics_port): threads that
             # sleep until an operator asks; see mptier.monitor.
@@ -164,6 +168,21 @@ class FileSystemTier:
             self._cleanup = stack.pop_all()
         self._closed = self._shut_down = False
         _live_tiers.add(self)
+
+    # What the workers do, as the pool (or the service, after each attach) settled it.
+    @property
+    def use_o_direct(self) -> bool:
+        return self._pool.io.use_o_direct
+
+    @property
+    def checksum_blocks(self) -> bool:
+        """Whether blocks carry vLLM's CRC32C record, written and verified: the probe's
+        answer for "auto", the service's setting when attached to one."""
+        return self._pool.io.checksum
+
+    @property
+    def backend(self) -> str:
+        return self._pool.io.backend
 
     @staticmethod
     def _open_pool(cfg: TierConfig, buffer: SharedKVBuffer) -> Any:
@@ -304,7 +323,11 @@ class FileSystemTier:
         return self._ledger.take_finished() if self._ledger.has_finished() else []
 
     def take_events(self) -> list[TierEvent]:
-        """"stored" events (when ``enable_events``) and "removed" events since last call."""
+        """"stored" events (when ``enable_events``) and "removed" events since last call
+        (corrupt blocks removed on load; blocks evicted to stay within capacity_bytes).
+        Never blocks: reads what the workers reported meanwhile first."""
+        if not self._closed:
+            self._poll()
         return self._ledger.take_events()
 
     def fileno(self) -> int:
@@ -364,6 +387,8 @@ class FileSystemTier:
                 self._ledger.task_finished(message)
             elif message.type == MessageType.RETRY:
                 self._retry(message)
+            elif message.type == MessageType.REMOVED:
+                self._ledger.keys_removed(message)
 
     def _retry(self, message: Any) -> None:
         """Queue a task again whose worker died, unless it was reported meanwhile."""
@@ -399,6 +424,9 @@ class FileSystemTier:
             queues = {q.name: q.pipe_depth() + q.overflow_depth
                       for q in self._queues.values()}
         pool = self._final_pool_stats or self._pool.stats()
+        roots = self._root_figures(pool)
+        capacity = (self._pool.io or self._io).capacity_bytes
+        usage = sum(r["usage_bytes"] for r in roots)
         return {
             "mode": self.mode,
             "closed": self._closed,
@@ -417,11 +445,32 @@ class FileSystemTier:
             "lookup_keys_pending": self._lookups.pending_keys,
             **asdict(self._ledger.counters),
             "latency": {k: percentiles(v) for k, v in self._ledger.latency.items()},
+            # Bytes of blocks under the roots (every cache folder there, other models'
+            # too; a lower bound until each root's first walk completed), and the budget
+            # (capacity_bytes per root; 0 = unlimited).
+            "usage_bytes": usage,
+            "used_bytes": usage,
+            "capacity_bytes": capacity * len(roots),
+            "roots": roots,
             "pool": pool["counters"],
             "workers": pool["workers"],
             **({"service": {k: v for k, v in pool.items() if k not in (
                 "counters", "workers", "mode", "unavailable")}} if "service" in pool else {}),
         }
+
+    def path_for(self, key: bytes) -> str:
+        """The block file of ``key``, on the root it maps to (several roots: by
+        rendezvous hashing, see :mod:`mptier.storage.roots`)."""
+        return self.mappers[self._router.index_of(key)].path_for(key)
+
+    def root_of(self, key: bytes) -> str:
+        """The root ``key`` lives on."""
+        return self._router.roots[self._router.index_of(key)]
+
+    def _root_figures(self, pool: dict[str, Any]) -> list[dict[str, Any]]:
+        if not self._closed and self._pool.control is not None:
+            return root_figures(self._pool.control, self._pool.io or self._io)
+        return pool.get("roots") or []
 
     @property
     def status_name(self) -> str | None:

@@ -156,6 +156,16 @@ def test_a_second_engine_is_refused_naming_the_holder(start_service, attach, mak
         FileSystemTier(make_buffer(4, BLOCK), root_dir="/x", service=service.name)
 
 
+def test_root_dir_is_the_services_and_need_not_be_given(start_service, make_buffer,
+                                                      tmp_path):
+    service = start_service()
+    buf = make_buffer(16, BLOCK)
+    with FileSystemTier(buf, service=service.name) as tier:  # no root_dir at all
+        round_trip(tier, buf, keys_for(3))
+        assert tier.mapper.base_path.startswith(str(tmp_path / "kv"))
+        assert tier.stats()["o_direct"] is tier.use_o_direct
+
+
 def test_no_service_is_a_clear_error(run_dir, make_buffer):
     with pytest.raises(MptierError, match=r"no mptier service named 'nobody'.*mptier serve"):
         FileSystemTier(make_buffer(4, BLOCK), root_dir="/x", service="nobody",

@@ -12,6 +12,7 @@ The two tests at the end are not marked: they check, in a fresh interpreter, tha
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import gc
 import hashlib
@@ -20,8 +21,10 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +32,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import psutil
 import pytest
+from conftest import wait_for
+from test_service import ServiceProcess, gone
+
+import mptier.native as mnative
+from mptier.errors import MptierError
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 NO_VLLM = ("vLLM is not installed in this interpreter; make the environment with "
@@ -39,6 +47,7 @@ if HAVE_VLLM:  # an installed but broken vLLM must fail loudly, not skip
         Locality,
         LookupResult,
         Medium,
+        OffloadingCounterMetadata,
         OffloadKey,
         ReqContext,
         make_offload_key,
@@ -53,15 +62,21 @@ if HAVE_VLLM:  # an installed but broken vLLM must fail loudly, not skip
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
     from vllm.v1.kv_offload.file_mapper import FileMapper as VllmFileMapper
     from vllm.v1.kv_offload.tiering.base import (
+        TIER_LABEL,
         ScheduleEndContext,
         SecondaryTierManager,
+        TieringOffloadingMetrics,
         TransferJob,
     )
+    from vllm.v1.kv_offload.tiering.base import JobResult as VllmJobResult
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    from mptier.integrations.vllm import MPFileSystemTierManager
+    from mptier.integrations.vllm import (
+        MPFileSystemTierManager,
+        vllm_reports_checksum_failures,
+    )
 
     STEP_END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
     HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
@@ -259,6 +274,9 @@ def test_factory_builds_the_tier_from_module_path(tmp_path, primary, make_tier):
     ({"n_load_workers": -1}, "n_load_workers"),
     ({"root_dir": None}, "root_dir is required"),
     ({"config": "/nonexistent/mptier.toml"}, "does not exist"),
+    ({"checksum_blocks": "yes"}, "checksum_blocks"),
+    ({"checksum_blocks": 1}, "checksum_blocks"),
+    ({"service": 7}, "service"),
 ])
 def test_bad_options_fail_before_any_worker_starts(tmp_path, primary, options, message):
     spec = make_spec()
@@ -538,7 +556,11 @@ def test_failing_first_block_reports_no_successful_keys(ours, first):
     else:
         os.unlink(path)
     ctx = ReqContext(req_id="r")
-    assert resolve(tier, keys, ctx) == [HIT if first == "short" else MISS, HIT, HIT]
+    # Only a regular file of exactly the block size is a hit: a short block is a miss
+    # to a lookup (vLLM's tier, which checks existence, would answer HIT), and the
+    # lookup leaves it where it is.
+    assert resolve(tier, keys, ctx) == [MISS, HIT, HIT]
+    assert os.path.exists(path) == (first == "short")
     checked = tier.tier.stats()["keys_checked"]
 
     tier.submit_load(job(2, keys, [4, 5, 6], load=True, ctx=ctx))
@@ -554,7 +576,9 @@ def test_failing_first_block_reports_no_successful_keys(ours, first):
 
 
 @pytest.mark.vllm
-def test_open_error_fails_the_job_and_leaves_the_file(ours):
+def test_symlink_at_a_block_path_fails_the_job_and_is_removed(ours):
+    """mptier never follows a symlink beneath its root: the load fails at that block and
+    the link is removed (vLLM's tier gets ELOOP from this one and leaves it in place)."""
     tier, _, _ = ours()
     store(tier, [key(1)], [0])
     loop = tier.tier.mapper.path_for(key(2))
@@ -568,7 +592,8 @@ def test_open_error_fails_the_job_and_leaves_the_file(ours):
     result = finish(tier, [2])[2]
     assert not result.success
     assert tuple(result.successful_keys) == (key(1),)
-    assert os.path.islink(loop)  # only a short file is deleted
+    assert not os.path.lexists(loop)
+    assert os.path.getsize(tier.tier.mapper.path_for(key(1))) == BLOCK
 
 
 @pytest.mark.vllm
@@ -773,6 +798,450 @@ def test_stats_use_only_declared_metrics(ours):
     assert tier.get_stats() is None  # at most once a second
 
 
+# -- block checksums ---------------------------------------------------------------------
+# vLLM's record: xattr user.vllm.kv_crc32c = CRC32C of the block, 4 bytes big-endian.
+# vLLM 0.33 (installed here) neither writes nor reads it; vLLM after 0.33 does, with the
+# option checksum_blocks, and tells its tiering manager of a failed check through
+# JobResult.checksum_failed and the metric TieringOffloadingMetrics.CHECKSUM_FAILURES.
+
+
+def record_of(path: str) -> bytes | None:
+    """The checksum record on ``path``, or None when it has none."""
+    try:
+        return os.getxattr(path, mnative.XATTR_NAME)
+    except OSError as exc:
+        assert exc.errno == errno.ENODATA, exc
+        return None
+
+
+def crc_record(row: np.ndarray) -> bytes:
+    return mnative.crc32c(row.tobytes()).to_bytes(4, "big")
+
+
+# The installed vLLM, or a stand-in for a vLLM after 0.33: what that one adds, on top of
+# the real 0.33 classes (the same field and metric names the adapter looks for).
+VLLM_VERSIONS = ["0.33", "newer"]
+CHECKSUM_METRIC = "vllm:kv_offload_tiering_checksum_failures"
+# Both of mptier's I/O backends write and check the record (C core, pure-Python twin).
+BACKENDS = pytest.mark.parametrize("io_backend", ["native", "python"])
+
+
+@pytest.fixture(params=VLLM_VERSIONS)
+def vllm_version(request, monkeypatch) -> str:
+    """Parametrises a test over the real vLLM 0.33 and a stand-in for a newer vLLM."""
+    if request.param == "newer":
+        import mptier.integrations.vllm as adapter
+
+        @dataclasses.dataclass
+        class NewerJobResult(adapter.JobResult):
+            checksum_failed: bool = False
+
+        class NewerMetrics(adapter.TieringOffloadingMetrics):
+            CHECKSUM_FAILURES = CHECKSUM_METRIC
+
+        monkeypatch.setattr(adapter, "JobResult", NewerJobResult)
+        monkeypatch.setattr(adapter, "TieringOffloadingMetrics", NewerMetrics)
+    return request.param
+
+
+@pytest.mark.vllm
+def test_installed_vllm_033_has_no_checksum_reporting():
+    """The 0.33 path is the real one: nothing to set, nothing to declare."""
+    assert vllm_reports_checksum_failures() == (False, None)
+    assert "checksum_failed" not in {f.name for f in dataclasses.fields(VllmJobResult)}
+    assert not hasattr(TieringOffloadingMetrics, "CHECKSUM_FAILURES")
+
+
+@pytest.mark.vllm
+def test_checksum_reporting_is_detected_in_a_newer_vllm(vllm_version):
+    takes_flag, metric = vllm_reports_checksum_failures()
+    assert (takes_flag, metric) == ((True, CHECKSUM_METRIC) if vllm_version == "newer"
+                                    else (False, None))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("option", "expected"), [
+    (None, False),  # absent: vLLM's default, off
+    (False, False),
+    (True, True),
+    ("auto", True),  # this root keeps user xattrs (checked below)
+])
+def test_checksum_blocks_option_has_vllms_meaning(ours, option, expected):
+    options = {} if option is None else {"checksum_blocks": option}
+    tier, rows, _ = ours(**options)
+    assert tier.tier.config.checksum_blocks == (False if option is None else option)
+    if option == "auto":
+        assert mnative.probe_xattr(tier.tier.mapper.blocks_dir)
+    assert tier.tier.checksum_blocks is expected
+    fill(rows, [0], seed=11)
+    store(tier, [key(1)], [0])
+    record = record_of(tier.file_mapper.get_file_name(key(1)))
+    assert record == (crc_record(rows[0]) if expected else None)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("in_file", "option", "expected"), [
+    ("true", None, True),
+    ('"auto"', None, True),
+    ("true", False, False),  # the tier config wins over the file
+    ("false", True, True),
+])
+def test_checksum_blocks_in_the_config_file(tmp_path, ours, in_file, option, expected):
+    path = tmp_path / "mptier.toml"
+    path.write_text(f"checksum_blocks = {in_file}\n")
+    options = {} if option is None else {"checksum_blocks": option}
+    tier, _, _ = ours(config=str(path), **options)
+    assert tier.tier.checksum_blocks is expected
+
+
+@pytest.mark.vllm
+def test_checksums_required_on_a_root_without_xattrs_refuse_to_start(
+        tmp_path, primary, monkeypatch):
+    """vLLM's rule: checksum_blocks=true where user extended attributes do not work is a
+    ValueError at start. The file system's answer is injected into mptier's probe."""
+    monkeypatch.setattr(mnative.Backend, "probe_xattr", lambda self, directory: False)
+    spec = make_spec()
+    view = primary(spec)
+    with pytest.raises(ValueError, match="extended attributes") as raised:
+        SecondaryTierFactory.create_secondary_tier(
+            {**OUR_TIER, "root_dir": str(tmp_path / "kv"), "checksum_blocks": True,
+             **SMALL}, view, spec)
+    assert str(tmp_path / "kv") in str(raised.value)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("option", ["auto", None, False])
+def test_checksums_not_required_run_on_a_root_without_xattrs(ours, monkeypatch, caplog,
+                                                            option):
+    monkeypatch.setattr(mnative.Backend, "probe_xattr", lambda self, directory: False)
+    options = {} if option is None else {"checksum_blocks": option}
+    with caplog.at_level(logging.WARNING, logger="mptier"):
+        tier, _, _ = ours(**options)
+    warned = [r for r in caplog.records if "extended attributes" in r.getMessage()]
+    assert len(warned) == (1 if option == "auto" else 0)  # off by choice: nothing to say
+    assert tier.tier.checksum_blocks is False
+    store(tier, [key(1)], [0])
+    assert record_of(tier.file_mapper.get_file_name(key(1))) is None
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("tier_config", "declared"), [
+    ({}, False),  # absent: vLLM's default, off
+    ({"checksum_blocks": False}, False),
+    ({"checksum_blocks": True}, True),
+    ({"checksum_blocks": "auto"}, True),
+    ({"config": "FILE_ON"}, True),
+    ({"config": "FILE_ON", "checksum_blocks": False}, False),
+    ({"config": "FILE_OFF"}, False),
+    ({"config": "/nonexistent/mptier.toml"}, True),  # cannot tell: declare, harmless
+    ({"checksum_blocks": "sometimes"}, True),  # the tier itself refuses this one
+])
+def test_checksum_metric_is_declared_only_with_checksums_on(tmp_path, vllm_version,
+                                                            tier_config, declared):
+    files = {"FILE_ON": "checksum_blocks = true\n", "FILE_OFF": "n_load_workers = 1\n"}
+    if tier_config.get("config") in files:
+        path = tmp_path / "mptier.toml"
+        path.write_text(files[tier_config["config"]])
+        tier_config = {**tier_config, "config": str(path)}
+    entry = {**OUR_TIER, "root_dir": str(tmp_path), **tier_config}
+    definitions = MPFileSystemTierManager.build_metric_definitions(entry)
+    baseline = MPFileSystemTierManager.build_metric_definitions({**OUR_TIER})
+    extra = set(definitions) - set(baseline)
+    # vLLM's spec gathers every tier's definitions the same way (metrics front end).
+    gathered = TieringOffloadingSpec.build_metric_definitions(
+        {"cpu_bytes_to_use": ROWS * BLOCK, "secondary_tiers": [entry]})
+    assert (CHECKSUM_METRIC in gathered) == (vllm_version == "newer" and declared)
+    if vllm_version == "newer" and declared:
+        assert extra == {CHECKSUM_METRIC}
+        metric = definitions[CHECKSUM_METRIC]
+        assert isinstance(metric, OffloadingCounterMetadata)
+        assert metric.labelnames == ("tier",) == (TIER_LABEL,)
+    else:
+        assert extra == set()  # vLLM 0.33 has no such metric; checksums off: nothing
+
+
+@pytest.mark.vllm
+@BACKENDS
+def test_block_stored_with_checksums_loads_in_vllms_033_tier(tmp_path, primary, make_tier,
+                                                             io_backend):
+    """vLLM 0.33's own tier ignores the record: a cache written by mptier with
+    checksums on stays readable to it."""
+    spec = make_spec()
+    view = primary(spec)
+    rows = np.asarray(view)
+    root = str(tmp_path)
+    ours = make_tier(view, spec, root_dir=root, checksum_blocks=True,
+                     native=io_backend == "native", **SMALL)
+    assert ours.tier.stats()["backend"] == io_backend
+    theirs = make_tier(view, spec, VLLM_FS, root_dir=root)
+    keys = [key(1), key(2)]
+    fill(rows, [0, 1], seed=12)
+    expected = rows[0:2].copy()
+    store(ours, keys, [0, 1])
+    for k, row in zip(keys, expected):
+        assert record_of(theirs.file_mapper.get_file_name(k)) == crc_record(row)
+    rows[:] = 0
+    assert resolve(theirs, keys, ReqContext(req_id="r")) == [HIT, HIT]
+    theirs.submit_load(job(2, keys, [5, 6], load=True))
+    assert finish(theirs, [2])[2].success
+    assert np.array_equal(rows[5:7], expected)
+
+
+@pytest.mark.vllm
+@BACKENDS
+def test_block_stored_by_vllms_033_tier_loads_with_checksums_on(tmp_path, primary,
+                                                                make_tier, vllm_version,
+                                                                io_backend):
+    """A block without a record (vLLM 0.33 writes none) loads as before."""
+    spec = make_spec()
+    view = primary(spec)
+    rows = np.asarray(view)
+    root = str(tmp_path)
+    theirs = make_tier(view, spec, VLLM_FS, root_dir=root)
+    ours = make_tier(view, spec, root_dir=root, checksum_blocks=True,
+                     native=io_backend == "native", **SMALL)
+    assert ours.tier.stats()["backend"] == io_backend
+    assert ours.tier.checksum_blocks
+    keys = [key(1), key(2)]
+    fill(rows, [0, 1], seed=13)
+    expected = rows[0:2].copy()
+    store(theirs, keys, [0, 1])
+    for k in keys:
+        assert record_of(theirs.file_mapper.get_file_name(k)) is None
+    rows[:] = 0
+    ours.submit_load(job(2, keys, [5, 6], load=True))
+    result = finish(ours, [2])[2]
+    assert result.success
+    assert getattr(result, "checksum_failed", False) is False
+    assert np.array_equal(rows[5:7], expected)
+    assert ours.tier.stats()["checksum_failures"] == 0
+    for k in keys:
+        assert os.path.getsize(ours.file_mapper.get_file_name(k)) == BLOCK
+
+
+@pytest.mark.vllm
+@BACKENDS
+def test_corrupted_block_fails_its_checksum_and_becomes_a_miss(tmp_path, primary,
+                                                               make_tier, caplog,
+                                                               vllm_version, io_backend):
+    """A flipped byte under a valid record: vLLM 0.33's tier loads the bad bytes without
+    a word; mptier fails that block's load (EBADMSG), keeps the blocks before it,
+    deletes the file, turns the key into a miss and, where vLLM has the field, sets
+    ``checksum_failed``. The next store of the key writes it again."""
+    spec = make_spec()
+    view = primary(spec)
+    rows = np.asarray(view)
+    root = str(tmp_path)
+    ours = make_tier(view, spec, root_dir=root, checksum_blocks=True,
+                     native=io_backend == "native", **SMALL)
+    assert ours.tier.stats()["backend"] == io_backend
+    theirs = make_tier(view, spec, VLLM_FS, root_dir=root)
+    keys = [key(1), key(2), key(3)]
+    fill(rows, [0, 1, 2], seed=14)
+    good = rows[0:3].copy()
+    store(ours, keys, [0, 1, 2])
+    bad = ours.file_mapper.get_file_name(key(2))
+    record = record_of(bad)
+    with open(bad, "r+b") as f:  # in place: the record stays
+        f.seek(BLOCK // 2)
+        byte = f.read(1)
+        f.seek(BLOCK // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert record_of(bad) == record == crc_record(good[1])
+
+    theirs.submit_load(job(9, [key(2)], [9], load=True))  # vLLM 0.33: no check
+    assert finish(theirs, [9])[9].success
+    assert not np.array_equal(rows[9], good[1]) and os.path.exists(bad)
+
+    ctx = ReqContext(req_id="r")
+    assert resolve(ours, keys, ctx) == [HIT, HIT, HIT]
+    checked = ours.tier.stats()["keys_checked"]
+    with caplog.at_level(logging.ERROR, logger="mptier.integrations.vllm"):
+        ours.submit_load(job(2, keys, [5, 6, 7], load=True, ctx=ctx))
+        result = finish(ours, [2])[2]
+    assert not result.success
+    assert tuple(result.successful_keys) == (key(1),)
+    assert np.array_equal(rows[5], good[0])
+    if vllm_version == "newer":
+        assert result.checksum_failed is True
+    else:
+        assert type(result) is VllmJobResult and not hasattr(result, "checksum_failed")
+    assert "checksum" in caplog.text
+    assert not os.path.exists(bad)
+    stats = ours.tier.stats()
+    assert stats["checksum_failures"] == 1
+    # This request was promised the blocks from the failure on: misses now, no re-check.
+    assert [ours.lookup(k, ctx) for k in keys] == [HIT, MISS, MISS]
+    assert_no_new_probe(ours, checked)
+    assert resolve(ours, keys, ReqContext(req_id="fresh")) == [HIT, MISS, HIT]
+
+    # Stored again, it loads again (with a record of the right bytes).
+    store(ours, [key(2)], [1], job_id=3)
+    assert record_of(bad) == crc_record(good[1])
+    ours.submit_load(job(4, [key(2)], [8], load=True))
+    result = finish(ours, [4])[4]
+    assert result.success and np.array_equal(rows[8], good[1])
+    if vllm_version == "newer":
+        assert result.checksum_failed is False
+
+
+@pytest.mark.vllm
+def test_checksum_flag_is_not_reported_with_checksums_off(ours, vllm_version):
+    """Checksums off (vLLM's default): nothing checked, the flag never set, the bytes
+    served as they are."""
+    tier, rows, _ = ours()
+    fill(rows, [0], seed=15)
+    store(tier, [key(1)], [0])
+    with open(tier.file_mapper.get_file_name(key(1)), "r+b") as f:
+        f.write(b"\xff" * 16)
+    tier.submit_load(job(2, [key(1)], [3], load=True))
+    result = finish(tier, [2])[2]
+    assert result.success
+    assert getattr(result, "checksum_failed", False) is False
+    assert tier.tier.stats()["checksum_failures"] == 0
+
+
+# -- attached to a `mptier serve` service ------------------------------------------------
+
+
+@pytest.fixture
+def service_run_dir(monkeypatch) -> Iterator[str]:
+    """A private run directory (short, for Unix socket paths) the engine side uses."""
+    path = tempfile.mkdtemp(prefix="mptier-vllm-run-")
+    monkeypatch.setenv("MPTIER_RUN_DIR", path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def start_service(service_run_dir, tmp_path) -> Iterator[Callable[..., ServiceProcess]]:
+    """``start_service(name, *serve_args)`` runs ``mptier serve`` over ``tmp_path/svc``;
+    each is stopped with SIGTERM at teardown and must exit 0 with its workers gone.
+    Ask for it before ``make_tier``, so the tiers detach before their service stops."""
+    started: list[ServiceProcess] = []
+
+    def start(name: str, *extra: str) -> ServiceProcess:
+        service = ServiceProcess(name, str(tmp_path / "svc"), service_run_dir, *extra)
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        pids = service.worker_pids() if service.proc.poll() is None else []
+        assert service.stop() == 0
+        wait_for(lambda p=pids: all(gone(x) for x in p), timeout=10,
+                 what="the service's workers to go")
+
+
+@pytest.mark.vllm
+def test_tier_attached_to_a_service_round_trips_in_vllms_layout(
+        tmp_path, start_service, primary, make_tier):
+    service = start_service("vllm-kv")
+    spec = make_spec()
+    view = primary(spec)
+    rows = np.asarray(view)
+    tier = make_tier(view, spec, service="vllm-kv", checksum_blocks=True)
+    assert isinstance(tier, MPFileSystemTierManager)
+    assert tier.tier.mode == "service"
+    assert set(tier.tier.worker_pids()) == set(service.worker_pids())
+    assert not {p.pid for p in psutil.Process().children()} & set(service.worker_pids())
+    # The root is the service's; the layout vLLM's, as vLLM's fs tier computes it there.
+    reference = vllm_mapper(spec, service.root)
+    assert tier.file_mapper.base_path == reference.base_path == tier.tier.mapper.base_path
+    assert tier.file_mapper.base_path.startswith(service.root + "/")
+    with open(reference.get_config_file_path(), "rb") as f:  # as vLLM's fs tier writes it
+        assert f.read() == json.dumps(reference.get_run_config(), indent=2,
+                                      sort_keys=True).encode()
+    assert tier.tier.checksum_blocks  # the service's "auto" on a root with user xattrs
+
+    keys = [key(1), key(2), key(3)]
+    fill(rows, [0, 1, 2], seed=16)
+    expected = rows[0:3].copy()
+    store(tier, keys, [0, 1, 2])
+    for k, row in zip(keys, expected):
+        path = reference.get_file_name(k)
+        assert tier.file_mapper.get_file_name(k) == path
+        with open(path, "rb") as f:
+            assert f.read() == row.tobytes()
+        assert record_of(path) == crc_record(row)
+    ctx = ReqContext(req_id="r")
+    assert resolve(tier, [*keys, key(4)], ctx) == [HIT, HIT, HIT, MISS]
+    rows[:] = 0
+    tier.submit_load(job(2, keys, [7, 8, 9], load=True, ctx=ctx))
+    assert finish(tier, [2])[2].success
+    assert np.array_equal(rows[7:10], expected)
+
+    # vLLM's own fs tier over the service's root reads the same cache.
+    theirs = make_tier(view, spec, VLLM_FS, root_dir=service.root)
+    rows[:] = 0
+    theirs.submit_load(job(3, keys, [4, 5, 6], load=True))
+    assert finish(theirs, [3])[3].success
+    assert np.array_equal(rows[4:7], expected)
+
+
+@pytest.mark.vllm
+def test_service_option_accepts_its_own_root_and_refuses_another(
+        tmp_path, start_service, primary, make_tier):
+    service = start_service("vllm-root")
+    spec = make_spec()
+    view = primary(spec)
+    with pytest.raises(ValueError, match="not the root of mptier service") as raised:
+        make_tier(view, spec, service="vllm-root", root_dir=str(tmp_path / "elsewhere"))
+    assert service.root in str(raised.value)
+    tier = make_tier(view, spec, service="vllm-root", root_dir=service.root)
+    assert tier.file_mapper.base_path == vllm_mapper(spec, service.root).base_path
+    tier.shutdown()
+    # Given in the config file, as for a tier of its own.
+    path = tmp_path / "mptier.toml"
+    path.write_text('service = "vllm-root"\n')
+    tier = make_tier(view, spec, config=str(path))
+    assert tier.tier.mode == "service"
+    assert tier.file_mapper.base_path.startswith(service.root + "/")
+
+
+@pytest.mark.vllm
+def test_checksums_through_a_service_that_does_not_keep_them(
+        tmp_path, start_service, primary, make_tier, caplog, vllm_version):
+    """Checksums are the service's I/O setting: an engine that requires them refuses a
+    service without them; one that asks for none of a service that keeps them is told
+    (an explicit false) and reports no failed check to vLLM."""
+    spec = make_spec()
+    view = primary(spec)
+    without = start_service("vllm-nosum", "--set", "checksum_blocks=false")
+    with pytest.raises(ValueError, match="extended attributes"):
+        make_tier(view, spec, service="vllm-nosum", checksum_blocks=True)
+    tier = make_tier(view, spec, service="vllm-nosum", checksum_blocks="auto")
+    assert tier.tier.checksum_blocks is False
+    store(tier, [key(1)], [0])
+    assert record_of(tier.file_mapper.get_file_name(key(1))) is None
+    tier.shutdown()
+    without.stop()
+
+    start_service("vllm-sum")
+    with caplog.at_level(logging.WARNING, logger="mptier.integrations.vllm"):
+        tier = make_tier(view, spec, service="vllm-sum", checksum_blocks=False)
+    assert "writes and verifies block checksums" in caplog.text
+    assert tier.tier.checksum_blocks is True
+    store(tier, [key(2)], [0])  # same root: key 1 is there, without a record
+    path = tier.file_mapper.get_file_name(key(2))
+    assert record_of(path) is not None
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * 16)
+    tier.submit_load(job(2, [key(2)], [3], load=True))
+    result = finish(tier, [2])[2]
+    assert not result.success and not os.path.exists(path)  # the service checked it
+    assert getattr(result, "checksum_failed", False) is False  # metric not declared
+
+
+@pytest.mark.vllm
+def test_service_that_is_not_running_is_named(primary, service_run_dir):
+    spec = make_spec()
+    with pytest.raises(MptierError, match="no mptier service named 'vllm-absent'"):
+        SecondaryTierFactory.create_secondary_tier(
+            {**OUR_TIER, "service": "vllm-absent", "worker_start_timeout_s": 0.5},
+            primary(spec), spec)
+
+
 # -- under vLLM's own tiering manager ----------------------------------------------------
 
 
@@ -781,7 +1250,8 @@ def test_cascade_and_promotion_through_vllms_tiering_manager(tmp_path):
     """vLLM builds the tier from its config, cascades a store to it, and after the
     primary tier forgets the blocks promotes them back through mptier's workers."""
     spec = make_spec(events=True, tiers=[{**OUR_TIER, "root_dir": str(tmp_path),
-                                          "enable_kv_events": True, **SMALL}])
+                                          "enable_kv_events": True,
+                                          "checksum_blocks": True, **SMALL}])
     manager = spec.get_manager()
     region_path = f"/dev/shm/vllm_offload_{spec.config.engine_id}.mmap"
     try:
@@ -804,6 +1274,9 @@ def test_cascade_and_promotion_through_vllms_tiering_manager(tmp_path):
             storage_events = [e for e in manager.take_events() if e.medium is Medium.STORAGE]
             time.sleep(0.005)
         assert set(storage_events[0].keys) == set(keys)
+        for i, k in enumerate(keys):  # each with vLLM's checksum record
+            row = np.full(BLOCK, i + 1, dtype=np.int8)
+            assert record_of(tier.file_mapper.get_file_name(k)) == crc_record(row)
         manager.on_request_finished(writer)
 
         manager.reset_cache()  # the primary tier forgets; only mptier holds the blocks

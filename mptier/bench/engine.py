@@ -13,6 +13,10 @@ sizes and CPU priority are compared side by side in one run::
     mptier:uring=false          io_uring=false: the C core's system-call loop
     mptier:policy=normal        workers back to SCHED_OTHER after they start (they run
                                 SCHED_BATCH; this measures what that buys)
+    mptier:roots=3              root_dirs: the design's folder and two sub-folders of it
+                                (one file system: it measures the routing and the
+                                per-root caretakers, not more drives)
+    mptier:capacity_bytes=256M  a capacity budget per root (eviction past 95 %)
 
 The primary buffer must be mptier's ``SharedKVBuffer`` (worker processes map it); the
 harness makes one when the class exists.
@@ -20,6 +24,7 @@ harness makes one when the class exists.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from mptier.bench.base import MODEL_NAME, Design, DesignContext
@@ -102,6 +107,17 @@ def worker_policy(tier: Any, name: str) -> str:
     return _POLICIES[name]
 
 
+def _root_folders(root: str, n: int) -> list[str]:
+    """``n`` roots for a ``roots=N`` variant: ``<root>/root<i>``. The first one is the
+    harness's own folder (so its clean-up and block_path find blocks there too)."""
+    if not 1 <= n <= 32:
+        raise ValueError(f"roots={n}: expected 1 to 32")
+    folders = [root] + [os.path.join(root, f"root{i}") for i in range(1, n)]
+    for folder in folders:
+        os.makedirs(folder, exist_ok=True)
+    return folders
+
+
 class MptierDesign(Design):
     letter = "a"
     kind = "mptier"
@@ -130,8 +146,12 @@ class MptierDesign(Design):
         if ctx.shared is None:
             raise RuntimeError("design (a) needs the buffer in mptier.SharedKVBuffer")
         config = {"model_name": MODEL_NAME, **self.overrides}
-        mptier.TierConfig(root_dir=ctx.root, **config)  # raise on a bad override first
-        self._tier = mptier.FileSystemTier(ctx.shared, root_dir=ctx.root, **config)
+        roots = config.pop("roots", None)
+        where: dict[str, Any] = {"root_dir": ctx.root}
+        if roots is not None:
+            where = {"root_dirs": _root_folders(ctx.root, int(roots))}
+        mptier.TierConfig(**where, **config)  # raise on a bad override first
+        self._tier = mptier.FileSystemTier(ctx.shared, **where, **config)
         self.info.update({k: v for k, v in config.items() if k != "model_name"})
         if "policy" in self.options:
             self.info["worker_policy"] = worker_policy(self._tier, self.options["policy"])
@@ -147,6 +167,11 @@ class MptierDesign(Design):
                 for key in ("mode", "o_direct", "native", "blocks_per_task"):
                     if isinstance(snapshot, dict) and key in snapshot:
                         self.info[key] = snapshot[key]
+
+    def block_path(self, ctx: DesignContext, key: bytes) -> str:
+        if self._tier is not None:
+            return self._tier.path_for(key)  # several roots: the one the key maps to
+        return super().block_path(ctx, key)
 
     def submit_store(self, job: Any) -> None:
         self._tier.submit_store(job)

@@ -13,10 +13,11 @@ vLLM's ``SecondaryTierFactory`` imports ``module_path``, takes the class named b
 ``type``, strips ``type``, ``module_path`` and ``backpressure`` from the dict and calls
 ``MPFileSystemTierManager(offloading_spec=..., primary_kv_view=..., tier_type=...,
 backpressure_detector=..., **rest)``. ``rest`` is ``root_dir``, ``enable_kv_events``,
-``locality`` (as for vLLM's own ``fs`` tier), ``config`` (a TOML file of
-:class:`~mptier.config.TierConfig` fields) and any ``TierConfig`` tunable. The file
-layout comes from vLLM's configuration, exactly as vLLM's ``fs`` tier derives it, so the
-two tiers read and write the same cache and a user can switch either way.
+``locality``, ``checksum_blocks`` (as for vLLM's own ``fs`` tier), ``service`` (attach to
+a running ``mptier serve --name NAME`` instead of starting workers), ``config`` (a TOML
+file of :class:`~mptier.config.TierConfig` fields) and any ``TierConfig`` tunable. The
+file layout comes from vLLM's configuration, exactly as vLLM's ``fs`` tier derives it,
+so the two tiers read and write the same cache and a user can switch either way.
 
 ::
 
@@ -39,10 +40,11 @@ vLLM's metrics front end imports it too, to read
 from __future__ import annotations
 
 import errno
+import inspect
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 try:
@@ -64,7 +66,13 @@ try:
     )
     from vllm.v1.kv_offload.file_mapper import FileMapper as VllmFileMapper
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
-    from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+    from vllm.v1.kv_offload.tiering.base import (
+        TIER_LABEL,
+        JobResult,
+        SecondaryTierManager,
+        TieringOffloadingMetrics,
+        TransferJob,
+    )
 except ImportError as _exc:
     raise ImportError(
         "mptier.integrations.vllm is the vLLM plug-in of mptier and needs vLLM 0.33 with "
@@ -115,6 +123,13 @@ METRIC_TASKS_RETRIED = "vllm:kv_offload_mptier_tasks_retried"
 METRIC_TASKS_LOST = "vllm:kv_offload_mptier_tasks_lost"
 METRIC_QUEUED_TASKS = "vllm:kv_offload_mptier_queued_tasks"
 
+# vLLM after 0.33 reports blocks that failed their CRC32C check: a JobResult field the
+# tiering manager counts, under a tiering metric the tier declares when its checksums
+# are on. vLLM 0.33 has neither. Both are looked up when used, not at import, so the
+# installed vLLM is judged by what it has (see vllm_reports_checksum_failures()).
+CHECKSUM_FLAG = "checksum_failed"
+CHECKSUM_METRIC_ATTR = "CHECKSUM_FAILURES"
+
 # metric name -> where its value sits in FileSystemTier.stats()
 _COUNTERS = {
     METRIC_CORRUPT: ("corrupt_removed",),
@@ -164,6 +179,47 @@ def layout_from_spec(offloading_spec: OffloadingSpec, root_dir: str
     return _layout_fields(mapper), mapper.base_path
 
 
+def vllm_reports_checksum_failures() -> tuple[bool, str | None]:
+    """What the installed vLLM can be told about a block that failed its checksum:
+    whether its ``JobResult`` takes ``checksum_failed``, and the name of its
+    ``TieringOffloadingMetrics.CHECKSUM_FAILURES`` metric (None without one).
+    ``(False, None)`` on vLLM 0.33."""
+    takes_flag = CHECKSUM_FLAG in inspect.signature(JobResult).parameters
+    return takes_flag, getattr(TieringOffloadingMetrics, CHECKSUM_METRIC_ATTR, None)
+
+
+def _parse_checksum(tier_type: str, value: Any) -> bool | str | None:
+    """``checksum_blocks`` as given in the tier config: True, False, "auto", or None
+    when absent. Raises ``ConfigError`` for anything else."""
+    if value is None or isinstance(value, bool) or value == "auto":
+        return value
+    raise ConfigError(f"{tier_type}: checksum_blocks {value!r} is not accepted; use true "
+                      "or false (vLLM's meaning: write and verify a CRC32C per block, or "
+                      'not), or "auto" (mptier\'s: on where the root keeps user extended '
+                      "attributes, off with a warning elsewhere)")
+
+
+def requested_checksums(tier_config: Mapping[str, Any]) -> bool | str:
+    """What a tier's entry in ``secondary_tiers`` asks of ``checksum_blocks``: its own
+    value, else its ``config`` file's, else False (vLLM's default: no checksums).
+
+    Read where the tier is not built (vLLM's metrics front end), so it never raises: a
+    value or file it cannot read answers "auto", which declares the checksum metric
+    (a declared metric that stays at zero is harmless; an undeclared one that is
+    reported is not)."""
+    tier_type = str(tier_config.get("type", "mptier"))
+    try:
+        value = _parse_checksum(tier_type, tier_config.get("checksum_blocks"))
+        path = tier_config.get("config")
+        if value is None and path is not None:
+            in_file = _toml_fields(os.fspath(path)).get("checksum_blocks")
+            if in_file is not None:  # normalised ("true" -> True) and validated
+                value = TierConfig.from_dict({"checksum_blocks": in_file}).checksum_blocks
+    except (OSError, ValueError, TypeError, tomllib.TOMLDecodeError):
+        return "auto"
+    return False if value is None else value
+
+
 def _toml_fields(path: str) -> dict[str, Any]:
     """The fields a ``config`` file sets, read the way ``TierConfig.from_toml`` reads it
     (flat keys, or under a ``[tier]`` table). Call after ``from_toml`` accepted it."""
@@ -188,13 +244,35 @@ class MPFileSystemTierManager(SecondaryTierManager):
     """vLLM secondary tier backed by :class:`mptier.FileSystemTier` (worker processes).
 
     Keyword options (the tier's entry in ``secondary_tiers``, minus what the factory
-    strips): ``root_dir`` (required here or in ``config``), ``enable_kv_events``,
-    ``locality`` (``"LOCAL"`` or ``"REMOTE"``, exactly), ``config`` (path to a TOML
-    file of ``TierConfig`` fields; options given here win over it) and any ``TierConfig``
-    tunable (``n_load_workers``, ``n_store_workers``, ``task_bytes``, ``io_timeout_s``,
+    strips): ``root_dir`` (required here or in ``config``, unless ``service`` is set),
+    ``enable_kv_events``, ``locality`` (``"LOCAL"`` or ``"REMOTE"``, exactly),
+    ``checksum_blocks``, ``service``, ``config`` (path to a TOML file of ``TierConfig``
+    fields; options given here win over it) and any ``TierConfig`` tunable
+    (``n_load_workers``, ``n_store_workers``, ``task_bytes``, ``io_timeout_s``,
     ``use_o_direct``, ``worker_nice``, ``prefault``...). Layout fields are not options:
     they follow vLLM's configuration (in the file they are overridden, and an INFO line
     names those that differ; so is ``enable_events``, with a warning if it was on).
+
+    ``checksum_blocks`` has vLLM's meaning: true writes vLLM's CRC32C record (xattr
+    ``user.vllm.kv_crc32c``) with every block and verifies it on load (a block that does
+    not match fails its load, is deleted and becomes a miss; a block without a record
+    loads as before), and refuses to start (``ValueError`` naming extended attributes)
+    on a root without user extended attributes; false (vLLM's default, also when the
+    option is absent) writes and checks none. ``"auto"`` is mptier's: on where the root
+    keeps user extended attributes, off with one warning elsewhere. When checksums are
+    asked for (true or "auto") and the installed vLLM has them (after 0.33), a failed
+    check is reported to vLLM as ``JobResult.checksum_failed`` and the tier declares
+    ``TieringOffloadingMetrics.CHECKSUM_FAILURES``; vLLM 0.33 gets neither (see
+    :func:`vllm_reports_checksum_failures`).
+
+    ``service``: attach to the running ``mptier serve --name NAME`` instead of starting
+    workers. The service's workers map vLLM's primary buffer; root, worker counts and
+    I/O settings (checksums too) come from the service's configuration, the layout from
+    vLLM's, so blocks land where vLLM's fs tier would put them under the service's
+    root. ``root_dir`` may then be left out; if given it must be the service's root.
+    ``checksum_blocks`` says what this engine needs of the service: true refuses to
+    start unless the service checks blocks, false or absent reports no failed check to
+    vLLM (the service may still write and verify records; an explicit false then warns).
 
     Behaves like vLLM's ``fs`` tier (``FileSystemTierManager``) and has its public
     attributes: ``file_mapper`` (vLLM's own ``FileMapper`` for this tier, built as vLLM's
@@ -213,6 +291,8 @@ class MPFileSystemTierManager(SecondaryTierManager):
       (vLLM shares a cached answer with every request while one still holds it);
     * an answer is applied by any call after it arrived (vLLM's: by the first
       ``lookup`` after a step end, or the next step end);
+    * only a regular file of exactly the block size is a hit, and a symlink at a block
+      path is removed, never followed (vLLM's tier answers by existence and leaves it);
     * ``shutdown`` reports queued jobs as failed instead of dropping them.
 
     Like vLLM's tier, ``submit_store``/``submit_load`` never raise for a bad job: a job
@@ -227,9 +307,11 @@ class MPFileSystemTierManager(SecondaryTierManager):
     figure: the job's keys times the primary row size, None for an empty job.
 
     Raises ``ValueError`` (a :class:`~mptier.errors.ConfigError`) for an unknown or
-    misplaced option, a bad ``locality`` or ``config`` file, ``OSError`` if
-    ``root_dir`` is unusable, and :class:`~mptier.errors.MptierError` if the workers
-    cannot start. Everything but the last is checked before a worker starts.
+    misplaced option, a bad ``locality``, ``checksum_blocks`` or ``config`` file,
+    checksums required where they cannot be kept, or a ``root_dir`` that is not the
+    service's; ``OSError`` if ``root_dir`` is unusable, and
+    :class:`~mptier.errors.MptierError` if the workers cannot start or the service is
+    not running. Options are checked before a worker starts.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -244,6 +326,8 @@ class MPFileSystemTierManager(SecondaryTierManager):
         enable_kv_events: bool = False,
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
+        checksum_blocks: bool | str | None = None,
+        service: str | None = None,
         config: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
@@ -259,6 +343,10 @@ class MPFileSystemTierManager(SecondaryTierManager):
         self._jobs: dict[int, tuple[int, bool]] = {}
         # Validate everything before any worker starts.
         self.locality = _parse_locality(tier_type, locality)
+        checksums = _parse_checksum(tier_type, checksum_blocks)
+        if service is not None and not isinstance(service, str):
+            raise ConfigError(f"{tier_type}: service must be the name of a running "
+                              f"`mptier serve --name NAME`, not {service!r}")
         for key in options:
             if key in _RENAMED:
                 raise ConfigError(f"{tier_type}: unknown option {key!r}; use "
@@ -280,21 +368,30 @@ class MPFileSystemTierManager(SecondaryTierManager):
         self.events: list[OffloadingEvent] | None = [] if events else None
 
         file_fields: dict[str, Any] = {}
+        file_root = ""
         if config is not None:
             config = os.fspath(config)
             from_file = TierConfig.from_toml(config)  # ConfigError naming the file or key
             file_fields = _toml_fields(config)
-            if root_dir is None and from_file.root_dir:
-                root_dir = from_file.root_dir
-        if root_dir is None or not os.fspath(root_dir):
+            file_root = from_file.root_dir
+            service = service or from_file.service or None
+            if checksums is None and "checksum_blocks" in file_fields:
+                checksums = from_file.checksum_blocks
+        explicit_checksums = checksums is not None
+        if checksums is None:
+            checksums = False  # vLLM's default
+        given_root = os.fspath(root_dir) if root_dir is not None else ""
+        if not service and not (given_root or file_root):
             raise ConfigError(f"{tier_type}: root_dir is required (the folder the block "
-                              "files go into), in the tier config or in its config file")
-        root_dir = os.fspath(root_dir)
-        # vLLM's own mapper, as vLLM's fs tier has it (callers use get_file_name/base_path).
-        self.file_mapper = vllm_file_mapper(offloading_spec, root_dir)
-        layout = _layout_fields(self.file_mapper)
-        vllm_base = self.file_mapper.base_path
-        fixed = {**layout, "root_dir": root_dir, "enable_events": events}
+                              "files go into), in the tier config or in its config file, "
+                              "unless the tier attaches to a `mptier serve` service")
+        # The layout does not depend on the root; the base folder does, so vLLM's mapper
+        # for this tier is made once the root is known (a service's is known on attach).
+        layout = _layout_fields(vllm_file_mapper(offloading_spec, given_root or "/"))
+        fixed = {**layout, "enable_events": events, "checksum_blocks": checksums,
+                 "service": service or "",
+                 # A service's root is its own (a root here is only checked against it).
+                 "root_dir": "" if service else (given_root or file_root)}
         # A copy of configs/default.toml lists every layout field: routine, not alarming.
         overridden = sorted(k for k in _LAYOUT_KEYS & file_fields.keys()
                             if file_fields[k] != layout[k])
@@ -312,11 +409,21 @@ class MPFileSystemTierManager(SecondaryTierManager):
         from mptier.manager import FileSystemTier
 
         tier = FileSystemTier(primary_kv_view, tier_config)
-        if tier.mapper.base_path != vllm_base:
+        try:
+            root = tier.mapper.root_dir
+            if service:
+                self._check_service(tier, tier_type, service, given_root, checksums,
+                                    explicit_checksums)
+            # vLLM's own mapper, as vLLM's fs tier has it (get_file_name/base_path).
+            self.file_mapper = vllm_file_mapper(offloading_spec, root)
+            if tier.mapper.base_path != self.file_mapper.base_path:
+                raise MptierError(
+                    f"mptier would store blocks under {tier.mapper.base_path!r} but vLLM's "
+                    f"fs tier uses {self.file_mapper.base_path!r}: the layouts disagree, "
+                    "so the two could not share a cache")
+        except BaseException:
             tier.shutdown()
-            raise MptierError(f"mptier would store blocks under {tier.mapper.base_path!r} "
-                              f"but vLLM's fs tier uses {vllm_base!r}: the layouts "
-                              "disagree, so the two could not share a cache")
+            raise
         self._tier = tier
         if tier.mode == "threads":
             log.warning("%s: vLLM's primary buffer is not a shared file (expected "
@@ -324,12 +431,46 @@ class MPFileSystemTierManager(SecondaryTierManager):
                         "worker processes; its I/O runs on %d threads in this process",
                         tier_type, offloading_spec.config.engine_id,
                         tier_config.n_load_workers + tier_config.n_store_workers)
-        self._root_label = (root_dir,)
+        # Failed checks go to vLLM only where it has the field and the metric was
+        # declared for this tier (build_metric_definitions reads the same settings).
+        takes_flag, _ = vllm_reports_checksum_failures()
+        self._report_checksums = takes_flag and checksums is not False
+        self._root_label = (root,)
         self._stats_due = 0.0
         self._reported: dict[str, float] = {}
-        log.info("mptier tier %r: blocks under %s, %d+%d worker %s, %d-byte blocks",
-                 tier_type, tier.mapper.base_path, tier_config.n_load_workers,
-                 tier_config.n_store_workers, tier.mode, self.block_size_bytes)
+        if service:
+            log.info("mptier tier %r: attached to service %r, blocks under %s, %d-byte "
+                     "blocks, checksums %s", tier_type, service, tier.mapper.base_path,
+                     self.block_size_bytes, "on" if tier.checksum_blocks else "off")
+        else:
+            log.info("mptier tier %r: blocks under %s, %d+%d worker %s, %d-byte blocks, "
+                     "checksums %s", tier_type, tier.mapper.base_path,
+                     tier_config.n_load_workers, tier_config.n_store_workers, tier.mode,
+                     self.block_size_bytes, "on" if tier.checksum_blocks else "off")
+
+    @staticmethod
+    def _check_service(tier: FileSystemTier, tier_type: str, service: str, given_root: str,
+                       checksums: bool | str, explicit: bool) -> None:
+        """What this engine asked of the service it attached to: the same root, and
+        checksums if they were required. Raises ``ConfigError``."""
+        root = tier.mapper.root_dir
+        if given_root and os.path.realpath(given_root) != os.path.realpath(root):
+            raise ConfigError(
+                f"{tier_type}: root_dir {given_root!r} is not the root of mptier service "
+                f"{service!r}, which stores under {root!r}; leave root_dir out (a service "
+                "brings its own root) or attach to the service that serves it")
+        if checksums is True and not tier.checksum_blocks:
+            raise ConfigError(
+                f"{tier_type}: checksum_blocks=true, but mptier service {service!r} does "
+                f"not write or verify block checksums: its root {root} does not keep user "
+                "extended attributes, or it runs with checksum_blocks=false. Run the "
+                'service with checksum_blocks true or "auto" on a root with user extended '
+                'attributes, or set checksum_blocks to "auto" or false here')
+        if checksums is False and explicit and tier.checksum_blocks:
+            log.warning("%s: checksum_blocks=false, but mptier service %r writes and "
+                        "verifies block checksums (its own setting decides); failed "
+                        "checks are not reported to vLLM as checksum failures",
+                        tier_type, service)
 
     @property
     def tier(self) -> FileSystemTier:
@@ -416,15 +557,19 @@ class MPFileSystemTierManager(SecondaryTierManager):
         # blocks) from growing when nobody wants events.
         engine_events = tier.take_events()
         results = []
+        report_checksums = self._report_checksums
         for r in finished:
             n_keys, is_load = self._jobs.pop(r.job_id, (0, False))
             if not r.success:
                 self._log_failure(r.job_id, is_load, n_keys, len(r.successful_keys or ()),
                                   r.errno, r.error)
-            results.append(JobResult(job_id=r.job_id, success=r.success,
-                                     successful_keys=r.successful_keys,
-                                     transfer_time=r.transfer_time,
-                                     transfer_bytes=self._bytes(n_keys)))
+            result = JobResult(job_id=r.job_id, success=r.success,
+                               successful_keys=r.successful_keys,
+                               transfer_time=r.transfer_time,
+                               transfer_bytes=self._bytes(n_keys),
+                               **({CHECKSUM_FLAG: r.checksum_failed}
+                                  if report_checksums else {}))
+            results.append(result)
         if self.events is not None:
             # The engine emits "stored" for a successful store of at least one key, as
             # vLLM's tier does; its "removed" events (corrupt blocks deleted on load)
@@ -463,8 +608,13 @@ class MPFileSystemTierManager(SecondaryTierManager):
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
+        """mptier's own metrics, and vLLM's checksum-failure metric when the installed
+        vLLM has one and this tier's config (``extra_config``: its entry in
+        ``secondary_tiers``) asks for checksums (see :func:`requested_checksums`).
+        vLLM's tiering manager counts that one from ``JobResult.checksum_failed``,
+        labelled by tier. Called in vLLM's metrics front end too: creates nothing."""
         labels = (ROOT_LABEL,)
-        return {
+        definitions: dict[str, OffloadingMetricMetadata] = {
             METRIC_CORRUPT: OffloadingCounterMetadata(
                 documentation="Blocks mptier found corrupt on load and deleted.",
                 labelnames=labels),
@@ -482,6 +632,13 @@ class MPFileSystemTierManager(SecondaryTierManager):
                 documentation="mptier tasks waiting for a worker, by queue.",
                 labelnames=(ROOT_LABEL, "queue")),
         }
+        _, checksum_metric = vllm_reports_checksum_failures()
+        if checksum_metric is not None and requested_checksums(extra_config) is not False:
+            definitions[checksum_metric] = OffloadingCounterMetadata(
+                documentation="KV blocks whose CRC32C record (xattr user.vllm.kv_crc32c) "
+                              "did not match on load; each was deleted and became a miss.",
+                labelnames=(TIER_LABEL,))
+        return definitions
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """Counters since the last report and queue depths, at most once a second."""
@@ -508,4 +665,5 @@ def _job(job: TransferJob) -> mjobs.TransferJob:
     return mjobs.TransferJob(job.job_id, list(job.keys), job.chunk_ids)
 
 
-__all__ = ["MPFileSystemTierManager", "layout_from_spec", "vllm_file_mapper"]
+__all__ = ["MPFileSystemTierManager", "layout_from_spec", "requested_checksums",
+           "vllm_file_mapper", "vllm_reports_checksum_failures"]

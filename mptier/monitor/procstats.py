@@ -26,13 +26,16 @@ tmpfs (and counts page-cache writeback only once it happens). ``write_chars`` co
 byte passed to ``write()`` (pipes included) and is filled on any file system.
 
 Threads: a sampler is not thread-safe; :class:`~mptier.monitor.tier.Monitor` serialises
-its callers. Nothing here blocks on anything but ``/proc`` reads and ``statvfs``.
+its callers. Nothing here blocks on anything but ``/proc`` reads; ``statvfs`` of the
+root runs on a helper thread and is waited for at most :data:`STATVFS_WAIT_S` (on a hung
+mount it never returns: the figures then say so, and status keeps answering).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +50,10 @@ USS_INTERVAL_S = 10.0
 MIN_RATE_INTERVAL_S = 0.05
 # Mount tables rarely change; re-read the file system type of a root this often.
 MOUNT_CACHE_S = 60.0
+# How long a sample waits for statvfs (and the mount lookup) of the root. On a hung mount
+# (a dead NFS server, a stalled FUSE daemon) the call never returns: the sample goes on
+# without disk figures rather than leaving `mptier status` unanswered for ever.
+STATVFS_WAIT_S = 0.5
 
 NOTE_WRITE_BYTES = ("write_bytes/read_bytes count bytes sent to/from a block device "
                     "(psutil io_counters): they stay 0 for files on tmpfs; write_chars/"
@@ -162,6 +169,7 @@ class Sampler:
         # per process (pid, create time): tasks, bytes, busy seconds, CPU seconds
         self._prev_procs: dict[tuple[int, float], tuple[float, ...]] = {}
         self._mounts = _MountCache()
+        self._stuck_disk: tuple[threading.Thread, float] | None = None
 
     def sample(self, stats: dict[str, Any]) -> dict[str, Any]:
         now = self._clock()
@@ -315,14 +323,38 @@ class Sampler:
                                 "tier_capacity_bytes": stats.get("capacity_bytes")}
         if not root:
             return disk
-        try:
-            st = os.statvfs(root)
-        except OSError as exc:
-            disk["error"] = f"statvfs({root!r}): {exc.strerror}"
+        if self._stuck_disk is not None:  # one call stuck in the kernel: start no other
+            thread, since = self._stuck_disk
+            if thread.is_alive():
+                disk["error"] = (f"statvfs({root!r}) has not returned for "
+                                 f"{time.monotonic() - since:.0f} s: the file system is "
+                                 "not responding")
+                return disk
+            self._stuck_disk = None
+        got: dict[str, Any] = {}
+
+        def read() -> None:
+            try:
+                got["st"] = os.statvfs(root)
+                got["fs_type"] = self._mounts.fs_type(root)
+            except OSError as exc:
+                got["error"] = f"statvfs({root!r}): {exc.strerror}"
+
+        thread = threading.Thread(target=read, name="mptier-statvfs", daemon=True)
+        thread.start()
+        thread.join(STATVFS_WAIT_S)
+        if thread.is_alive():
+            self._stuck_disk = (thread, time.monotonic())
+            disk["error"] = (f"statvfs({root!r}) did not return within {STATVFS_WAIT_S:g} s:"
+                             " the file system is not responding")
             return disk
+        if "error" in got:
+            disk["error"] = got["error"]
+            return disk
+        st = got["st"]
         total = st.f_blocks * st.f_frsize
         disk.update(total_bytes=total, used_bytes=total - st.f_bfree * st.f_frsize,
-                    avail_bytes=st.f_bavail * st.f_frsize, fs_type=self._mounts.fs_type(root))
+                    avail_bytes=st.f_bavail * st.f_frsize, fs_type=got["fs_type"])
         return disk
 
 

@@ -89,7 +89,9 @@ class ServiceLink:
             try:
                 sock, control, io, _ = self._attach_once()
                 break
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
+            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError,
+                    BrokenPipeError) as exc:
+                # Not there yet, or gone while it attached us (a restart): wait for it.
                 if time.monotonic() >= deadline:
                     self._session.close()
                     raise MptierError(
@@ -97,6 +99,10 @@ class ServiceLink:
                         f" ({exc.strerror}); start it with `mptier serve --name "
                         f"{self.name}`, or set MPTIER_RUN_DIR to where it runs") from None
                 time.sleep(0.2)
+            except OSError as exc:
+                self._session.close()
+                raise MptierError(f"could not attach to mptier service {self.name!r} at "
+                                  f"{find_socket(self.name)}: {exc}") from exc
             except BaseException:
                 self._session.close()
                 raise

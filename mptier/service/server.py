@@ -62,7 +62,7 @@ class Service:
     """A running service. :meth:`run` blocks until a stop signal; see module docstring."""
 
     def __init__(self, name: str, config: TierConfig) -> None:
-        if not config.root_dir:
+        if not config.roots():
             raise MptierError("mptier serve needs root_dir (in --config, or --set "
                               "root_dir=/mnt/kv): the folder the block files go into")
         self.name = name
@@ -94,7 +94,7 @@ class Service:
             stack.callback(lambda: [signal.signal(s, h) for s, h in previous.items()])
             log.info("mptier service %r ready on %s: %d+%d workers, root %s", self.name,
                      self.path, self.config.n_load_workers, self.config.n_store_workers,
-                     self.config.root_dir)
+                     ", ".join(self.config.roots()))
             print(f"mptier service {self.name!r} listening on {self.path}", flush=True)
             self._loop()
         return 0
@@ -278,8 +278,11 @@ class Service:
         except (OSError, ValueError):
             got = None
         if got is None:
+            # The engine is gone: its workers detach by themselves (its lifeline ended).
+            # Nobody waits for that, so neither does this loop: a worker hung in the
+            # engine's last task must not hold up status replies and the next attach.
             log.info("mptier service %r: %s detached", self.name, self._engine)
-            self._pool.end_session()
+            self._pool.end_session(timeout_s=0)
             self._drop_link()
             return
         message, fds = got
@@ -306,7 +309,7 @@ class Service:
         assert self._pool is not None
         stats = self._pool.stats()
         return {"kind": "service", "name": self.name, "pid": os.getpid(),
-                "root": self.config.root_dir, "attached": self._engine or None,
+                "root": ", ".join(self.config.roots()), "attached": self._engine or None,
                 "attaches": self.attaches, "time": time.time(),
                 "config": {k: v for k, v in asdict(self.config).items()
                            if k in _SERVICE_FIELDS}, **stats}
@@ -314,8 +317,10 @@ class Service:
 
 # The fields a service takes from its own configuration (the rest is the engine's).
 _SERVICE_FIELDS = frozenset({
-    "root_dir", "n_load_workers", "n_store_workers", "io_timeout_s", "max_task_retries",
-    "use_o_direct", "native", "worker_nice", "worker_cpus", "prefault",
+    "root_dir", "root_dirs", "capacity_bytes", "high_watermark", "low_watermark",
+    "stale_temp_s", "lease_locks", "root_failures_to_fail", "root_retry_s", "n_load_workers",
+    "n_store_workers", "io_timeout_s", "max_task_retries",
+    "use_o_direct", "checksum_blocks", "native", "worker_nice", "worker_cpus", "prefault",
     "worker_start_timeout_s", "max_stuck_workers", "heartbeat_s", "max_worker_rss_bytes",
     "metrics_port", "metrics_addr"})
 

@@ -95,25 +95,36 @@ class Lease:
         self._counter = 0
 
     @classmethod
-    def create(cls, root: str | os.PathLike[str]) -> Lease:
+    def create(cls, root: str | os.PathLike[str], tag: str | None = None) -> Lease:
         """Create and lock a new lease under ``root`` (which must exist).
 
+        ``tag`` (default: a fresh random one) lets one writer hold leases of the same
+        tag on several roots, so its temporary names carry one tag everywhere; a tag
+        already leased on this root raises ``FileExistsError`` (pick another).
         Blocks on a few metadata calls. Raises ``OSError`` when the root cannot be
-        written and ``MptierError`` when ``.mptier`` is not a folder. Where the file
-        system has no locks the lease is still made (``locked`` is False) and its
-        temporary files are judged by age.
+        written, ``MptierError`` when ``.mptier`` is not a folder and ``ValueError``
+        for a malformed tag. Where the file system has no locks the lease is still made
+        (``locked`` is False) and its temporary files are judged by age.
         """
         root = os.path.normpath(os.fspath(root))
+        if tag is not None and not N.TAG_RE.match(tag):
+            raise ValueError(f"lease tag {tag!r}: expected {N.TAG_LEN} characters of "
+                             "[0-9a-z]")
         directory = _ensure_meta_dir(root, N.LEASES_DIR)
         while True:
-            tag = new_tag()
-            new = f"{directory}/{tag}{N.LEASE_NEW_SUFFIX}"
+            chosen = tag if tag is not None else new_tag()
+            new = f"{directory}/{chosen}{N.LEASE_NEW_SUFFIX}"
+            if tag is not None and os.path.lexists(N.lease_path(root, tag)):
+                raise FileExistsError(errno.EEXIST, f"lease {tag} already exists", new)
             try:
                 fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                              | os.O_CLOEXEC, 0o644)
             except FileExistsError:  # 36**16 tags: only a broken random source repeats
+                if tag is not None:
+                    raise
                 continue
             break
+        tag = chosen
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

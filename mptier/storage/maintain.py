@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,8 +37,13 @@ from mptier.storage.usage import (
 from mptier.storage.walk import Entry, Kind
 
 # Candidates kept per pass cover this many times the band between the watermarks, so
-# that one pass's candidates outlast some blocks becoming recently used (refused).
+# that one pass's candidates outlast some blocks becoming recently used (refused)...
 CANDIDATE_SLACK = 2.0
+# ...and at least this fraction of the capacity: under continuous stores eviction rounds
+# come one after another, and each round without candidates waits for a whole walk pass.
+# Candidates used since the pass are refused by evict(), so a longer list costs memory
+# only (bounded by max_candidates).
+CANDIDATE_MIN_FRACTION = 0.25
 
 
 @dataclass
@@ -53,6 +59,9 @@ class StepReport:
     temps_removed: int = 0
     pass_completed: bool = False
     usage_bytes: int = 0
+    # With hand_out: blocks to evict, oldest first, for the caller to remove (evict())
+    # and report back through RootMaintainer.evicted().
+    to_evict: list[Entry] = field(default_factory=list)
 
 
 class RootMaintainer:
@@ -62,13 +71,19 @@ class RootMaintainer:
     block size, used where a cache folder has no ``mptier.json``. ``locks_work`` None
     probes the root on the first step. Not thread-safe; every call blocks its thread on
     file-system metadata calls only (no data is read).
+
+    ``hand_out=True``: :meth:`step` does not remove blocks itself but hands them out
+    (``StepReport.to_evict``) for another thread to remove with :func:`evict`, each
+    reported back with :meth:`evicted`; bytes handed out count as being freed. A caller
+    whose thread also does other I/O (a worker) keeps eviction going meanwhile.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, capacity_bytes: int = 0,
                  high_watermark: float = 0.95, low_watermark: float = 0.85,
                  block_bytes: int | Mapping[str, int] | None = None,
                  stale_temp_s: float = DEFAULT_STALE_TEMP_S, locks_work: bool | None = None,
-                 sweep: bool = True, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> None:
+                 sweep: bool = True, max_candidates: int = DEFAULT_MAX_CANDIDATES,
+                 hand_out: bool = False) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 (0 = unlimited), got "
                              f"{capacity_bytes}")
@@ -88,13 +103,30 @@ class RootMaintainer:
         self.evicting = False   # past high, not yet back under low (hysteresis)
         self.evicted_blocks = 0
         self.evicted_bytes = 0
+        self.hand_out = hand_out
+        self.handed_bytes = 0   # handed out, not yet reported back
+        self.refused = 0
+
+    def evicted(self, entry: Entry, removed: bool) -> bytes | None:
+        """A block handed out by :meth:`step` was removed (``removed``) or kept (used
+        again, replaced, gone). Returns its key when it was removed."""
+        self.handed_bytes -= entry.size
+        if not removed:
+            self.refused += 1
+            return None
+        self.tracker.record_remove(entry.path, entry.size)
+        self.evicted_blocks += 1
+        self.evicted_bytes += entry.size
+        return key_of_block_path(entry.path)
 
     def _new_candidates(self) -> OldestBlocks | None:
         if not self.capacity_bytes:
             return None
         band = (self.high - self.low) * self.capacity_bytes
         over = max(0, self.tracker.usage_bytes - self.low * self.capacity_bytes)
-        return OldestBlocks(math.ceil(max(band, over) * CANDIDATE_SLACK), self.max_candidates)
+        target = max(max(band, over) * CANDIDATE_SLACK,
+                     CANDIDATE_MIN_FRACTION * self.capacity_bytes)
+        return OldestBlocks(math.ceil(target), self.max_candidates)
 
     @property
     def usage_bytes(self) -> int:
@@ -136,23 +168,72 @@ class RootMaintainer:
         """A block this process removed (not one :meth:`step` evicted: those count)."""
         self.tracker.record_remove(path, nbytes)
 
+    @property
+    def pass_id(self) -> int:
+        """The number of the walk pass in progress (0 for the first)."""
+        return self.tracker.passes
+
+    def top_position(self, folder: str) -> int:
+        """Where the pass in progress stands in block folder ``folder``
+        (:meth:`Walker.top_position`): published for other processes of the tier, who
+        sort their new blocks into "ahead" (their h3 folder is past this and in
+        :meth:`top_listing`, or the folder is not listed yet) and "behind" (the rest)
+        for :meth:`record_other_stores`."""
+        return self.tracker.walker.top_position(folder)
+
+    def top_listing(self, folder: str) -> bytes | None:
+        """:meth:`Walker.top_listing` of the pass in progress."""
+        return self.tracker.walker.top_listing(folder)
+
+    def record_other_stores(self, pass_id: int, folder: str, ahead: tuple[int, int],
+                            behind: tuple[int, int]) -> None:
+        """Blocks another process of this tier created in ``folder``, as ``(bytes,
+        blocks)``, sorted by that process against :meth:`top_position` of pass
+        ``pass_id`` into those the pass will still count (``ahead``) and those it may
+        not (``behind``). Counted so that the total is right whichever pass is in
+        progress now: in the same pass, ``ahead`` goes into the finished total only (the
+        walk will find them) and ``behind`` into both; a pass later, the walk already
+        counted ``ahead`` and the new pass will find ``behind``; older, the new pass
+        finds everything. Errs high only for blocks in the h3 folder being walked."""
+        current = self.tracker.passes
+        if pass_id == current:
+            self.tracker.record_counted(folder, *ahead, in_current=True, in_building=False)
+            self.tracker.record_counted(folder, *behind, in_current=True, in_building=True)
+        elif pass_id == current - 1:
+            self.tracker.record_counted(folder, *behind, in_current=True, in_building=False)
+        else:
+            self.tracker.record_counted(folder, ahead[0] + behind[0], ahead[1] + behind[1],
+                                        in_current=True, in_building=False)
+
+    @property
+    def candidates_left(self) -> int:
+        """Eviction candidates of the last complete pass not yet tried."""
+        return len(self._ready)
+
     def record_unplaced(self, folder: str, nbytes: int, nblocks: int) -> None:
         """Blocks created by other processes of this tier, paths unknown: counted high
         until the walk passes (see :meth:`UsageTracker.record_unplaced`)."""
         self.tracker.record_unplaced(folder, nbytes, nblocks)
 
-    def step(self, budget: int) -> StepReport:
+    def step(self, budget: int, want_free: int = 0, walk: bool = True,
+             evict_s: float | None = None) -> StepReport:
         """Walk at most ``budget`` entries (sweeping and collecting as it goes), then, if
         past the high watermark, evict at most ``budget`` blocks. Work per call is
         bounded by ``budget`` metadata calls of each kind; a few hundred to a few
-        thousand keeps a step in the low milliseconds on a local disk."""
+        thousand keeps a step in the low milliseconds on a local disk.
+
+        ``want_free``: bytes writers are waiting to store; eviction then also frees
+        what takes usage to ``capacity - want_free`` (when that is below the low
+        watermark). ``walk=False`` only evicts (a pause between passes). ``evict_s``
+        bounds the time spent evicting in this step (an unlink can take milliseconds on
+        a busy disk); the rest waits for the next step."""
         report = StepReport()
         passes = self.tracker.passes
         if self.sweeper is not None and not self._pass_begun:
             self.sweeper.begin_pass()
             self._pass_begun = True
-        entries = self.tracker.step(budget)
-        report.walked = self.tracker.last_visited
+        entries = self.tracker.step(budget) if walk else []
+        report.walked = self.tracker.last_visited if walk else 0
         for entry in entries:
             if entry.kind is Kind.BLOCK:
                 if self._next is not None:
@@ -166,16 +247,20 @@ class RootMaintainer:
             self._ready = deque(self._next.oldest_first() if self._next is not None else ())
             self._next = self._new_candidates()
         if self.capacity_bytes:
-            self._evict(budget, report)
+            self._evict(budget, report, want_free,
+                        None if evict_s is None else time.monotonic() + evict_s)
         report.usage_bytes = self.usage_bytes
         return report
 
-    def _evict(self, budget: int, report: StepReport) -> None:
-        need = self.bytes_to_free()
+    def _evict(self, budget: int, report: StepReport, want_free: int = 0,
+               deadline: float | None = None) -> None:
+        need = max(self.bytes_to_free(),
+                   self.usage_bytes + want_free - self.capacity_bytes if want_free else 0)
+        need -= self.handed_bytes  # already on their way out
         if need <= 0:
             return
         if not self._ready and not self.complete and self._next is not None \
-                and self.usage_bytes > self.capacity_bytes:
+                and self.usage_bytes + want_free > self.capacity_bytes:
             # The first pass is still running and what it has counted so far is already
             # past the capacity: stores would fail. Evict the oldest seen so far rather
             # than wait for the whole walk (LRU is then approximate, once).
@@ -184,9 +269,15 @@ class RootMaintainer:
         freed = 0
         tried = 0
         while self._ready and freed < need and tried < budget:
+            if deadline is not None and tried and time.monotonic() > deadline:
+                break
             entry = self._ready.popleft()
             tried += 1
-            if evict(entry):
+            if self.hand_out:
+                report.to_evict.append(entry)
+                self.handed_bytes += entry.size
+                freed += entry.size
+            elif evict(entry):
                 self.tracker.record_remove(entry.path, entry.size)
                 freed += entry.size
                 report.removed_bytes += entry.size

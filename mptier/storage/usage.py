@@ -154,6 +154,16 @@ class UsageTracker:
         self.building.add(folder, nbytes, nblocks)
 
 
+    def record_counted(self, folder: str, nbytes: int, nblocks: int, *,
+                       in_current: bool, in_building: bool) -> None:
+        """Blocks created by another process, whose paths are not known here, counted
+        where the caller decided (see :meth:`RootMaintainer.record_other_stores`)."""
+        if in_current and self.current is not None:
+            self.current.add(folder, nbytes, nblocks)
+        if in_building:
+            self.building.add(folder, nbytes, nblocks)
+
+
 class OldestBlocks:
     """The oldest blocks offered, by atime: the fewest whose sizes add up to
     ``target_bytes``, and at most ``max_entries`` of them.

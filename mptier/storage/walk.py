@@ -42,6 +42,9 @@ from mptier.storage import names as N
 
 # Folders whose listing failed for a reason other than vanishing keep this many samples.
 MAX_ERROR_SAMPLES = 20
+# Walker.top_position: the walk has not reached a block folder / is done with it.
+TOP_NOT_REACHED = -1
+TOP_PASSED = 0xFFF
 # Entries per step of walk_all(): large enough to amortise the call, small enough that
 # a consumer sees progress often.
 WALK_ALL_SLICE = 4096
@@ -127,6 +130,7 @@ class Walker:
         self.vanished = 0       # entries or folders gone between listing and lstat
         self.errors = 0         # folders that could not be listed (not counting vanished)
         self.error_samples: list[str] = []
+        self._listing_cache: tuple[_Frame, bytes] | None = None
 
     # -- position ------------------------------------------------------------------------
 
@@ -161,6 +165,53 @@ class Walker:
         i = bisect.bisect_left(frame.names, name)
         # Not in the listing at all: created after it was taken, so never visited.
         return i < len(frame.names) and frame.names[i] == name and i >= frame.i
+
+    def top_position(self, folder: str) -> int:
+        """Where this walk stands in block folder ``folder`` (a name at the root), for
+        writers that cannot call :meth:`will_visit` (other processes): the index
+        (0..4095) of the last ``<h3>`` folder in it that the walk entered or passed.
+        A block created now whose h3 is greater will be counted by this pass (unless its
+        h3 folder is new since the folder was listed); one whose h3 is not greater may
+        not be. :data:`TOP_NOT_REACHED` (-1): the walk has not listed ``folder`` yet, so
+        everything in it is still ahead; :data:`TOP_PASSED` (4095): done with it, or it
+        will never list it. Pure bookkeeping, no I/O."""
+        if self.done:
+            return TOP_PASSED
+        if not self.started:
+            return TOP_NOT_REACHED
+        stack = self._stack
+        if len(stack) >= 2 and stack[1].rel == (folder,):
+            frame = stack[1]
+            for i in range(frame.i - 1, -1, -1):
+                if N.TOP_RE.match(frame.names[i]):
+                    return int(frame.names[i], 16)
+            return TOP_NOT_REACHED
+        top = stack[0]
+        i = bisect.bisect_left(top.names, folder)
+        if i < len(top.names) and top.names[i] == folder and i >= top.i:
+            return TOP_NOT_REACHED
+        return TOP_PASSED
+
+    def top_listing(self, folder: str) -> bytes | None:
+        """The ``<h3>`` folders of block folder ``folder`` that this pass listed, as a
+        4096-bit map (bit ``n`` of byte ``n >> 3`` for name ``n``): a block in a folder
+        missing from it is not counted by this pass, even if ahead of
+        :meth:`top_position`. None while ``folder`` is not being walked (not listed yet,
+        or done with). Computed once per listing."""
+        stack = self._stack
+        if len(stack) < 2 or stack[1].rel != (folder,):
+            return None
+        frame = stack[1]
+        cached = self._listing_cache
+        if cached is not None and cached[0] is frame:
+            return cached[1]
+        bits = bytearray(4096 // 8)
+        for name in frame.names:
+            if N.TOP_RE.match(name):
+                top = int(name, 16)
+                bits[top >> 3] |= 1 << (top & 7)
+        self._listing_cache = (frame, bytes(bits))
+        return self._listing_cache[1]
 
     # -- walking -------------------------------------------------------------------------
 

@@ -6,13 +6,25 @@ attaches. Three parts::
 
     0             pool header: the pool's state (serving / unavailable), the errno and
                   text of why it cannot serve -- the engine reads it before queueing work
+    ROOTS_AT      one record per root (ROOT_BYTES each, up to MAX_ROOTS): its health
+                  (in rotation or out, why, when it is probed again; written by the
+                  supervisor) and its usage (bytes, blocks, evictions, the walk's
+                  position; written by the root's caretaker worker) -- read by workers
+                  and the engine without a message
     PAGE          message counters: one u64 per slot, then the supervisor's. Whoever
                   writes a message to an engine's completion pipe bumps its own counter
                   afterwards, so the engine tells "nothing new" from a few integers in
                   shared memory, without a system call
+    listings      per root, 4096 bits: which <h3> folders the walk pass in progress
+                  listed in the engine's block folder (written by the caretaker; a
+                  worker's new block in a folder the pass did not list is "behind" it)
     counters_end  one slot per worker (SLOT_BYTES each):
         +0            header: state, started_ns, tasks_done, bytes_done, busy_ns,
                       tasks_failed (u64 each), pid, role (u32 each)
+        +SLOT_ROOT_AT   the root the task in hand is on (for a timeout's blame)
+        +SLOT_STORES_AT per root: blocks this worker created (sorted against the walk's
+                      position, see RootMaintainer.record_other_stores) and the bytes it
+                      waits to find room for -- read by the root's caretaker
         +RECORD_OFFSET  the task record being worked on (all zero when idle)
 
 A worker reads each task record from its queue *straight into its slot* (``readv`` into
@@ -43,6 +55,24 @@ REASON_BYTES = 1024
 # Only the first bytes of a held record are needed to say which task it is.
 RECORD_PEEK_BYTES = 64
 
+# Root records in the pool header page (after the pool header's ~1 KiB).
+ROOTS_AT = 1536
+ROOT_BYTES = 80
+MAX_ROOTS = 32  # == mptier.storage.roots.MAX_ROOTS (ROOTS_AT + 32 * 80 == 4096)
+# health: state, errno, failures in a row, times taken out (u32), retry_at_ns (u64)
+_ROOT_HEALTH = struct.Struct("<IIIIQ")
+# usage: bytes, blocks, evicted blocks, evicted bytes, temps removed (u64), walk pass,
+# walk position (h3 index, -1 not reached), flags, caretaker pid (u32)
+_ROOT_USAGE = struct.Struct("<QQQQQIiII")
+_ROOT_USAGE_AT = _ROOT_HEALTH.size
+# In a slot's header page: the root of the task in hand (index + 1; 0 = none), then per
+# root: pass id (u32, pad), ahead bytes, ahead blocks, behind bytes, behind blocks, bytes
+# waiting for room (u64 each).
+SLOT_ROOT_AT = 960
+# Stores that had to wait for room (capacity_bytes), and the time they waited (u64 each).
+SLOT_WAITS_AT = 968
+SLOT_STORES_AT = 1024
+_SLOT_STORES = struct.Struct("<IIQQQQQ")
 _SLOT_HEADER = struct.Struct("<QQQQQQII")
 _POOL_HEADER = struct.Struct(f"<4sIIiQ{REASON_BYTES}s")
 _STATE_OFFSET = 8  # the state word's place in the pool header (after magic, version)
@@ -65,6 +95,51 @@ class PoolState(enum.IntEnum):
 
 
 ROLES = ("load", "store")
+
+
+class RootState(enum.IntEnum):
+    IN = 0  # in rotation
+    OUT = 1  # out of rotation: its keys are misses; probed again from retry_at_ns
+
+
+ROOT_COMPLETE = 1  # flags: the usage is a whole walk's total (else a lower bound)
+ROOT_EVICTING = 2  # flags: past the high watermark, evicting to the low one
+ROOT_LISTED = 4  # flags: the pass listed the block folder; its listing is published
+# The listing of one block folder: a bit per <h3> folder name (000-fff).
+LISTING_BYTES = 4096 // 8
+LISTINGS_BYTES = MAX_ROOTS * LISTING_BYTES
+
+
+@dataclass
+class RootRecord:
+    """One root's record in the control block (see the module docstring)."""
+
+    state: RootState
+    err: int
+    failures: int
+    outs: int
+    retry_at_ns: int
+    usage_bytes: int
+    usage_blocks: int
+    evicted_blocks: int
+    evicted_bytes: int
+    temps_removed: int
+    pass_id: int
+    top_position: int
+    flags: int
+    caretaker_pid: int
+
+
+@dataclass
+class SlotStores:
+    """What one worker created on one root (see :meth:`ControlBlock.slot_stores`)."""
+
+    pass_id: int
+    ahead_bytes: int
+    ahead_blocks: int
+    behind_bytes: int
+    behind_blocks: int
+    want_free: int
 
 
 @dataclass
@@ -99,7 +174,8 @@ class ControlBlock:
     def __init__(self, n_slots: int, fd: int | None = None) -> None:
         self.n_slots = n_slots
         self._counters_at = PAGE_BYTES
-        self._slots_at = PAGE_BYTES + counters_bytes(n_slots)
+        self._listings_at = PAGE_BYTES + counters_bytes(n_slots)
+        self._slots_at = self._listings_at + LISTINGS_BYTES
         size = self._slots_at + n_slots * SLOT_BYTES
         created = fd is None
         if fd is None:
@@ -118,7 +194,7 @@ class ControlBlock:
 
     @classmethod
     def size_for(cls, n_slots: int) -> int:
-        return PAGE_BYTES + counters_bytes(n_slots) + n_slots * SLOT_BYTES
+        return PAGE_BYTES + counters_bytes(n_slots) + LISTINGS_BYTES + n_slots * SLOT_BYTES
 
     # -- pool header ---------------------------------------------------------------------
 
@@ -138,6 +214,87 @@ class ControlBlock:
     def pool_serving(self) -> bool:
         """One integer read: whether the pool takes work (the engine's fast path)."""
         return self._state_word[0] == PoolState.SERVING
+
+    # -- roots ---------------------------------------------------------------------------
+
+    def _root_at(self, index: int) -> int:
+        if not 0 <= index < MAX_ROOTS:
+            raise IndexError(f"root {index} outside 0..{MAX_ROOTS - 1}")
+        return ROOTS_AT + index * ROOT_BYTES
+
+    def root(self, index: int) -> RootRecord:
+        """Root ``index``'s record (any process, never blocks)."""
+        at = self._root_at(index)
+        health = _ROOT_HEALTH.unpack_from(self.memory, at)
+        usage = _ROOT_USAGE.unpack_from(self.memory, at + _ROOT_USAGE_AT)
+        return RootRecord(RootState(health[0]), *health[1:], *usage)
+
+    def root_health(self, index: int) -> tuple[int, int, int, int]:
+        """``(state, errno, failures, retry_at_ns)`` of root ``index``: a worker's check
+        before each run of keys (one unpack)."""
+        state, err, failures, _, retry_at = _ROOT_HEALTH.unpack_from(
+            self.memory, self._root_at(index))
+        return state, err, failures, retry_at
+
+    def set_root_health(self, index: int, state: RootState, err: int, failures: int,
+                        outs: int, retry_at_ns: int) -> None:
+        """(The health owner: the supervisor, or the thread pool under its lock.)"""
+        _ROOT_HEALTH.pack_into(self.memory, self._root_at(index), int(state), err,
+                               failures, outs, retry_at_ns)
+
+    def set_root_usage(self, index: int, *, usage_bytes: int, usage_blocks: int,
+                       evicted_blocks: int, evicted_bytes: int, temps_removed: int,
+                       pass_id: int, top_position: int, flags: int,
+                       caretaker_pid: int) -> None:
+        """(The root's caretaker.)"""
+        _ROOT_USAGE.pack_into(self.memory, self._root_at(index) + _ROOT_USAGE_AT,
+                              max(0, usage_bytes), max(0, usage_blocks), evicted_blocks,
+                              evicted_bytes, temps_removed, pass_id, top_position, flags,
+                              caretaker_pid)
+
+    def walk_position(self, index: int) -> tuple[int, int]:
+        """``(pass id, h3 position)`` the caretaker of root ``index`` published."""
+        at = self._root_at(index) + _ROOT_USAGE_AT
+        values = _ROOT_USAGE.unpack_from(self.memory, at)
+        return values[5], values[6]
+
+    def set_listing(self, index: int, listing: bytes) -> None:
+        """(The caretaker.) Publish which <h3> folders the pass listed (before the flag
+        that says it is there)."""
+        at = self._listings_at + index * LISTING_BYTES
+        self.memory[at:at + LISTING_BYTES] = listing
+
+    def listed(self, index: int, top: int) -> bool:
+        """Whether <h3> folder ``top`` was in the published listing of root ``index``."""
+        at = self._listings_at + index * LISTING_BYTES + (top >> 3)
+        return bool(self.memory[at] & (1 << (top & 7)))
+
+    def walk_state(self, index: int) -> tuple[int, int, bool]:
+        """``(pass id, h3 position, listing published)`` of root ``index``."""
+        values = _ROOT_USAGE.unpack_from(self.memory, self._root_at(index) + _ROOT_USAGE_AT)
+        return values[5], values[6], bool(values[7] & ROOT_LISTED)
+
+    def usage_bytes(self, index: int) -> int:
+        return struct.unpack_from("<Q", self.memory, self._root_at(index) + _ROOT_USAGE_AT)[0]
+
+    def slot_stores(self, slot: int, root: int) -> SlotStores:
+        """What the worker in ``slot`` created on ``root`` (the caretaker reads it)."""
+        at = self._slot_at(slot) + SLOT_STORES_AT + root * _SLOT_STORES.size
+        pass_id, _, *rest = _SLOT_STORES.unpack_from(self.memory, at)
+        return SlotStores(pass_id, *rest)
+
+    def slot_pid(self, slot: int) -> int:
+        """The pid of the worker in ``slot`` (0: none yet)."""
+        return struct.unpack_from("<I", self.memory, self._slot_at(slot) + 48)[0]
+
+    def slot_waits(self, slot: int) -> tuple[int, int]:
+        """``(stores that waited for room, ns they waited)`` of the worker in ``slot``."""
+        return struct.unpack_from("<QQ", self.memory, self._slot_at(slot) + SLOT_WAITS_AT)
+
+    def slot_root(self, slot: int) -> int | None:
+        """The root the task in ``slot`` was working on, if it said."""
+        value = struct.unpack_from("<I", self.memory, self._slot_at(slot) + SLOT_ROOT_AT)[0]
+        return value - 1 if value else None
 
     # -- counters ------------------------------------------------------------------------
 
@@ -207,6 +364,7 @@ class SlotWriter:
 
     def __init__(self, control: ControlBlock, slot: int, role: str) -> None:
         memory = control.slot_memory(slot)
+        self.control = control
         self._mem = memory
         self._counters = control.counters
         self.slot = slot
@@ -239,4 +397,41 @@ class SlotWriter:
     def release(self) -> None:
         """Empty the record area: the task is no longer held."""
         self.record[:TASK_HEADER_BYTES] = bytes(TASK_HEADER_BYTES)
+        self.set_root(None)
         self.set_state(SlotState.IDLE)
+
+    def waited_for_room(self, ns: int) -> None:
+        """Count a store that waited ``ns`` for its root's caretaker to make room."""
+        waits, total = struct.unpack_from("<QQ", self._mem, SLOT_WAITS_AT)
+        struct.pack_into("<QQ", self._mem, SLOT_WAITS_AT, waits + 1, total + ns)
+
+    def set_root(self, root: int | None) -> None:
+        """Say which root the task in hand works on now (None: none)."""
+        struct.pack_into("<I", self._mem, SLOT_ROOT_AT, 0 if root is None else root + 1)
+
+    def stores(self, root: int) -> SlotStores:
+        pass_id, _, *rest = _SLOT_STORES.unpack_from(
+            self._mem, SLOT_STORES_AT + root * _SLOT_STORES.size)
+        return SlotStores(pass_id, *rest)
+
+    def add_stores(self, root: int, pass_id: int, ahead: tuple[int, int],
+                   behind: tuple[int, int]) -> None:
+        """Count blocks this worker created on ``root``, sorted against walk pass
+        ``pass_id``'s position; a new pass starts the counts again."""
+        now = self.stores(root)
+        if now.pass_id != pass_id:
+            now = SlotStores(pass_id, 0, 0, 0, 0, now.want_free)
+        _SLOT_STORES.pack_into(self._mem, SLOT_STORES_AT + root * _SLOT_STORES.size,
+                               pass_id, 0, now.ahead_bytes + ahead[0],
+                               now.ahead_blocks + ahead[1], now.behind_bytes + behind[0],
+                               now.behind_blocks + behind[1], now.want_free)
+
+    def want_free(self, root: int, nbytes: int) -> None:
+        """Ask the caretaker of ``root`` for room for ``nbytes`` (0: no longer)."""
+        struct.pack_into("<Q", self._mem, SLOT_STORES_AT + root * _SLOT_STORES.size + 40,
+                         nbytes)
+
+
+assert _POOL_HEADER.size <= ROOTS_AT and ROOTS_AT + MAX_ROOTS * ROOT_BYTES <= PAGE_BYTES
+assert _ROOT_HEALTH.size + _ROOT_USAGE.size == ROOT_BYTES
+assert SLOT_STORES_AT + MAX_ROOTS * _SLOT_STORES.size <= RECORD_OFFSET

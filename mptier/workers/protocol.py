@@ -11,6 +11,9 @@ when a session is handed over). The supervisor may live in the engine (a thread)
       attached / attach_failed ───────▶
       ◀─────────────────── ping             heartbeat while idle
       pong ───────────────────────────▶
+      ◀─────────────────── caretake         look after these roots (while serving)
+      root_health ────────────────────▶    a root answered, or failed (errno)
+      root_probe ─────────────────────▶    about to probe a root out of rotation
       detached ───────────────────────▶    the engine closed its lifeline, or:
       ◀─────────────────── detach           the supervisor ends the session
       ◀─────────────────── exit             leave (after detaching)
@@ -43,6 +46,9 @@ EXIT = "exit"
 LEAVING = "leaving"
 PING = "ping"
 PONG = "pong"
+CARETAKE = "caretake"
+ROOT_HEALTH = "root_health"
+ROOT_PROBE = "root_probe"
 
 
 def control_pair() -> tuple[socket.socket, socket.socket]:

@@ -34,8 +34,22 @@ QUEUE_ORDER = {
 
 
 @dataclass
+class RootIo:
+    """What the probes found on one root (JSON-able)."""
+
+    path: str
+    use_o_direct: bool = False
+    checksum: bool = False
+    tmpfile: bool = False
+    uring: bool = False
+
+
+@dataclass
 class IoSettings:
-    """The pool's side of how blocks are read and written (JSON-able)."""
+    """The pool's side of how blocks are read and written (JSON-able).
+
+    ``root_dir``, ``use_o_direct``, ``checksum`` and ``tmpfile`` describe the first root;
+    ``roots`` has every root's (several roots: ``root_dirs``)."""
 
     root_dir: str
     use_o_direct: bool = False
@@ -45,16 +59,35 @@ class IoSettings:
     touch: bool = True  # set a block's atime on load and store (LRU on shared roots)
     tmpfile: bool = False  # publish through O_TMPFILE files (probed: they survive close)
     uring: bool = False  # batches through io_uring, several blocks in flight
+    roots: list[RootIo] = field(default_factory=list)  # empty: root_dir alone
+    capacity_bytes: int = 0  # per root; 0 = unlimited
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    stale_temp_s: float = 3600.0
+    lease_locks: bool | None = None  # None: probe each root (mptier.storage.probe_locks)
+    # How long a store waits for the caretaker to make room before failing (ENOSPC).
+    room_wait_s: float = 1.0
 
-    def flags(self) -> int:
-        """The native layer's flags for these settings."""
+    def __post_init__(self) -> None:
+        self.roots = [r if isinstance(r, RootIo) else RootIo(**r) for r in self.roots]
+        if not self.roots:
+            self.roots = [RootIo(self.root_dir, self.use_o_direct, self.checksum,
+                                 self.tmpfile, self.uring)]
+
+    @property
+    def root_dirs(self) -> list[str]:
+        return [r.path for r in self.roots]
+
+    def flags(self, root: int = 0) -> int:
+        """The native layer's flags for root ``root`` (index into ``roots``)."""
         from mptier import native
 
-        return ((native.O_DIRECT if self.use_o_direct else 0)
-                | (native.CHECKSUM if self.checksum else 0)
+        r = self.roots[root]
+        return ((native.O_DIRECT if r.use_o_direct else 0)
+                | (native.CHECKSUM if r.checksum else 0)
                 | (native.TOUCH if self.touch else 0)
-                | (native.TMPFILE if self.tmpfile else 0)
-                | (native.URING if self.uring else 0))
+                | (native.TMPFILE if r.tmpfile else 0)
+                | (native.URING if r.uring else 0))
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

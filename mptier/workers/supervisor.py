@@ -57,8 +57,11 @@ from mptier.channels import drain_records
 from mptier.errors import describe_exit
 from mptier.jobs import MessageType, TaskKind, decode_task, encode_message
 from mptier.layout import FileMapper
+from mptier.storage.roots import RootRouter
 from mptier.workers import protocol
-from mptier.workers.control import ControlBlock, PoolState, SlotState
+from mptier.workers.control import ControlBlock, PoolState, RootState, SlotState
+from mptier.workers.health import RootHealth
+from mptier.workers.janitor import Janitor
 from mptier.workers.launcher import BootSpec, launch
 from mptier.workers.session import IoSettings, Session
 
@@ -126,6 +129,10 @@ class Worker:
     ping_progress: int = 0
     last_ping_at: float = 0.0
     stuck_logged: bool = False
+    # Temporary files its killed store may have left, removed once it has exited: while
+    # a writer hangs in the kernel it holds its file's lock, and an unlink then waits
+    # for it holding the folder's lock -- every lookup in that folder would hang too.
+    temp_patterns: list[str] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -161,6 +168,9 @@ class SupervisorSettings:
     heartbeat_s: float = 5.0
     max_worker_rss_bytes: int = 0
     root_label: str = ""  # for messages: "the file system at /mnt/kv"
+    roots: list[str] = field(default_factory=list)  # every root, in root_dirs order
+    root_failures_to_fail: int = 3
+    root_retry_s: float = 30.0
 
 
 class Supervisor:
@@ -188,7 +198,13 @@ class Supervisor:
         self.session_id = 0
         self.session_io: IoSettings | None = None
         self.attach_errors: list[str] = []
-        self._mapper: FileMapper | None = None
+        self._mappers: list[FileMapper] = []
+        self._janitor = Janitor()  # removes temporary files: never this thread
+        roots = settings.roots or [settings.root_label]
+        self._router = RootRouter(roots)
+        self.health = RootHealth(control, roots, settings.root_failures_to_fail,
+                                 settings.root_retry_s)
+        self._caretakers: dict[int, Worker] = {}  # root index -> its caretaker
         self._calls: collections.deque[Callable[[], object]] = collections.deque()
         self._stopping = False
         self._exit = False
@@ -229,6 +245,7 @@ class Supervisor:
             workers = list(self.workers)
         for w in workers:
             self._close_handles(w)
+        self._janitor.close()
         if self.session is not None:
             self.session.close()
             self.session = None
@@ -324,15 +341,18 @@ class Supervisor:
         self.control.reset(slot, role)
         try:
             proc, sock = launch(self.settings.boot, slot, role)
-        except OSError as exc:
+        except OSError as exc:  # out of descriptors or processes: a boot failure
             self.control.release_slot(slot)
             self._free_slots.append(slot)
             self._boot_failed(f"could not start a {role} worker process: {exc}")
+            # Try again (after the cool-down, when that was one failure too many): the
+            # cause (an engine at its descriptor limit) may pass.
+            self._schedule_respawn(role, generation + 1, TICK_S)
             return False
         try:
             pidfd = os.pidfd_open(proc.pid)
         except OSError:
-            pidfd = -1  # it is already gone; the socket's end of file will tell
+            pidfd = -1  # out of descriptors: the tick polls this one (never waits on it)
         sock.setblocking(False)
         w = Worker(slot=slot, role=role, proc=proc, sock=sock, pidfd=pidfd,
                    started_at=time.monotonic(), generation=generation)
@@ -420,6 +440,15 @@ class Supervisor:
                 w.phase = Phase.LEAVING
         elif op == protocol.PONG and message.get("seq") == w.ping_seq:
             w.ping_sent_at = 0.0
+        elif op == protocol.ROOT_HEALTH:
+            index = int(message.get("root", -1))
+            if message.get("ok"):
+                self.health.success(index)
+            else:
+                self.health.failure(index, int(message.get("errno") or errno.EIO),
+                                    f"{w.role} worker pid {w.pid}: {message.get('text', '')}")
+        elif op == protocol.ROOT_PROBE:
+            self.health.probing(int(message.get("root", -1)))
         self._notify()
 
     # -- sessions ------------------------------------------------------------------------
@@ -434,7 +463,9 @@ class Supervisor:
         self.session_io = io
         with self.lock:
             self.attach_errors = []
-        self._mapper = FileMapper(io.root_dir, **session.layout)
+        self._mappers = [FileMapper(root, **session.layout) for root in io.root_dirs]
+        self._router = RootRouter(io.root_dirs)
+        self._caretakers.clear()
         for w in self._live():
             if w.phase is Phase.IDLE:
                 self._send_attach(w)
@@ -499,9 +530,7 @@ class Supervisor:
         if w.phase is Phase.GONE:
             return
         if w.proc.poll() is None:
-            if w.pidfd >= 0:
-                return  # spurious: still running
-            w.proc.wait()
+            return  # still running (a spurious wake-up, or no pidfd: the tick looks again)
         was = w.phase
         w.phase = Phase.GONE
         self._close_handles(w)
@@ -533,6 +562,8 @@ class Supervisor:
                 self.counters.stuck -= 1
         self.control.release_slot(w.slot)
         self._free_slots.append(w.slot)
+        if w.temp_patterns:  # it is gone: nothing holds its files any more
+            self._janitor.remove(w.temp_patterns)
         self._notify()
 
     def _close_handles(self, w: Worker) -> None:
@@ -571,8 +602,19 @@ class Supervisor:
         kind, task_id, attempt = held
         record = self.control.full_record(w.slot)
         self.control.clear_record(w.slot)
-        if kind == TaskKind.STORE:
+        if kind == TaskKind.STORE and err != ERR_TIMED_OUT:
+            # (After a timeout the root may hang: listing it here would hang this
+            # thread. The sweeper removes those once the worker's lease is free.)
             self._remove_temp_files(decode_task(record).keys, w)
+        if self.session is None or w.session_id != self.session_id:
+            # The task of an earlier session (in a service: an engine that is gone). Its
+            # id means nothing to the engine attached now -- or, worse, names one of its
+            # own tasks: tell nobody.
+            with self.lock:
+                self.counters.tasks_lost += 1
+            log.info("mptier: %s; its task belonged to a session that has ended",
+                     description)
+            return
         # A store is idempotent: run it again. A load or lookup that had not started yet
         # likewise; one that had started fails (its keys become a miss). The engine has
         # the last word: it drops the retry if the task was reported meanwhile.
@@ -590,15 +632,19 @@ class Supervisor:
 
     def _remove_temp_files(self, keys: list[bytes], w: Worker) -> None:
         """A killed store may leave ``<final>.<tag>.*.tmp`` files (where blocks are not
-        written as O_TMPFILE files): remove this worker's right away. The sweeper would
-        find them too, once the worker's lease is free."""
-        if self._mapper is None or not w.temp_tag:
+        written as O_TMPFILE files): have this worker's removed once it has exited (see
+        :attr:`Worker.temp_patterns`) -- by the janitor's process, never this thread (a
+        hung mount would hang it). Roots out of rotation are left alone; the sweeper
+        finds those files later (the worker's lease is free by then)."""
+        if not self._mappers or not w.temp_tag:
             return
         for key in keys:
-            final = glob.escape(self._mapper.path_for(key))
-            for path in glob.glob(f"{final}.{w.temp_tag}.*.tmp"):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            index = self._router.index_of(key)
+            if index >= len(self._mappers) or \
+                    self.control.root_health(index)[0] == RootState.OUT:
+                continue
+            final = glob.escape(self._mappers[index].path_for(key))
+            w.temp_patterns.append(f"{final}.{w.temp_tag}.*.tmp")
 
     def _post(self, type_: MessageType, task_id: int, err: int, text: str,
               attempt: int = 0) -> None:
@@ -627,6 +673,10 @@ class Supervisor:
         now = time.monotonic()
         now_ns = time.monotonic_ns()
         s = self.settings
+        with self.lock:
+            unwatched = [w for w in self.workers if w.pidfd < 0]
+        for w in unwatched:  # started without a pidfd: look for its exit here
+            self._reap(w)
         for w in self._live():
             snap = self.control.snapshot(w.slot)
             if w.phase is Phase.BOOTING and now - w.started_at > s.start_timeout_s:
@@ -637,9 +687,10 @@ class Supervisor:
                     now_ns - snap.started_ns > s.io_timeout_s * 1e9:
                 with self.lock:
                     self.counters.timeouts += 1
-                self._kill(w, f"was killed after its task ran "
-                              f"{(now_ns - snap.started_ns) / 1e9:.1f} s (io_timeout_s="
-                              f"{s.io_timeout_s:g})", ERR_TIMED_OUT)
+                how = (f"was killed after its task ran {(now_ns - snap.started_ns) / 1e9:.1f}"
+                       f" s (io_timeout_s={s.io_timeout_s:g})")
+                self._blame_root(w, how)
+                self._kill(w, how, ERR_TIMED_OUT)
                 continue
             if w.phase is Phase.IDLE and self.session is not None and not self._stopping \
                     and now - w.attach_failed_at > ATTACH_RETRY_S:
@@ -655,6 +706,7 @@ class Supervisor:
                       w.pid, now - w.killed_at, w.slot)
         if s.max_worker_rss_bytes and not self._stopping:
             self._check_memory()
+        self._janitor.poll()
 
     def _parked_candidates(self, now: float) -> list[Worker]:
         with self.lock:
@@ -671,8 +723,10 @@ class Supervisor:
             elif now - w.ping_sent_at > self.settings.heartbeat_s:
                 with self.lock:
                     self.counters.heartbeat_kills += 1
-                self._kill(w, f"did not answer a heartbeat within "
-                              f"{self.settings.heartbeat_s:g} s while idle", ERR_WORKER_DIED)
+                how = (f"did not answer a heartbeat within {self.settings.heartbeat_s:g} s "
+                       "while idle")
+                self._blame_root(w, how)  # a caretaker hung walking a root
+                self._kill(w, how, ERR_WORKER_DIED)
             return
         if snap.state == SlotState.IDLE and now - w.last_ping_at >= self.settings.heartbeat_s:
             w.ping_seq += 1
@@ -680,6 +734,43 @@ class Supervisor:
             w.ping_sent_at = w.last_ping_at = now
             if not self._send(w, protocol.PING, seq=w.ping_seq):
                 w.ping_sent_at = 0.0
+
+    def _blame_root(self, w: Worker, how: str) -> None:
+        """A worker hung: if it said which root it was working on, that root failed."""
+        index = self.control.slot_root(w.slot)
+        if index is not None:
+            self.health.failure(index, errno.ETIMEDOUT, f"{w.role} worker pid {w.pid} {how}")
+
+    def _assign_caretakers(self) -> None:
+        """Give every root of the session a caretaker: a serving worker, store workers
+        first, the fewest roots each. A caretaker that died, left or detached is
+        replaced here (its roots' usage stays published meanwhile)."""
+        if self.session is None or self._stopping or not self._mappers:
+            return
+        serving = [w for w in self._live() if w.phase is Phase.SERVING
+                   and w.session_id == self.session_id]
+        if not serving:
+            return
+        load: dict[Worker, int] = {w: 0 for w in serving}
+        orphans = []
+        for index in range(len(self._mappers)):
+            w = self._caretakers.get(index)
+            if w is not None and w in load:
+                load[w] += 1
+            else:
+                orphans.append(index)
+        if not orphans:
+            return
+        given: dict[Worker, list[int]] = {}
+        for index in orphans:
+            w = min(serving, key=lambda c: (load[c], c.role != "store", c.slot))
+            load[w] += 1
+            self._caretakers[index] = w
+            given.setdefault(w, []).append(index)
+        for w, indices in given.items():
+            if not self._send(w, protocol.CARETAKE, roots=indices):
+                for index in indices:
+                    self._caretakers.pop(index, None)
 
     def _check_memory(self) -> None:
         limit = self.settings.max_worker_rss_bytes
@@ -722,6 +813,7 @@ class Supervisor:
     def _update_state(self) -> None:
         if self._stopping:
             return
+        self._assign_caretakers()
         now = time.monotonic()
         with self.lock:
             stuck = sum(1 for w in self.workers if w.phase is Phase.STUCK)

@@ -39,10 +39,12 @@ import os
 import select
 import signal
 import socket
+import stat
 import sys
 import termios
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -56,12 +58,18 @@ from mptier.jobs import (
     encode_message,
 )
 from mptier.layout import FileMapper
+from mptier.storage.leases import Lease
+from mptier.storage.roots import RootRouter
 from mptier.workers import protocol
-from mptier.workers.control import ControlBlock, SlotState, SlotWriter
+from mptier.workers.bounce import Bounce, needs_bounce
+from mptier.workers.control import ControlBlock, RootState, SlotState, SlotWriter
+from mptier.workers.health import is_fault, out_of_rotation_text
 from mptier.workers.session import QUEUE_ORDER, IoSettings, WorkerSession
 
 # Idle wake-up: a backstop for the lifeline's end-of-file event; nothing depends on it.
 IDLE_POLL_S = 1.0
+# A store waiting for its root's caretaker to make room looks again this often.
+ROOM_POLL_S = 0.005
 _EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 0)
 log = logging.getLogger("mptier.workers")
 _PR_SET_PDEATHSIG = 1
@@ -97,6 +105,37 @@ _leaked: list[bytearray] = []
 
 
 @dataclass
+class RootHandle:
+    """One root as a worker uses it: opened, and leased, at first use inside a task (a
+    root that hangs then hangs a task, which the supervisor's io_timeout_s covers, not
+    an attach, which nothing would)."""
+
+    index: int
+    path: str
+    mapper: FileMapper
+    flags: int  # the native layer's flags for this root (O_DIRECT, CHECKSUM, ...)
+    fd: int = -1  # the blocks folder: every path resolves beneath it, no symlinks
+    lease: Lease | None = None
+    bounce: bool = False  # loads go through the worker's bounce buffer (bounce.py)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+    def release(self) -> None:
+        """Close the folder and give up the lease (after this worker's last store)."""
+        self.close()
+        if self.lease is not None:
+            try:
+                self.lease.release()
+            except OSError as exc:  # the sweeper removes it once the lock is free
+                log.warning("mptier: could not remove lease %s: %s", self.lease.path, exc)
+            self.lease = None
+
+
+@dataclass
 class WorkerContext:
     """Everything one worker needs to serve one session. Built by :meth:`open` only."""
 
@@ -109,25 +148,38 @@ class WorkerContext:
     doorbell_write_fd: int
     memory: memoryview
     block_bytes: int
-    mapper: FileMapper
+    roots: list[RootHandle]
+    router: RootRouter
     backend: Any
     io: IoSettings
     session: WorkerSession
-    root_fd: int  # the blocks folder: every path resolves beneath it, no symlinks
-    flags: int  # the native layer's flags (O_DIRECT, CHECKSUM, TOUCH, TMPFILE)
-    tag: bytes  # names this writer's temporary files (its lease)
+    tag: bytes  # names this writer's temporary files: its lease's tag on every root
     mapped: Any = None  # the MappedBuffer when this worker mapped the buffer itself
     owns_descriptors: bool = True  # False for threads: the fds are the engine's
+    bounce: Bounce | None = None  # loads that may outlive a kill go through it (bounce.py)
     fionread: array.array = field(default_factory=lambda: array.array("i", [0]))
+    # Where root health results go: (root, ok, errno, text) -> None. Process workers
+    # send them to the supervisor; thread workers apply them to the pool's RootHealth.
+    report_root: Callable[[int, bool, int, str], None] = lambda *a: None
+    # Before probing a root that is out of rotation: (root) -> None.
+    report_probe: Callable[[int], None] = lambda r: None
+    caretaker: Any = None  # a Caretaker once the supervisor designates roots
+
+    @property
+    def mapper(self) -> FileMapper:
+        """The first root's file layout."""
+        return self.roots[0].mapper
 
     @classmethod
     def open(cls, *, role: str, slot_writer: SlotWriter, session: WorkerSession,
              io: IoSettings, backend: Any, memory: memoryview | None = None
              ) -> WorkerContext:
         """Map the session's buffer (unless ``memory`` is given: thread workers use the
-        engine's own) and get ready to serve it. Raises on failure, having released
-        what it took; the session's descriptors stay the caller's to close."""
+        engine's own) and get ready to serve it. Touches no root (they are opened at
+        first use). Raises on failure, having released what it took; the session's
+        descriptors stay the caller's to close."""
         from mptier.mapping import MappedBuffer
+        from mptier.workers.caretaker import Caretaker
 
         mapped = None
         if memory is None:
@@ -138,27 +190,36 @@ class WorkerContext:
             if io.prefault:
                 mapped.prefault()
             memory = mapped.memory
-        try:
-            mapper = FileMapper(io.root_dir, **session.layout)
-            root_fd = native.open_root(mapper.blocks_dir)
-        except BaseException:
-            if mapped is not None:
-                mapped.close()
-            raise
-        return cls(role=role, slot_writer=slot_writer,
-                   queues=tuple(session.queues[k] for k in QUEUE_ORDER[role]),
-                   completion_fd=session.completion, lifeline_fd=session.lifeline,
-                   doorbell_fd=session.doorbell[0], doorbell_write_fd=session.doorbell[1],
-                   memory=memory, block_bytes=session.block_bytes, mapper=mapper,
-                   backend=backend, io=io, session=session, root_fd=root_fd,
-                   flags=io.flags(), tag=native.new_tag().encode(), mapped=mapped,
-                   owns_descriptors=mapped is not None)
+        # A process worker can be killed while stuck in a read; the read must not land
+        # in a slot the engine reused since (see mptier.workers.bounce). Thread workers
+        # die with the engine: no bounce.
+        roots = [RootHandle(i, r.path, FileMapper(r.path, **session.layout), io.flags(i),
+                            bounce=mapped is not None and needs_bounce(r.path,
+                                                                       r.use_o_direct))
+                 for i, r in enumerate(io.roots)]
+        ctx = cls(role=role, slot_writer=slot_writer,
+                  queues=tuple(session.queues[k] for k in QUEUE_ORDER[role]),
+                  completion_fd=session.completion, lifeline_fd=session.lifeline,
+                  doorbell_fd=session.doorbell[0], doorbell_write_fd=session.doorbell[1],
+                  memory=memory, block_bytes=session.block_bytes, roots=roots,
+                  router=RootRouter(io.root_dirs), backend=backend, io=io,
+                  session=session, tag=native.new_tag().encode(), mapped=mapped,
+                  owns_descriptors=mapped is not None,
+                  bounce=Bounce(session.block_bytes) if any(r.bounce for r in roots)
+                  else None)
+        ctx.caretaker = Caretaker(ctx)
+        return ctx
 
     def close(self) -> None:
-        """Unmap the buffer and close the session's descriptors (process workers)."""
-        if self.root_fd >= 0:
-            os.close(self.root_fd)
-            self.root_fd = -1
+        """Give up the leases, unmap the buffer and close the session's descriptors
+        (process workers)."""
+        if self.caretaker is not None:
+            self.caretaker.close()
+        for root in self.roots:
+            root.release()
+        if self.bounce is not None:
+            self.bounce.close()
+            self.bounce = None
         if self.mapped is not None:
             self.mapped.close()
             self.mapped = None
@@ -184,10 +245,15 @@ def serve(ctx: WorkerContext, control: socket.socket | None) -> str:
             if control is not None:
                 poller.register(control.fileno(), select.EPOLLIN)
         writer.set_state(SlotState.IDLE)
+        caretaker = ctx.caretaker
         while True:
             took = _take(ctx.queues, record)
             if not took:
-                for fd, _ in work.poll(IDLE_POLL_S):
+                wait = IDLE_POLL_S
+                if caretaker:  # idle: look after this worker's roots, if any
+                    caretaker.run(busy=False)
+                    wait = caretaker.wait_s(IDLE_POLL_S)
+                for fd, _ in work.poll(wait):
                     ended = _news(ctx, control, fd)
                     if ended:
                         return ended
@@ -208,6 +274,8 @@ def serve(ctx: WorkerContext, control: socket.socket | None) -> str:
                 return ENDED_ENGINE_GONE
             writer.message_sent()
             writer.release()
+            if caretaker:  # busy: a step now and then, often while evicting
+                caretaker.run(busy=True)
             for fd, _ in news.poll(0):  # one cheap check per task: session over? asked?
                 ended = _news(ctx, control, fd)
                 if ended:
@@ -236,6 +304,8 @@ def _news(ctx: WorkerContext, control: socket.socket | None, fd: int) -> str:
             return ENDED_DETACH
         elif op == protocol.EXIT:
             return ENDED_EXIT
+        elif op == protocol.CARETAKE and ctx.caretaker is not None:
+            ctx.caretaker.take([int(r) for r in message.get("roots", [])])
     return ""
 
 
@@ -268,35 +338,17 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
         time.sleep(_STALLS[task.kind])
     if _GROW:
         _leaked.append(bytearray(b"\1" * _GROW))
-    relative = ctx.mapper.relative_path_for
-    paths = [relative(key).encode() for key in task.keys]
     err = 0
-    n_done = len(paths)
+    n_done = len(task.keys)
     payload: bytes | str = b""
-    backend = ctx.backend
     try:
         if task.kind == TaskKind.LOOKUP:
-            payload = backend.lookup(ctx.root_fd, paths, ctx.block_bytes, ctx.flags)
+            payload = _lookup(ctx, task.keys)
         else:
             block_bytes = ctx.block_bytes
             offsets = [block_id * block_bytes for block_id in task.block_ids]
-            if task.kind == TaskKind.STORE:
-                rc, n_done, index, temp_err = backend.store(
-                    ctx.root_fd, paths, ctx.memory, offsets, block_bytes, ctx.flags, ctx.tag)
-                if temp_err:
-                    log.warning("mptier: a temporary file in %s could not be removed (%s); "
-                                "the sweeper removes it once this writer's lease is free",
-                                os.path.dirname(f"{ctx.mapper.blocks_dir}/"
-                                                f"{paths[index].decode()}"),
-                                os.strerror(temp_err))
-            else:
-                rc, n_done, index = backend.load(ctx.root_fd, paths, ctx.memory, offsets,
-                                                 block_bytes, ctx.flags)
-            if rc:
-                err = -rc
-                payload = str(native.batch_error(
-                    "store" if task.kind == TaskKind.STORE else "load", err, n_done, index,
-                    f"{ctx.mapper.blocks_dir}/{paths[index].decode()}"))
+            err, n_done, payload = _transfer(ctx, task.kind == TaskKind.STORE, task.keys,
+                                             offsets)
     except Exception as exc:  # a bug or bad input must not kill the worker: report it
         err, n_done = errno.EIO, 0
         payload = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -306,6 +358,248 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
                              n_done=n_done, task_id=task.task_id, started_ns=started,
                              elapsed_ns=elapsed, payload=payload)
     return message, nbytes, bool(err)
+
+
+# -- keys on roots -------------------------------------------------------------------------
+
+def _transfer(ctx: WorkerContext, store: bool, keys: list[bytes], offsets: list[int]
+              ) -> tuple[int, int, str]:
+    """Store or load ``keys`` in order, as runs of keys on one root, stopping at the
+    first failure: ``(errno, n_done, error text)``. n_done counts from the task's
+    first key, so the engine's prefix semantics hold across roots."""
+    n_done = 0
+    for index, start, end in ctx.router.runs(keys):
+        whole = start == 0 and end == len(keys)
+        err, done, text = _run_on_root(
+            ctx, store, ctx.roots[index], keys if whole else keys[start:end],
+            offsets if whole else offsets[start:end])
+        n_done += done
+        if err:
+            return err, n_done, text
+    return 0, n_done, ""
+
+
+def _gate(ctx: WorkerContext, root: RootHandle) -> tuple[int, str] | None:
+    """None when ``root`` may be used now (in rotation, or out and due for a probe that
+    just succeeded); else ``(errno, text)`` to fail its keys with at once."""
+    state, err, failures, retry_at = ctx.slot_writer.control.root_health(root.index)
+    if state == RootState.IN:
+        return None
+    if time.monotonic_ns() < retry_at:
+        return err or errno.EIO, out_of_rotation_text(root.path, err, failures, retry_at)
+    ctx.report_probe(root.index)  # others wait for this probe instead of probing too
+    root.close()
+    try:
+        _probe(ctx, root)
+    except OSError as exc:
+        perr = exc.errno or errno.EIO
+        text = f"probe of root {root.path} failed: {exc}"
+        ctx.report_root(root.index, False, perr, text)
+        root.close()
+        return perr, (f"root {root.path} is out of rotation and a probe of it just "
+                      f"failed ({exc}); its keys read as misses and stores of them fail")
+    ctx.report_root(root.index, True, 0, "")
+    return None
+
+
+def _probe(ctx: WorkerContext, root: RootHandle) -> None:
+    """Does ``root`` answer? The root folder must stat as a folder, and its block
+    folder open (a missing block folder is an answer too: a store makes it again).
+    Raises OSError when not."""
+    if not stat.S_ISDIR(os.stat(root.path).st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", root.path)
+    try:
+        os.fstat(_open_root(ctx, root, create=False))
+    except FileNotFoundError:
+        pass
+
+
+def _open_root(ctx: WorkerContext, root: RootHandle, create: bool) -> int:
+    """The root's block folder, opened at first use. A folder removed under a running
+    tier is made again for a store (a load or lookup of it is a miss). Raises OSError."""
+    if root.fd < 0:
+        try:
+            root.fd = native.open_root(root.mapper.blocks_dir)
+        except FileNotFoundError:
+            if not create:
+                raise
+            root.mapper.prepare(ctx.block_bytes)
+            root.fd = native.open_root(root.mapper.blocks_dir)
+    return root.fd
+
+
+def _health_after(ctx: WorkerContext, root: RootHandle, err: int, text: str) -> None:
+    """Tell the health owner what a run on ``root`` proved: a fault counts against it;
+    anything else clears earlier failures (only then: no message on the hot path)."""
+    if err and is_fault(err):
+        root.close()  # a later use opens it afresh (a remounted file system)
+        ctx.report_root(root.index, False, err, text)
+        return
+    state, _, failures, _ = ctx.slot_writer.control.root_health(root.index)
+    if failures or state != RootState.IN:
+        ctx.report_root(root.index, True, 0, "")
+
+
+def _run_on_root(ctx: WorkerContext, store: bool, root: RootHandle, keys: list[bytes],
+                 offsets: list[int]) -> tuple[int, int, str]:
+    gate = _gate(ctx, root)
+    if gate is not None:
+        return gate[0], 0, gate[1]
+    ctx.slot_writer.set_root(root.index)  # a timeout now is blamed on this root
+    relative = root.mapper.relative_path_for
+    paths = [relative(key).encode() for key in keys]
+    text = ""
+    try:
+        fd = _open_root(ctx, root, create=store)
+        rc, n_done, index, text = _move(ctx, store, root, fd, paths, offsets)
+        if rc == -errno.ENOENT and _folder_removed(root):  # an operator wiped the cache
+            root.close()  # made again for a store; a load of it is a miss
+            log.warning("mptier: %s was removed under the running tier; opening it again",
+                        root.mapper.blocks_dir)
+            fd = _open_root(ctx, root, create=store)
+            rc, n_done, index, text = _move(ctx, store, root, fd, paths, offsets)
+    except OSError as exc:
+        rc, n_done, index = -(exc.errno or errno.EIO), 0, 0
+        text = f"root {root.path}: {exc}"
+    err = -rc
+    if err and not text:
+        text = str(native.batch_error("store" if store else "load", err, n_done, index,
+                                      f"{root.mapper.blocks_dir}/{paths[index].decode()}"))
+    _health_after(ctx, root, err, text)
+    return err, n_done, text
+
+
+def _move(ctx: WorkerContext, store: bool, root: RootHandle, fd: int, paths: list[bytes],
+          offsets: list[int]) -> tuple[int, int, int, str]:
+    """Store or load one run on ``root``: the native errno layer's ``(rc, n_done,
+    fail_index)`` and an error text when the run failed before the native call."""
+    if store:
+        return _store_run(ctx, root, fd, paths, offsets)
+    if root.bounce and ctx.bounce is not None:
+        rc, n_done, index = ctx.bounce.load(ctx.backend.load, fd, paths, ctx.memory,
+                                            offsets, root.flags)
+    else:
+        rc, n_done, index = ctx.backend.load(fd, paths, ctx.memory, offsets,
+                                             ctx.block_bytes, root.flags)
+    return rc, n_done, index, ""
+
+
+def _folder_removed(root: RootHandle) -> bool:
+    """Whether the blocks folder ``root`` holds open was removed (its link count is 0;
+    a network file system may say ESTALE instead)."""
+    if root.fd < 0:
+        return False
+    try:
+        return os.fstat(root.fd).st_nlink == 0
+    except OSError as exc:
+        return exc.errno == errno.ESTALE
+
+
+def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes],
+               offsets: list[int]) -> tuple[int, int, int, str]:
+    if root.lease is None:  # before the first temporary name carrying our tag
+        root.lease = Lease.create(root.path, tag=ctx.tag.decode())
+    block_bytes = ctx.block_bytes
+    new: list[int] = []
+    capacity = ctx.io.capacity_bytes
+    if capacity:
+        # Blocks already there cost nothing (a store that finds one only touches it).
+        statuses = ctx.backend.lookup(fd, paths, block_bytes, 0)
+        new = [i for i, status in enumerate(statuses) if status != native.LOOKUP_PRESENT]
+        need = len(new) * block_bytes
+        if need and not _room(ctx, root.index, need):
+            usage = ctx.slot_writer.control.usage_bytes(root.index)
+            return -errno.ENOSPC, 0, 0, (
+                f"root {root.path} is full: storing {len(new)} new block(s) ({need} bytes) "
+                f"would take its usage ({usage} bytes) past capacity_bytes={capacity}, and "
+                f"eviction could not make room within {ctx.io.room_wait_s:g} s; nothing "
+                "was written")
+    rc, n_done, index, temp_err = ctx.backend.store(fd, paths, ctx.memory, offsets,
+                                                    block_bytes, root.flags, ctx.tag)
+    if temp_err:
+        log.warning("mptier: a temporary file in %s could not be removed (%s); the sweeper "
+                    "removes it once this writer's lease is free",
+                    os.path.dirname(f"{root.mapper.blocks_dir}/{paths[index].decode()}"),
+                    os.strerror(temp_err))
+    if new:
+        _count_new(ctx, root.index, [paths[i] for i in new if i < n_done])
+    return rc, n_done, index, ""
+
+
+def _count_new(ctx: WorkerContext, index: int, paths: list[bytes]) -> None:
+    """Count blocks this worker created for the caretaker, sorted against the walk's
+    published position (RootMaintainer.record_other_stores)."""
+    if not paths:
+        return
+    writer = ctx.slot_writer
+    control = writer.control
+    pass_id, position, listed = control.walk_state(index)
+    if not listed:  # the pass has not listed the block folder yet: it will see them all
+        ahead = len(paths)
+    else:  # ahead: past the walk's position, in an h3 folder its listing holds
+        tops = [int(p[:3], 16) for p in paths]
+        ahead = sum(1 for top in tops if top > position and control.listed(index, top))
+    behind = len(paths) - ahead
+    size = ctx.block_bytes
+    writer.add_stores(index, pass_id, (ahead * size, ahead), (behind * size, behind))
+
+
+def _room(ctx: WorkerContext, index: int, nbytes: int) -> bool:
+    """Whether ``nbytes`` more fit on root ``index``, waiting (bounded by room_wait_s)
+    for its caretaker to evict; this worker evicts itself when it is the caretaker."""
+    control = ctx.slot_writer.control
+    capacity = ctx.io.capacity_bytes
+    if control.usage_bytes(index) + nbytes <= capacity:
+        return True
+    if nbytes > capacity:
+        return False  # no eviction can make room for more than the whole budget
+    started = time.monotonic_ns()
+    deadline = time.monotonic() + ctx.io.room_wait_s
+    writer = ctx.slot_writer
+    try:
+        if ctx.caretaker is not None and index in ctx.caretaker.kept:
+            return ctx.caretaker.make_room(index, nbytes, deadline)
+        writer.want_free(index, nbytes)
+        try:
+            while time.monotonic() < deadline:
+                time.sleep(ROOM_POLL_S)
+                if control.usage_bytes(index) + nbytes <= capacity:
+                    return True
+            return False
+        finally:
+            writer.want_free(index, 0)
+    finally:
+        writer.waited_for_room(time.monotonic_ns() - started)
+
+
+def _lookup(ctx: WorkerContext, keys: list[bytes]) -> bytes:
+    """One lookup status per key; keys of a root out of rotation are misses."""
+    if ctx.router.single:
+        return _lookup_on(ctx, ctx.roots[0], keys)
+    out = bytearray(len(keys))
+    groups: dict[int, list[int]] = {}
+    for i, index in enumerate(ctx.router.indices(keys)):
+        groups.setdefault(index, []).append(i)
+    for index, positions in groups.items():
+        statuses = _lookup_on(ctx, ctx.roots[index], [keys[i] for i in positions])
+        for j, i in enumerate(positions):
+            out[i] = statuses[j]
+    return bytes(out)
+
+
+def _lookup_on(ctx: WorkerContext, root: RootHandle, keys: list[bytes]) -> bytes:
+    if _gate(ctx, root) is not None:
+        return bytes(len(keys))  # LOOKUP_ABSENT: a miss
+    ctx.slot_writer.set_root(root.index)
+    relative = root.mapper.relative_path_for
+    paths = [relative(key).encode() for key in keys]
+    try:
+        fd = _open_root(ctx, root, create=False)
+    except OSError as exc:
+        if exc.errno is not None and is_fault(exc.errno):
+            _health_after(ctx, root, exc.errno, f"root {root.path}: {exc}")
+        return bytes(len(keys))
+    return ctx.backend.lookup(fd, paths, ctx.block_bytes, root.flags)
 
 
 # -- the process -------------------------------------------------------------------------
@@ -412,6 +706,16 @@ def _attached(control: socket.socket, writer: SlotWriter, role: str, backend: An
                     os.close(fd)
         protocol.send(control, protocol.ATTACH_FAILED, error=_describe(exc))
         return ""
+    def report_root(index: int, ok: bool, err: int, text: str) -> None:
+        with contextlib.suppress(OSError):
+            protocol.send(control, protocol.ROOT_HEALTH, root=index, ok=ok, errno=err,
+                          text=text[:400])
+
+    def report_probe(index: int) -> None:
+        with contextlib.suppress(OSError):
+            protocol.send(control, protocol.ROOT_PROBE, root=index)
+
+    ctx.report_root, ctx.report_probe = report_root, report_probe
     protocol.send(control, protocol.ATTACHED, backend=backend.name,
                   temp_tag=ctx.tag.decode())
     try:

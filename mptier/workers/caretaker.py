@@ -1,0 +1,373 @@
+"""The caretaker: the one worker per root that keeps the root in shape between tasks.
+
+The supervisor designates one serving worker per root (``caretake`` message; again when
+that worker dies or detaches). The caretaker owns the root's
+:class:`~mptier.storage.RootMaintainer` (walk, usage, temp sweep, LRU eviction) and
+steps it -- never on the engine's scheduler thread -- ::
+
+    idle (between epoll waits)      a step of MAINT_BUDGET entries every IDLE_GAP_S
+    busy (between tasks)            a step every BUSY_GAP_S, or EVICT_GAP_S while the
+                                    root is past its high watermark or a store waits
+                                    for room, so eviction keeps up under load
+    after a complete pass           WALK_REST_S without walking (eviction still runs)
+
+After each step it publishes the root's usage and the walk's position in the control
+block (other workers and the engine read them without a message), and reports keys it
+evicted from the engine's own block folder as REMOVED messages on the completion pipe.
+
+Other workers' new blocks reach the usage through counters in their slots (sorted
+against the published walk position: see ``RootMaintainer.record_other_stores``); other
+nodes' stores through the walk only.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mptier.jobs import MessageType, encode_message, pack_keys
+from mptier.storage import Entry, RootMaintainer, evict
+from mptier.storage.walk import TOP_PASSED
+from mptier.workers.control import ROOT_COMPLETE, ROOT_EVICTING, ROOT_LISTED, RootState
+from mptier.workers.health import is_fault
+
+if TYPE_CHECKING:
+    from mptier.workers.worker import WorkerContext
+
+log = logging.getLogger("mptier.workers")
+
+# Directory entries per maintainer step: a step then takes a few milliseconds on a
+# local disk (docs/storage.md: step(1000) 16 ms median on 2 loaded cores), short enough
+# to sit between tasks without delaying the next one noticeably.
+MAINT_BUDGET = 256
+# Idle: the gap between steps while a pass walks or eviction runs. 256 entries per 20 ms
+# is ~13k entries/s, a fraction of one core; a root of a million files takes ~80 s a pass.
+IDLE_GAP_S = 0.02
+# Busy (a task after another): a step at least this often, so usage and the sweep go on
+# under continuous load...
+BUSY_GAP_S = 0.25
+# ...and after every task while the root is at or near its high watermark, or a store
+# waits for room: eviction then keeps pace with stores (measured: stepping only every
+# 50 ms there made stores wait ~100 ms for room, 8-24 times per GiB stored). "Near":
+# within this of the mark (at most half the band), about what a few workers' tasks add
+# at once.
+URGENT_MARGIN_BYTES = 64 << 20
+# While urgent and idle, steps follow each other this closely.
+EVICT_GAP_S = 0.005
+# Entries walked and blocks evicted per step while urgent: a pass that must find new
+# candidates ends sooner.
+URGENT_BUDGET = 4 * MAINT_BUDGET
+# After a complete pass, no walking for this long (eviction and accounting go on): a
+# small root would otherwise be walked over and over. Other nodes' stores are seen this
+# much later.
+WALK_REST_S = 10.0
+# A store of the caretaker itself, waiting for room, steps this often.
+MAKE_ROOM_POLL_S = 0.005
+# Eviction threads per root a caretaker keeps (see _Evictor): unlinks run in parallel.
+EVICTOR_THREADS = 4
+# How long the end of a session waits for the eviction threads to finish their unlinks.
+EVICTOR_STOP_S = 2.0
+# How often a resting or unhealthy root is looked at.
+REST_CHECK_S = 0.1
+ERROR_BACKOFF_S = 1.0
+
+
+def _near_high(m: RootMaintainer, usage: int) -> bool:
+    """Usage at or within URGENT_MARGIN_BYTES (at most half the watermark band) of the
+    high watermark."""
+    if not m.capacity_bytes:
+        return False
+    margin = min(URGENT_MARGIN_BYTES, (m.high - m.low) * m.capacity_bytes / 2)
+    return usage >= m.high * m.capacity_bytes - margin
+
+
+class _Evictor:
+    """Threads that remove the blocks a root's maintainer hands out (``evict``: an
+    lstat and an unlink each), so eviction goes on while the worker runs its tasks.
+    Measured here (2 MiB blocks, ext4 on a shared VM disk): an unlink took 1-8 ms while
+    stores wrote beside it; removing between tasks only, the caretaker fell behind and
+    stores waited for room (52 waits, 6 s, per 3 GiB stored past a 1 GiB budget). With
+    four writers storing, one thread unlinked ~250 blocks/s, two ~430/s, four ~800/s
+    (about what the writers stored): EVICTOR_THREADS of them. The unlink releases the
+    GIL, as the worker's native I/O does."""
+
+    def __init__(self, path: str, n_threads: int) -> None:
+        self.failures = 0
+        self._todo: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
+        self.done: collections.deque[tuple[Entry, bool]] = collections.deque()
+        self._threads = [threading.Thread(target=self._run, name=f"mptier-evict {path}",
+                                          daemon=True) for _ in range(n_threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def put(self, entry: Entry) -> None:
+        self._todo.put(entry)
+
+    def _run(self) -> None:
+        while True:
+            entry = self._todo.get()
+            if entry is None:
+                return
+            try:
+                removed = evict(entry)
+            except OSError as exc:  # a failing root: keep the block, say why once
+                if not self.failures:
+                    log.warning("mptier: could not evict %s: %s", entry.path, exc)
+                self.failures += 1
+                removed = False
+            self.done.append((entry, removed))
+
+    def stop(self, wait_s: float) -> None:
+        for _ in self._threads:
+            self._todo.put(None)
+        deadline = time.monotonic() + wait_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+@dataclass
+class _Kept:
+    index: int
+    path: str
+    maintainer: RootMaintainer
+    pass_base: int  # published pass ids are pass_base + the maintainer's pass number
+    inherited_bytes: int  # usage published before this caretaker (a restart's guess)
+    evicted_base: tuple[int, int]
+    temps_base: int
+    next_at: float = 0.0
+    last_at: float = 0.0
+    rest_until: float = 0.0
+    temps_removed: int = 0
+    seen: dict[int, tuple[tuple[int, int], tuple[int, int, int, int]]] = field(
+        default_factory=dict)
+    evictor: _Evictor | None = None
+    listing: bytes | None = None  # the listing last published
+
+
+class Caretaker:
+    """The maintainers of the roots one worker was designated for. Not thread-safe:
+    the worker's serving thread drives it."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.kept: dict[int, _Kept] = {}
+        self.folder = os.path.basename(ctx.roots[0].mapper.blocks_dir)
+
+    def __bool__(self) -> bool:
+        return bool(self.kept)
+
+    def take(self, indices: list[int]) -> None:
+        """Become the caretaker of these roots (indices into the tier's roots)."""
+        ctx = self.ctx
+        control = ctx.slot_writer.control
+        io = ctx.io
+        for index in indices:
+            if index in self.kept or not 0 <= index < len(ctx.roots):
+                continue
+            path = ctx.roots[index].path
+            rec = control.root(index)
+            maintainer = RootMaintainer(
+                path, capacity_bytes=io.capacity_bytes, high_watermark=io.high_watermark,
+                low_watermark=io.low_watermark, block_bytes=ctx.block_bytes,
+                stale_temp_s=io.stale_temp_s, locks_work=io.lease_locks,
+                hand_out=bool(io.capacity_bytes))
+            kept = _Kept(index, path, maintainer, pass_base=rec.pass_id + 2,
+                         inherited_bytes=rec.usage_bytes,
+                         evicted_base=(rec.evicted_blocks, rec.evicted_bytes),
+                         temps_base=rec.temps_removed,
+                         evictor=_Evictor(path, EVICTOR_THREADS) if io.capacity_bytes
+                         else None)
+            # What workers counted before now is on disk already: this walk finds it.
+            for slot in range(control.n_slots):
+                st = control.slot_stores(slot, index)
+                kept.seen[slot] = ((control.slot_pid(slot), st.pass_id),
+                                   (st.ahead_bytes, st.ahead_blocks, st.behind_bytes,
+                                    st.behind_blocks))
+            self.kept[index] = kept
+            self._publish(kept)
+            log.debug("mptier: worker pid %d takes care of root %s", os.getpid(), path)
+
+    def close(self, wait_s: float = EVICTOR_STOP_S) -> None:
+        """Stop the eviction threads (at the end of the session). Blocks at most
+        ``wait_s`` per root (a thread in a hung unlink is left behind: it is a daemon)."""
+        for kept in self.kept.values():
+            if kept.evictor is not None:
+                kept.evictor.stop(wait_s)
+        self.kept.clear()
+
+    # -- scheduling --------------------------------------------------------------------
+
+    def wait_s(self, cap: float) -> float:
+        """How long an idle worker may sleep before a step is due (at most ``cap``)."""
+        if not self.kept:
+            return cap
+        now = time.monotonic()
+        return max(0.0, min(cap, *(k.next_at - now for k in self.kept.values())))
+
+    def run(self, busy: bool) -> None:
+        """Step every root that is due. ``busy``: between two tasks (steps are then
+        spaced by BUSY_GAP_S; while the root is at or past its high watermark, or a store
+        waits for room, one follows every task)."""
+        now = time.monotonic()
+        for kept in list(self.kept.values()):
+            if busy:
+                # Between tasks, first bring the usage up to date (no I/O: the slots'
+                # counters and the evictor's results), so that "near the high
+                # watermark" is seen in time.
+                self._collect(kept)
+                self._take_evicted(kept)
+                self._publish(kept)
+                if now - kept.last_at < BUSY_GAP_S and not self._urgent(kept):
+                    continue
+            elif now < kept.next_at:
+                continue
+            self._step(kept, now)
+
+    def _urgent(self, kept: _Kept) -> bool:
+        """Eviction cannot wait for the next gap: past the high watermark (or nearly:
+        the stores in flight may take it there before the next step), or a store waits."""
+        m = kept.maintainer
+        if m.evicting or _near_high(m, self.ctx.slot_writer.control.usage_bytes(kept.index)):
+            return True
+        control = self.ctx.slot_writer.control
+        return any(control.slot_stores(slot, kept.index).want_free
+                   for slot in range(control.n_slots))
+
+    def make_room(self, index: int, nbytes: int, deadline: float) -> bool:
+        """(A store of this worker, on a root it takes care of.) Evict until ``nbytes``
+        more fit under the capacity, or ``deadline`` (monotonic) passes."""
+        kept = self.kept.get(index)
+        if kept is None:
+            return False
+        control = self.ctx.slot_writer.control
+        while True:
+            if control.usage_bytes(index) + nbytes <= self.ctx.io.capacity_bytes:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            self._step(kept, time.monotonic(), want_free=nbytes)
+            time.sleep(MAKE_ROOM_POLL_S)  # the evictor thread removes meanwhile
+
+    # -- one step ----------------------------------------------------------------------
+
+    def _step(self, kept: _Kept, now: float, want_free: int = 0) -> None:
+        ctx = self.ctx
+        writer = ctx.slot_writer
+        control = writer.control
+        m = kept.maintainer
+        state, _, _, retry_at = control.root_health(kept.index)
+        kept.last_at = now
+        if state == RootState.OUT and time.monotonic_ns() < retry_at:
+            kept.next_at = now + REST_CHECK_S  # an operation will probe it, not us
+            return
+        want = max(want_free, self._collect(kept))
+        freeing = m.evicting or bool(want)
+        urgent = freeing or _near_high(m, m.usage_bytes)
+        walking = now >= kept.rest_until or (freeing and not m.candidates_left)
+        writer.set_root(kept.index)  # a hang here is blamed on this root
+        try:
+            report = m.step(URGENT_BUDGET if urgent else MAINT_BUDGET, want_free=want,
+                            walk=walking)
+        except OSError as exc:
+            text = f"walking root {kept.path}: {exc}"
+            log.warning("mptier: %s", text)
+            if exc.errno is not None and is_fault(exc.errno):
+                ctx.report_root(kept.index, False, exc.errno, text)
+            kept.next_at = now + ERROR_BACKOFF_S
+            return
+        finally:
+            writer.set_root(None)
+        if kept.evictor is not None:
+            for entry in report.to_evict:
+                kept.evictor.put(entry)
+        self._take_evicted(kept)
+        if report.pass_completed:
+            kept.rest_until = now + WALK_REST_S
+        kept.temps_removed += report.temps_removed
+        if report.temps_removed:
+            log.info("mptier: removed %d stale temporary file(s) under %s",
+                     report.temps_removed, kept.path)
+        self._publish(kept)
+        freeing = m.evicting or bool(want)
+        kept.next_at = now + (EVICT_GAP_S if freeing else IDLE_GAP_S if walking or urgent
+                              else REST_CHECK_S)
+        own = [key for folder, key in report.removed if folder == self.folder]
+        if own:
+            self._send_removed(own)
+
+    def _take_evicted(self, kept: _Kept) -> None:
+        """Account what the evictor removed (or kept) since; report own keys removed."""
+        if kept.evictor is None or not kept.evictor.done:
+            return
+        m = kept.maintainer
+        own = []
+        done = kept.evictor.done
+        while done:
+            entry, removed = done.popleft()
+            key = m.evicted(entry, removed)
+            if key is not None and entry.folder == self.folder:
+                own.append(key)
+        if own:
+            self._send_removed(own)
+
+    def _collect(self, kept: _Kept) -> int:
+        """Account other workers' (and this one's) new blocks since the last step;
+        returns the most bytes any of them waits to find room for."""
+        control = self.ctx.slot_writer.control
+        index = kept.index
+        m = kept.maintainer
+        want = 0
+        for slot in range(control.n_slots):
+            st = control.slot_stores(slot, index)
+            want = max(want, st.want_free)
+            who = (control.slot_pid(slot), st.pass_id)
+            values = (st.ahead_bytes, st.ahead_blocks, st.behind_bytes, st.behind_blocks)
+            before = kept.seen.get(slot)
+            base = before[1] if before is not None and before[0] == who else (0, 0, 0, 0)
+            delta = [v - b for v, b in zip(values, base)]
+            kept.seen[slot] = (who, values)
+            if any(delta) and who[0]:
+                m.record_other_stores(st.pass_id - kept.pass_base, self.folder,
+                                      (delta[0], delta[1]), (delta[2], delta[3]))
+        return want
+
+    def _publish(self, kept: _Kept) -> None:
+        m = kept.maintainer
+        control = self.ctx.slot_writer.control
+        usage = m.tracker.usage
+        usage_bytes = usage.bytes if m.complete else max(usage.bytes, kept.inherited_bytes)
+        flags = (ROOT_COMPLETE if m.complete else 0) | (ROOT_EVICTING if m.evicting else 0)
+        position = m.top_position(self.folder)
+        listing = m.top_listing(self.folder)
+        if position == TOP_PASSED:
+            flags |= ROOT_LISTED  # everything is behind: no listing needed
+        elif listing is not None:
+            if listing is not kept.listing:  # once per pass: 512 bytes
+                control.set_listing(kept.index, listing)
+                kept.listing = listing
+            flags |= ROOT_LISTED
+        control.set_root_usage(
+            kept.index, usage_bytes=usage_bytes, usage_blocks=usage.blocks,
+            evicted_blocks=kept.evicted_base[0] + m.evicted_blocks,
+            evicted_bytes=kept.evicted_base[1] + m.evicted_bytes,
+            temps_removed=kept.temps_base + kept.temps_removed,
+            pass_id=kept.pass_base + m.pass_id, top_position=position,
+            flags=flags, caretaker_pid=os.getpid())
+
+    def _send_removed(self, keys: list[bytes]) -> None:
+        ctx = self.ctx
+        writer = ctx.slot_writer
+        for payload, count in pack_keys(keys):
+            message = encode_message(MessageType.REMOVED, writer.slot, os.getpid(),
+                                     n_done=count, payload=payload)
+            try:
+                os.write(ctx.completion_fd, message)
+            except OSError:
+                return  # the engine is gone; serve() finds out at its next write
+            writer.message_sent()

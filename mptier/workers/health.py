@@ -1,0 +1,119 @@
+"""Root health: a root whose I/O keeps failing leaves rotation, and is probed to come back.
+
+    worker: run of keys on root r ─ control.root_health(r) ─┬ IN ────────────▶ do the I/O
+                                                          ├ OUT, retry due ▶ probe, then I/O
+                                                          └ OUT ──────────▶ fail fast: the
+                                                                keys are misses / stores fail
+            I/O result ─ a fault errno (EIO, ETIMEDOUT, ENOTCONN, ...) ─▶ failure(r)
+                       └ anything else, when r had failures or was OUT ──▶ success(r)
+    supervisor: a worker killed for io_timeout_s (or a missed heartbeat) on root r ─▶ failure(r)
+
+:class:`RootHealth` is the only writer of the health half of each root's record in the
+control block: the supervisor thread (process workers report over their control socket)
+or, for thread workers, whichever thread holds its lock. ``root_failures_to_fail`` fault
+results in a row take a root out; then after ``root_retry_s`` the next operation on it
+probes it (a fresh open and stat of its block folder), and success brings it back. A
+root that is out is never replaced by another: its keys stay its own, reading as misses,
+so no other root fills up with blocks that would be unreachable once it comes back.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+from mptier.errors import errno_name
+from mptier.workers.control import ControlBlock, RootState
+
+log = logging.getLogger("mptier.workers")
+
+# errno values that say the file system (or the device under it) is failing, as opposed
+# to this block's trouble (ENOENT: a miss; EFBIG/ELOOP/EMEDIUMTYPE: a bad entry; ENOSPC:
+# the root is full; EBADMSG/ENODATA: one corrupt block): these count against the root.
+FAULT_ERRNOS = frozenset(
+    getattr(errno, name) for name in (
+        "EIO", "ETIMEDOUT", "ENOTCONN", "ESTALE", "EROFS", "EHOSTDOWN", "EHOSTUNREACH",
+        "ENETDOWN", "ENETUNREACH", "ENETRESET", "ECONNABORTED", "ECONNRESET",
+        "ECONNREFUSED", "ENOLINK", "EREMOTEIO", "ENODEV", "ENXIO", "ESHUTDOWN", "ECOMM",
+        "ENOMEDIUM", "EUCLEAN")
+    if hasattr(errno, name))
+
+
+def is_fault(err: int) -> bool:
+    """Whether ``err`` counts against the root's health (see :data:`FAULT_ERRNOS`)."""
+    return err in FAULT_ERRNOS
+
+
+def out_of_rotation_text(path: str, err: int, failures: int, retry_at_ns: int) -> str:
+    """What a fast-failed load or store says (names the root and the cause)."""
+    wait = max(0.0, (retry_at_ns - time.monotonic_ns()) / 1e9)
+    cause = f"{errno_name(err)}: {os.strerror(err)}" if err else "failures"
+    return (f"root {path} is out of rotation after {failures} failed I/O operation(s) "
+            f"(last: {cause}); its keys read as misses and stores of them fail until a "
+            f"probe succeeds (next in {wait:.1f} s, root_retry_s)")
+
+
+class RootHealth:
+    """The writer of each root's health (see module docstring). Thread-safe."""
+
+    def __init__(self, control: ControlBlock, roots: Sequence[str], failures_to_fail: int,
+                 retry_s: float) -> None:
+        self.control = control
+        self.roots = list(roots)
+        self.failures_to_fail = max(1, failures_to_fail)
+        self.retry_ns = int(retry_s * 1e9)
+        self.last_error = [""] * len(self.roots)
+        self._lock = threading.Lock()
+
+    def failure(self, index: int, err: int, text: str = "") -> None:
+        """One fault result on root ``index`` (a probe's failure included)."""
+        if not 0 <= index < len(self.roots):
+            return
+        with self._lock:
+            rec = self.control.root(index)
+            failures = rec.failures + 1
+            self.last_error[index] = text or os.strerror(err)
+            retry_at = time.monotonic_ns() + self.retry_ns
+            if rec.state is RootState.OUT:
+                self.control.set_root_health(index, RootState.OUT, err, failures, rec.outs,
+                                             retry_at)
+                log.info("mptier: probe of root %s failed (%s); next probe in %.0f s",
+                         self.roots[index], errno_name(err), self.retry_ns / 1e9)
+            elif failures >= self.failures_to_fail:
+                self.control.set_root_health(index, RootState.OUT, err, failures,
+                                             rec.outs + 1, retry_at)
+                log.error("mptier: root %s taken out of rotation after %d failed I/O "
+                          "operation(s) in a row (last: %s); its keys read as misses and "
+                          "stores of them fail; probing it again in %.0f s",
+                          self.roots[index], failures, self.last_error[index],
+                          self.retry_ns / 1e9)
+            else:
+                self.control.set_root_health(index, RootState.IN, err, failures, rec.outs, 0)
+
+    def probing(self, index: int) -> None:
+        """A worker is about to probe root ``index``: no other starts a probe until
+        ``root_retry_s`` from now (a probe of a hung mount hangs its worker; one at a
+        time is enough)."""
+        if not 0 <= index < len(self.roots):
+            return
+        with self._lock:
+            rec = self.control.root(index)
+            if rec.state is RootState.OUT:
+                self.control.set_root_health(index, RootState.OUT, rec.err, rec.failures,
+                                             rec.outs, time.monotonic_ns() + self.retry_ns)
+
+    def success(self, index: int) -> None:
+        """A result on root ``index`` that proves it answers (a probe's included)."""
+        if not 0 <= index < len(self.roots):
+            return
+        with self._lock:
+            rec = self.control.root(index)
+            if rec.state is RootState.OUT:
+                log.warning("mptier: root %s answers again: back in rotation",
+                            self.roots[index])
+            if rec.state is RootState.OUT or rec.failures:
+                self.control.set_root_health(index, RootState.IN, 0, 0, rec.outs, 0)

@@ -1,0 +1,298 @@
+"""Capacity with LRU eviction, with real tiers, worker processes and files: filling past
+the budget keeps recently used blocks and evicts the oldest untouched ones, a restart
+rebuilds usage while serving, a store that cannot fit fails (ENOSPC) with nothing
+half-written, "removed" events name exactly the evicted keys of the tier's own folder."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import wait_for, wait_results
+
+from mptier import FileSystemTier, LookupResult, SharedKVBuffer, TransferJob, make_key
+from mptier.layout import FileMapper
+
+KB = 1 << 10
+BLOCK = 64 * KB
+# File times come from the kernel's coarse clock (one tick: 4 ms at HZ=250, 10 ms at
+# HZ=100): blocks stored within one tick share an atime, and LRU cannot order them.
+TICK_S = 0.011
+
+
+def content(key: bytes, size: int = BLOCK) -> np.ndarray:
+    """The bytes stored under ``key``, derived from it: any load can be checked."""
+    return np.frombuffer(hashlib.shake_128(key).digest(size), dtype=np.uint8)
+
+
+def keys_for(tag: bytes, n: int) -> list[bytes]:
+    return [make_key(hashlib.sha256(tag + i.to_bytes(4, "little")).digest(), 0)
+            for i in range(n)]
+
+
+class Driver:
+    """Stores and loads whole jobs through one tier, one job at a time."""
+
+    def __init__(self, tier: FileSystemTier, buf: SharedKVBuffer) -> None:
+        self.tier, self.buf, self.next_id = tier, buf, 0
+        self.events: list = []
+
+    def _run(self, submit, keys: list[bytes], ids: list[int]):
+        self.next_id += 1
+        submit(TransferJob(self.next_id, keys, ids))
+        result = wait_results(self.tier, [self.next_id])[self.next_id]
+        self.events += self.tier.take_events()
+        return result
+
+    def store_in_order(self, keys: list[bytes]) -> None:
+        """One job per key, each after the last: their atimes (which the tier sets from
+        the kernel's coarse clock, a few ms a tick) then follow the order of ``keys``."""
+        for key in keys:
+            result = self.store([key])
+            assert result.success, result.error
+            time.sleep(TICK_S)
+
+    def store(self, keys: list[bytes]):
+        for slot, key in enumerate(keys):
+            self.buf.view[slot] = content(key, self.buf.block_bytes)
+        return self._run(self.tier.submit_store, keys, list(range(len(keys))))
+
+    def load(self, keys: list[bytes]):
+        ids = list(range(len(keys)))
+        self.buf.view[:len(keys)] = 0
+        result = self._run(self.tier.submit_load, keys, ids)
+        if result.success:
+            for slot, key in enumerate(keys):
+                assert np.array_equal(self.buf.view[slot], content(key, self.buf.block_bytes))
+        return result
+
+    def evicted(self) -> list[bytes]:
+        self.events += self.tier.take_events()
+        return [k for e in self.events if e.kind == "removed"
+                and e.extra.get("reason") == "evicted" for k in e.keys]
+
+
+def blocks_on_disk(root: str) -> tuple[int, int, list[str]]:
+    """(block files, their bytes, temporary files) under ``root``."""
+    n = size = 0
+    temps = []
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if name.endswith(".bin"):
+                n += 1
+                size += os.lstat(path).st_size
+            elif name.endswith(".tmp"):
+                temps.append(path)
+    return n, size, temps
+
+
+def root_stats(tier: FileSystemTier, index: int = 0) -> dict:
+    return tier.stats()["roots"][index]
+
+
+def settled(tier: FileSystemTier, root: str, cap: int, high: float) -> bool:
+    r = root_stats(tier)
+    _, size, _ = blocks_on_disk(root)
+    return r["usage_complete"] and not r["evicting"] and size <= high * cap
+
+
+@pytest.mark.slow
+def test_fill_past_the_budget_keeps_recent_blocks_and_evicts_the_oldest(
+        make_buffer, make_tier, root):
+    cap = 48 * BLOCK
+    buf = make_buffer(8, BLOCK)
+    tier = make_tier(buf, capacity_bytes=cap, task_bytes=2 * BLOCK)
+    run = Driver(tier, buf)
+    old = keys_for(b"old", 40)
+    new = keys_for(b"new", 24)
+    run.store_in_order(old)
+    recent = old[:8]
+    for i in range(0, len(recent), 4):
+        assert run.load(recent[i:i + 4]).success  # used again: now the newest
+    run.store_in_order(new)
+    wait_for(lambda: settled(tier, root, cap, 0.95), 30, "usage back under the high mark")
+
+    n, size, temps = blocks_on_disk(root)
+    assert size <= 0.95 * cap and not temps
+    present = {k for k in old + new if os.path.exists(tier.path_for(k))}
+    assert set(recent) <= present, "recently loaded blocks must survive"
+    assert set(new) <= present, "the newest blocks must survive"
+    untouched = old[8:]
+    gone = [k for k in untouched if k not in present]
+    # Usage went from 64 blocks to under the high mark (45.6): at least 19 evicted, and
+    # exactly the oldest untouched ones, in the order they were stored.
+    assert len(gone) >= 64 - 45
+    assert gone == untouched[:len(gone)]
+    wait_for(lambda: len(run.evicted()) == len(gone), 10, "removed events for each")
+    assert sorted(run.evicted()) == sorted(gone)
+    assert tier.stats()["evicted_keys"] == len(gone)
+    # Once a walk pass has seen the final state, the published usage is exact.
+    wait_for(lambda: tier.stats()["usage_bytes"] == blocks_on_disk(root)[1], 20,
+             "stats usage equal to the bytes on disk")
+    r = root_stats(tier)
+    assert r["blocks"] == n and r["evicted_blocks"] >= len(gone)
+    assert tier.stats()["capacity_bytes"] == cap
+    for key in recent + new:  # every survivor still loads byte-exact
+        assert run.load([key]).success
+
+
+def write_blocks(mapper: FileMapper, keys: list[bytes], size: int, atime: float | None = None
+                 ) -> None:
+    for key in keys:
+        path = mapper.path_for(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(content(key, size).tobytes())
+        if atime is not None:
+            os.utime(path, (atime, atime))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_restart_rebuilds_usage_while_serving(make_buffer, make_tier, root):
+    """A tier started on a root holding thousands of blocks is serving at once; its usage
+    grows as the walk goes (a lower bound until complete) and then equals the files."""
+    size = 4 * KB
+    n = 6000
+    mapper = FileMapper(root, model_name="model")
+    mapper.prepare(size)
+    keys = keys_for(b"restart", n)
+    write_blocks(mapper, keys, size)
+    buf = make_buffer(8, size)
+    tier = make_tier(buf, capacity_bytes=n * size * 2)
+    first = root_stats(tier)
+    assert not first["usage_complete"], "the start must not have waited for a walk"
+    assert first["usage_bytes"] < n * size
+    run = Driver(tier, buf)
+    assert run.load(keys[-4:]).success  # served while the walk is in progress
+    assert not root_stats(tier)["usage_complete"]
+    seen = []
+
+    def complete() -> bool:
+        r = root_stats(tier)
+        seen.append(r["usage_bytes"])
+        return r["usage_complete"]
+
+    wait_for(complete, 60, "the first walk pass")
+    assert seen == sorted(seen), "usage only grows while the walk rebuilds it"
+    r = root_stats(tier)
+    assert (r["usage_bytes"], r["blocks"]) == (n * size, n)
+    assert tier.stats()["usage_bytes"] == n * size
+
+
+def test_a_store_that_cannot_fit_fails_with_enospc_and_writes_nothing(
+        make_buffer, make_tier, root):
+    cap = 4 * BLOCK
+    buf = make_buffer(8, BLOCK)
+    tier = make_tier(buf, capacity_bytes=cap, task_bytes=8 * BLOCK)
+    run = Driver(tier, buf)
+    big = keys_for(b"big", 8)
+    result = run.store(big)
+    assert not result.success and result.errno == errno.ENOSPC
+    assert "capacity_bytes" in result.error and root in result.error
+    assert not any(os.path.exists(tier.path_for(k)) for k in big)
+    assert blocks_on_disk(root) == (0, 0, [])
+    # Room made by eviction: 3 stored, then 2 more on a budget of 4 (one must go: the
+    # oldest), in one task -- the store waits for the caretaker instead of failing.
+    first = keys_for(b"first", 3)
+    run.store_in_order(first)
+    wait_for(lambda: root_stats(tier)["usage_bytes"] == 3 * BLOCK, 10, "usage of 3 blocks")
+    more = keys_for(b"more", 2)
+    result = run.store(more)
+    assert result.success, result.error
+    assert all(os.path.exists(tier.path_for(k)) for k in more)
+    assert not os.path.exists(tier.path_for(first[0])), "the oldest made room"
+    _n, size, temps = blocks_on_disk(root)
+    assert size <= cap and not temps
+    wait_for(lambda: first[0] in run.evicted(), 10, "a removed event for it")
+    assert run.load(more).success
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_enospc_from_the_file_system_fails_the_job_with_nothing_half_written(
+        make_buffer, make_tier, fuse_fs):
+    root = str(fuse_fs.path("kv"))
+    buf = make_buffer(4, BLOCK)
+    tier = make_tier(buf, root_dir=root, task_bytes=4 * BLOCK)
+    run = Driver(tier, buf)
+    keys = keys_for(b"full", 4)
+    assert run.store(keys[:1]).success
+    rule = fuse_fs.fail("write", errno.ENOSPC, "/kv/*.tmp")
+    result = run.store(keys[1:])
+    fuse_fs.release(rule)
+    assert not result.success and result.errno == errno.ENOSPC
+    assert not any(os.path.exists(tier.path_for(k)) for k in keys[1:])
+    n, _, temps = blocks_on_disk(root)
+    assert n == 1 and not temps
+    assert run.store(keys[1:]).success  # the file system has room again
+
+
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_removed_events_only_for_the_tiers_own_folder(make_buffer, make_tier, root):
+    """Capacity is per root, so another model's old blocks go first; only the tier's own
+    evicted keys become "removed" events."""
+    cap = 16 * BLOCK
+    other = FileMapper(root, model_name="other-model")
+    other.prepare(BLOCK)
+    foreign = keys_for(b"foreign", 10)
+    write_blocks(other, foreign, BLOCK, atime=time.time() - 3600)
+    buf = make_buffer(8, BLOCK)
+    tier = make_tier(buf, capacity_bytes=cap, task_bytes=2 * BLOCK)  # a job: one task
+    run = Driver(tier, buf)
+    own = keys_for(b"own", 16)
+    run.store_in_order(own)
+    wait_for(lambda: settled(tier, root, cap, 0.95), 30, "usage back under the high mark")
+    assert not any(os.path.exists(other.path_for(k)) for k in foreign), \
+        "the oldest blocks (another model's) go first"
+    gone = [k for k in own if not os.path.exists(tier.path_for(k))]
+    assert gone == own[:len(gone)] and gone, "then this tier's oldest"
+    wait_for(lambda: sorted(run.evicted()) == sorted(gone), 10, "events for own keys only")
+    assert not set(run.evicted()) & set(foreign)
+
+
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_a_new_caretaker_takes_over_when_the_old_one_dies(make_buffer, make_tier, root):
+    cap = 12 * BLOCK
+    buf = make_buffer(8, BLOCK)
+    tier = make_tier(buf, capacity_bytes=cap, task_bytes=BLOCK)
+    wait_for(lambda: root_stats(tier)["caretaker_pid"], 10, "a caretaker")
+    first = root_stats(tier)["caretaker_pid"]
+    assert first in tier.worker_pids()
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: root_stats(tier)["caretaker_pid"] not in (None, first), 15,
+             "another caretaker")
+    assert root_stats(tier)["caretaker_pid"] in tier.worker_pids()
+    run = Driver(tier, buf)
+    keys = keys_for(b"after", 20)
+    for i in range(0, len(keys), 2):
+        assert run.store(keys[i:i + 2]).success
+    wait_for(lambda: settled(tier, root, cap, 0.95), 30, "eviction by the new caretaker")
+    assert run.evicted()
+
+
+def test_thread_workers_evict_too(make_tier, root):
+    """A buffer the workers cannot map: I/O threads in the engine, one of them the
+    caretaker."""
+    memory = np.zeros((8, BLOCK), dtype=np.uint8)
+    buf = SharedKVBuffer.from_memoryview(memory)
+    cap = 8 * BLOCK
+    tier = make_tier(buf, capacity_bytes=cap, task_bytes=2 * BLOCK, n_load_workers=1,
+                     n_store_workers=1)
+    assert tier.stats()["mode"] == "threads"
+    run = Driver(tier, buf)
+    keys = keys_for(b"threads", 16)
+    run.store_in_order(keys)
+    wait_for(lambda: settled(tier, root, cap, 0.95), 30, "usage back under the high mark")
+    gone = [k for k in keys if not os.path.exists(tier.path_for(k))]
+    assert gone == keys[:len(gone)] and len(gone) >= 16 - 7
+    wait_for(lambda: sorted(run.evicted()) == sorted(gone), 10, "removed events")
+    for key in keys[len(gone):]:
+        assert run.load([key]).success
+    assert tier.lookup(keys[0], "r") in (LookupResult.RETRY, LookupResult.MISS)
