@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import multiprocessing as mp
-import resource
 import os
+import resource
 import shutil
 import statistics
 import sys
