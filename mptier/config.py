@@ -69,6 +69,10 @@ class TierConfig:
     # store and checked on load. "auto": on where the root has user xattrs (probed once),
     # off with one warning elsewhere; true: refuse to start without them; false: none.
     checksum_blocks: bool | str = "auto"
+    # Batches through io_uring, several blocks in flight per worker (native core only).
+    # "auto": where the kernel allows it and the root is not in memory (tmpfs, ramfs);
+    # True: wherever the kernel allows it; False: the system-call loop only.
+    io_uring: bool | str = "auto"
     # Use the compiled C core when it is available (False: the pure-Python twin).
     native: bool = True
     # Emit "stored" events from take_events() for keys of successful stores.
@@ -208,7 +212,7 @@ class TierConfig:
             _want(isinstance(value, (int, float)) and not isinstance(value, bool)
                   and value > 0, name, value, "a positive number of seconds")
         _want_int(self, "max_task_retries", low=0, high=100)
-        for name in ("use_o_direct", "checksum_blocks", "lease_locks"):
+        for name in ("use_o_direct", "checksum_blocks", "io_uring", "lease_locks"):
             setattr(self, name, _tristate(name, getattr(self, name)))
         for name in ("native", "enable_events", "prefault", "parallel_agnostic",
                      "replicated_layout"):

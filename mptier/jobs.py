@@ -176,15 +176,42 @@ def _record_struct(kind: int, m: int, key_len: int) -> struct.Struct:
     return layout
 
 
+def _native_encoder():
+    """The C core's encoder (one call per job), or None: not built, switched off with
+    ``MPTIER_NATIVE=0``, or built for another wire version."""
+    from mptier import native
+
+    if native.BACKEND != "native":
+        return None
+    from mptier.native import _native
+
+    if (_native.WIRE_VERSION, _native.TASK_RECORD_BYTES, _native.TASK_HEADER_BYTES) != (
+            WIRE_VERSION, TASK_RECORD_BYTES, TASK_HEADER_BYTES):
+        return None
+    return _native.encode_job
+
+
 def encode_job(kind: TaskKind, first_task_id: int, keys: Sequence[bytes],
                block_ids: array.array, per_task: int) -> bytearray:
     """All task records of a job, back to back, ids ``first_task_id`` onwards.
 
     The caller guarantees ``per_task`` items of these keys fit a record (see
-    :func:`task_record_capacity`). This is the engine's submit path, so it is built for
-    speed: one zeroed allocation for the whole job, and for equal-length keys (the usual
-    case) one cached ``struct`` packing per record.
+    :func:`task_record_capacity`); raises ``ValueError`` when they do not. This is the
+    engine's submit path: keys of one length (the usual case) are encoded by the C core
+    in one call where it is built; otherwise, and as its twin, by
+    :func:`encode_job_python` -- the same bytes (tests/test_jobs.py).
     """
+    if _c_encode is not None:
+        out = _c_encode(int(kind), first_task_id, keys, block_ids, per_task)
+        if out is not None:
+            return out
+    return encode_job_python(kind, first_task_id, keys, block_ids, per_task)
+
+
+def encode_job_python(kind: TaskKind, first_task_id: int, keys: Sequence[bytes],
+                      block_ids: array.array, per_task: int) -> bytearray:
+    """:func:`encode_job` in Python: one zeroed allocation for the whole job and, for
+    equal-length keys, one cached ``struct`` packing per record."""
     n = len(keys)
     n_tasks = -(-n // per_task)
     out = bytearray(n_tasks * TASK_RECORD_BYTES)
@@ -217,6 +244,9 @@ def _encode_job_mixed(out: bytearray, kind: int, first_task_id: int,
                              block_ids[start:start + per_task] if kind != _LOOKUP else ())
         out[t * TASK_RECORD_BYTES:(t + 1) * TASK_RECORD_BYTES] = record
     return out
+
+
+_c_encode = _native_encoder()
 
 
 def peek_task(record: bytes | memoryview) -> tuple[TaskKind, int, int] | None:

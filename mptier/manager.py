@@ -432,6 +432,7 @@ class FileSystemTier:
             "closed": self._closed,
             "root": self.mapper.base_path,
             "o_direct": self.use_o_direct,
+            "io_uring": self._io.uring,
             "backend": self.backend,
             "native": self.backend == "native",
             "block_bytes": self._block_bytes,

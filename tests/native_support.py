@@ -6,7 +6,9 @@ A test module imports the fixtures it uses (``io_fixture``, ``backend_fixture``,
 
 The ``io`` fixture switches what those suites claim to cover: the compiled core with
 openat2 resolution ("native"), the compiled core forced onto its O_NOFOLLOW walk
-("native-walk"), and the pure-Python twin ("python"). A native variant is skipped,
+("native-walk"), the compiled core's io_uring path ("native-uring": several blocks in
+flight; skipped, saying why, where this kernel refuses io_uring), and the pure-Python
+twin ("python"). A native variant is skipped,
 saying why, only when the compiled core is not built. The LD_PRELOAD shim
 (native_shim.c) makes a file system refuse things on purpose and logs what the I/O code
 did at the moment it did it.
@@ -32,7 +34,7 @@ BLOCK = 8192  # two pages: aligned blocks take the O_DIRECT path
 ALIGN = 4096
 TESTS_DIR = str(Path(__file__).resolve().parent)
 SRC_ROOT = str(Path(native.__file__).resolve().parents[2])  # for child interpreters
-IO_VARIANTS = ["native", "native-walk", "python"]
+IO_VARIANTS = ["native", "native-walk", "native-uring", "python"]
 
 
 class IO:
@@ -40,11 +42,15 @@ class IO:
     layer of :class:`mptier.native.Backend` with the variant's resolution flag added."""
 
     def __init__(self, variant: str) -> None:
-        name, _, how = variant.partition("-")
+        name, *how = variant.split("-")
         self.variant = variant
         self.backend = native.get_backend(name)  # ImportError when not built
-        self.walk = how == "walk"
-        self.resolve_flags = native.NO_OPENAT2 if self.walk else 0
+        self.walk = "walk" in how
+        self.uring = "uring" in how
+        if self.uring and not self.backend.uring_available():
+            raise ImportError(f"io_uring path not testable here: {self.backend.uring_status()}")
+        self.resolve_flags = ((native.NO_OPENAT2 if self.walk else 0)
+                              | (native.URING if self.uring else 0))
 
     def __repr__(self) -> str:
         return f"<IO {self.variant}>"
@@ -55,10 +61,12 @@ class IO:
 
     def batch_store(self, root, paths, buffer, offsets, block_bytes, **options):
         options.setdefault("no_openat2", self.walk)
+        options.setdefault("uring", self.uring)
         return self.backend.batch_store(root, paths, buffer, offsets, block_bytes, **options)
 
     def batch_load(self, root, paths, buffer, offsets, block_bytes, **options):
         options.setdefault("no_openat2", self.walk)
+        options.setdefault("uring", self.uring)
         return self.backend.batch_load(root, paths, buffer, offsets, block_bytes, **options)
 
     def batch_lookup(self, root, paths, block_bytes, **options):
@@ -78,6 +86,20 @@ class IO:
 
     def __getattr__(self, name):  # crc32c, probes, resolver ...
         return getattr(self.backend, name)
+
+
+def assert_not_loaded_after(io: IO, buf, first: int, slots, fill: int, sources,
+                            size: int = BLOCK) -> None:
+    """The slots of blocks ``first..`` of a failed load: the loop never attempted them, so
+    each still holds ``fill``; with io_uring they may have been read meanwhile (the
+    contract: their contents are undefined, and never reported loaded), so each holds
+    ``fill`` or exactly its block (``sources[k]``, the bytes stored for block k)."""
+    for k in range(first, len(slots)):
+        got = bytes(buf[slots[k] * size:(slots[k] + 1) * size])
+        if io.uring:
+            assert got in (bytes([fill]) * size, sources[k]), f"slot of block {k}"
+        else:
+            assert got == bytes([fill]) * size, f"block {k} was attempted"
 
 
 def make_io(variant: str) -> IO:

@@ -266,3 +266,25 @@ def test_short_phases_are_flagged():
     warning = short_phase({"workload": w})
     assert "only 8 jobs" in warning and "--total-bytes 4GiB" in warning
     assert short_phase({"workload": {**w, "blocks_per_phase": 2048}}) is None
+
+
+def test_checksum_variant_and_crc32c_speed_are_reported(tmp_path, fake_drop, capsys):
+    if MptierDesign.available() is not None:
+        pytest.skip(MptierDesign.available())
+    md = tmp_path / "table.md"
+    designs = ["mptier:workers=1+1:prefault=0:checksum=true",
+               "mptier:workers=1+1:prefault=0:checksum=false"]
+    rc, doc = run_bench(tmp_path, "--designs", ",".join(designs), "--markdown", str(md),
+                        "--no-cold-pass")
+    assert rc == 0, doc["cases"][0]["problems"]
+    crc = doc["crc32c"]
+    assert crc["gbps"] > 0 and crc["impl"]
+    on, off = (r["figures"] for r in doc["cases"][0]["designs"])
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if x.startswith("checksums on / off")]
+    assert len(lines) == 1 and "mptier:workers=1+1:prefault=0" in lines[0]
+    want = f"store x{on['store_gbps'] / off['store_gbps']:.2f}, " \
+           f"load x{on['load_gbps'] / off['load_gbps']:.2f}"
+    assert lines[0].endswith(want)
+    assert "CRC32C on one core" in out and "CRC32C on one core" in md.read_text()
+    assert lines[0] in md.read_text()

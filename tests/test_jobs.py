@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from mptier import native
 from mptier.jobs import (
     TASK_RECORD_BYTES,
     MessageType,
@@ -14,6 +15,7 @@ from mptier.jobs import (
     decode_messages,
     decode_task,
     encode_job,
+    encode_job_python,
     encode_message,
     encode_task,
     peek_task,
@@ -46,6 +48,52 @@ def test_capacity_is_exact_and_overflow_is_refused():
     encode_job(TaskKind.STORE, 1, keys[:cap], ids[:cap], per_task=cap)
     with pytest.raises(ValueError):
         encode_job(TaskKind.STORE, 1, keys, ids, per_task=cap + 1)
+
+
+def _c_encoder():
+    if not native.HAS_NATIVE:
+        pytest.skip(f"the native core is not built ({native.NATIVE_IMPORT_ERROR})")
+    from mptier.native import _native
+
+    return _native.encode_job
+
+
+@pytest.mark.parametrize("kind", list(TaskKind))
+@pytest.mark.parametrize("n, per_task", [(1, 1), (16, 1), (16, 4), (16, 16), (17, 4),
+                                         (100, 32), (5, 8)])
+@pytest.mark.parametrize("key_len", [5, 36, 255])
+def test_c_encoder_writes_the_python_encoders_bytes(kind, n, per_task, key_len):
+    """The engine's hot path (the C core) and its twin give the same records, byte for
+    byte: the record header, ids, lengths, keys and the zero padding."""
+    c_encode = _c_encoder()
+    per_task = min(per_task, task_record_capacity(kind, key_len))
+    keys = [os.urandom(key_len) for _ in range(n)]
+    ids = array.array("q", [(i * 7919) % (1 << 40) for i in range(n)])
+    if kind == TaskKind.LOOKUP:
+        ids = array.array("q")
+    expected = encode_job_python(kind, 1 << 33, keys, ids, per_task)
+    got = c_encode(int(kind), 1 << 33, keys, ids, per_task)
+    assert type(got) is bytearray and got == expected
+    assert encode_job(kind, 1 << 33, keys, ids, per_task) == expected
+    assert [decode_task(got[p:p + TASK_RECORD_BYTES]).keys
+            for p in range(0, len(got), TASK_RECORD_BYTES)] == \
+        [keys[i:i + per_task] for i in range(0, n, per_task)]
+
+
+def test_c_encoder_leaves_mixed_lengths_and_overflow_to_python():
+    c_encode = _c_encoder()
+    mixed = [b"a" * 36, b"b" * 37]
+    ids = array.array("q", [1, 2])
+    assert c_encode(int(TaskKind.STORE), 1, mixed, ids, 2) is None  # Python encodes it
+    assert encode_job(TaskKind.STORE, 1, mixed, ids, 2) == \
+        encode_job_python(TaskKind.STORE, 1, mixed, ids, 2)
+    assert c_encode(int(TaskKind.LOAD), 1, [b"k" * 36], [5], 1) == \
+        encode_job_python(TaskKind.LOAD, 1, [b"k" * 36], array.array("q", [5]), 1)
+    cap = task_record_capacity(TaskKind.STORE, 36)
+    too_many = [b"k" * 36] * (cap + 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        c_encode(int(TaskKind.STORE), 1, too_many, array.array("q", range(cap + 1)), cap + 1)
+    assert c_encode(int(TaskKind.STORE), 1, [], array.array("q"), 4) == bytearray()
 
 
 def test_attempt_and_peek():

@@ -17,6 +17,7 @@ import pytest
 from native_support import (  # noqa: F401  (fixtures)
     BLOCK,
     aligned,
+    assert_not_loaded_after,
     block_paths,
     crc32c_reference,
     io_fixture,
@@ -153,7 +154,8 @@ def test_corrupt_block_fails_with_ebadmsg_and_heals(io, tmp_path, how, o_direct)
         errno.EBADMSG, 2, 2, str(tmp_path / paths[2]))
     assert "checksum mismatch" in e.strerror and "removed" in e.strerror
     assert bytes(buf[n * size : (n + 2) * size]) == bytes(buf[: 2 * size])  # kept
-    assert set(buf[(n + 3) * size :].tolist()) == {0x5A}  # block 3 never attempted
+    stored = [bytes(buf[k * size:(k + 1) * size]) for k in range(n)]
+    assert_not_loaded_after(io, buf, 3, range(n, 2 * n), 0x5A, stored, size)
     assert not (tmp_path / paths[2]).exists()
     assert all((tmp_path / p).exists() for p in (paths[0], paths[1], paths[3]))
     assert io.batch_lookup(tmp_path, paths, size)[2] == native.LOOKUP_ABSENT
@@ -292,6 +294,9 @@ def test_checksummed_direct_io_deeper_than_the_queue(io, tmp_path):
 
 def test_checksummed_direct_io_without_linux_aio(io, tmp_path, shim):
     """With io_setup refused, O_DIRECT checksums run one after the other, same results."""
+    if io.uring:
+        pytest.skip("the io_uring path does not use Linux AIO: its CRCs overlap the ring's "
+                    "transfers of other blocks")
     if not io.probe_o_direct(tmp_path):
         pytest.skip(f"O_DIRECT does not work in {tmp_path}")
     root = tmp_path / "root"

@@ -65,16 +65,28 @@ def store_under_shim(shim_so, modes, tmp_path, io, paths, tmpfile, tag=TAG):
     return root, json.loads(proc.stdout), hits, lines
 
 
+def _ring_opens_unseen(io) -> None:
+    if io.uring:
+        pytest.skip("the io_uring path opens files inside the kernel (IORING_OP_OPENAT), "
+                    "where an LD_PRELOAD shim cannot see or refuse them; its temporary "
+                    "names are checked at publication (renameat is a libc call there)")
+
+
 @pytest.mark.parametrize("tmpfile", [False, True], ids=["named", "tmpfile"])
 def test_publishing_names_only_the_tagged_temp_or_none(io, tmp_path, shim, tmpfile):
     paths = block_paths(3)
-    root, out, _, lines = store_under_shim(shim, "log", tmp_path, io, paths, tmpfile)
+    root, out, _, lines = store_under_shim(shim, "log,publish", tmp_path, io, paths, tmpfile)
     assert out == {"same": True, "warnings": []}
-    created = [line.split(" ", 1)[1] for line in lines if line.startswith("excl ")]
+    # io_uring opens in the kernel, out of the shim's sight: there the temporary names
+    # come from the renames that published them (a libc call in both paths)
+    made_by = "rename " if io.uring else "excl "
+    created = [line.split(" ")[1] for line in lines if line.startswith(made_by)]
     created = [c for c in created if ".mpt_probe." not in c]
     if tmpfile:  # nothing named ever existed: each block went through an unnamed file
         assert created == []
-        assert len([line for line in lines if line.startswith("tmpfile ")]) == 3
+        assert len([line for line in lines if line.startswith("link ")]) == 3
+        if not io.uring:
+            assert len([line for line in lines if line.startswith("tmpfile ")]) == 3
     else:
         assert len(created) == 3
         for path, made in zip(paths, created):
@@ -86,6 +98,7 @@ def test_publishing_names_only_the_tagged_temp_or_none(io, tmp_path, shim, tmpfi
 
 
 def test_o_tmpfile_refused_falls_back_to_a_named_temp(io, tmp_path, shim):
+    _ring_opens_unseen(io)  # test_native_uring.py refuses O_TMPFILE with a real fs
     paths = block_paths(3)
     root, out, hits, lines = store_under_shim(shim, "notmpfile,log", tmp_path, io, paths, True)
     assert out == {"same": True, "warnings": []}
@@ -104,8 +117,11 @@ def test_temp_file_that_cannot_be_removed_is_reported(io, tmp_path, shim):
     assert len(out["warnings"]) == 1 and out["warnings"][0].startswith("ResourceWarning")
     assert "could not be removed" in out["warnings"][0] and "EBUSY" in out["warnings"][0]
     left = temp_files(root)
-    assert len(left) == 1 and f".{TAG}." in left[0]  # the one the shim kept
-    os.unlink(root / left[0])
+    # the one the shim kept; with io_uring block 1's temporary was written meanwhile, and
+    # its removal fails the same way (the loop never got to block 1)
+    assert len(left) == (2 if io.uring else 1) and all(f".{TAG}." in x for x in left)
+    for name in left:
+        os.unlink(root / name)
     # the errno layer hands the same errno back to its caller (a worker logs it)
     code = """
         import json, sys

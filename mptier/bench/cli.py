@@ -22,7 +22,13 @@ from typing import Any
 from mptier.bench import report as rep
 from mptier.bench.designs import DEFAULT_DESIGNS, DesignSpec, parse_designs
 from mptier.bench.harness import Case, Workload
-from mptier.bench.measure import filesystem_of, format_size, parse_size, probe_o_direct
+from mptier.bench.measure import (
+    crc32c_speed,
+    filesystem_of,
+    format_size,
+    parse_size,
+    probe_o_direct,
+)
 from mptier.bench.raw import RawLimit, fio_path
 
 SCHEMA_VERSION = 2
@@ -345,6 +351,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": "mptier bench " + shlex.join(_own_argv(argv)),
         "machine": machine_info(),
+        "crc32c": crc32c_speed(),
         "figures": [{"key": f.key, "label": f.label.strip(), "unit": f.unit,
                      "better": f.better} for f in rep.FIGURES],
         "cases": [],
@@ -405,6 +412,9 @@ def _emit(doc: dict[str, Any], args: argparse.Namespace) -> None:
     sweeps = rep.sweep_tables(doc)
     for table in sweeps:
         print(table["text"])
+    notes = rep.checksum_notes(doc)
+    for line in notes:
+        print(line)
     paths = {"json": args.json, "markdown": args.markdown, "plot": args.plot, "text": None}
     if args.save:
         os.makedirs(args.save, exist_ok=True)
@@ -418,11 +428,13 @@ def _emit(doc: dict[str, Any], args: argparse.Namespace) -> None:
         body = "\n\n".join(rep.markdown_table(c) for c in doc["cases"])
         warnings = "".join(f"**Warning:** {w}\n\n" for w in doc.get("warnings", []))
         sweep_md = "".join(f"## {t['title']}\n\n{t['markdown']}\n\n" for t in sweeps)
+        notes_md = "".join(f"- {line}\n" for line in notes)
         _write(paths["markdown"], f"Command: `{doc['command']}`\n\n{warnings}## Summary\n\n"
-               f"{rep.summary_markdown(doc)}\n\n{sweep_md}## Every figure\n\n{body}\n")
+               f"{rep.summary_markdown(doc)}\n\n{notes_md and notes_md + chr(10)}"
+               f"{sweep_md}## Every figure\n\n{body}\n")
     if paths["text"]:
         body = "\n\n".join([*(rep.plain_table(c) for c in doc["cases"]),
-                             *(t["text"] for t in sweeps)])
+                             *(t["text"] for t in sweeps), *notes])
         _write(paths["text"], f"{doc['command']}\n\n{body}\n")
     if paths["plot"]:
         try:

@@ -5,6 +5,9 @@ A spec is a name and optional ``key=value`` options after colons::
     mptier                 (a) mptier, default pool
     mptier:nice=19         (a) with the workers at CPU priority 19
     mptier:workers=1+1     (a) with one load and one store worker
+    mptier:checksum=true   (a) with block checksums on (beside mptier:checksum=false, the
+                               run reports their cost, and always the CRC32C speed)
+    mptier:uring=false     (a) the C core's system-call loop instead of io_uring
     baseline               (b) the in-process reference: 16+16 threads, pure-Python I/O
     baseline:threads=4+4   (b) with a smaller pool
     pool-native            (c) the reference pool calling mptier.native batch I/O

@@ -9,6 +9,10 @@ sizes and CPU priority are compared side by side in one run::
     mptier:cpus=1               worker_cpus=[1] (keep the workers off core 0)
     mptier:task_bytes=8M        any other TierConfig field by its own name
     mptier:native=0             the pure-Python I/O twin instead of the C core
+    mptier:checksum=true        checksum_blocks=true (against checksum=false: their cost)
+    mptier:uring=false          io_uring=false: the C core's system-call loop
+    mptier:policy=normal        workers back to SCHED_OTHER after they start (they run
+                                SCHED_BATCH; this measures what that buys)
     mptier:roots=3              root_dirs: the design's folder and two sub-folders of it
                                 (one file system: it measures the routing and the
                                 per-root caretakers, not more drives)
@@ -27,7 +31,7 @@ from mptier.bench.base import MODEL_NAME, Design, DesignContext
 
 # Short option names -> TierConfig fields.
 _ALIASES = {"nice": "worker_nice", "task": "task_bytes", "prefault": "prefault",
-            "o_direct": "use_o_direct"}
+            "o_direct": "use_o_direct", "checksum": "checksum_blocks", "uring": "io_uring"}
 
 
 def _literal(text: str) -> Any:
@@ -55,6 +59,8 @@ def config_overrides(options: dict[str, str]) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for key, value in options.items():
+        if key == "policy":
+            continue  # not a TierConfig field: the design applies it (worker_policy)
         if key == "workers":
             try:
                 load, store = (int(x) for x in value.split("+"))
@@ -83,6 +89,24 @@ def _cpu_list(text: str) -> list[int]:
     return cpus
 
 
+_POLICIES = {"normal": "SCHED_OTHER", "other": "SCHED_OTHER", "batch": "SCHED_BATCH"}
+
+
+def worker_policy(tier: Any, name: str) -> str:
+    """Put every thread of every worker of ``tier`` under scheduling policy ``name``
+    ("normal" or "batch"); returns the policy's name. Raises ``ValueError`` for another
+    name."""
+    import os
+
+    if name not in _POLICIES:
+        raise ValueError(f"policy={name!r}: expected one of {sorted(_POLICIES)}")
+    policy = getattr(os, _POLICIES[name])
+    for pid in tier.worker_pids():
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+    return _POLICIES[name]
+
+
 def _root_folders(root: str, n: int) -> list[str]:
     """``n`` roots for a ``roots=N`` variant: ``<root>/root<i>``. The first one is the
     harness's own folder (so its clean-up and block_path find blocks there too)."""
@@ -101,6 +125,9 @@ class MptierDesign(Design):
     def __init__(self, label: str, options: dict[str, str] | None = None) -> None:
         super().__init__(label, options)
         self.overrides = config_overrides(self.options)
+        if self.options.get("policy", "normal") not in _POLICIES:
+            raise ValueError(f"{label}: policy={self.options['policy']!r}: expected one "
+                             f"of {sorted(_POLICIES)}")
         self._tier: Any = None
 
     @classmethod
@@ -126,6 +153,8 @@ class MptierDesign(Design):
         mptier.TierConfig(**where, **config)  # raise on a bad override first
         self._tier = mptier.FileSystemTier(ctx.shared, **where, **config)
         self.info.update({k: v for k, v in config.items() if k != "model_name"})
+        if "policy" in self.options:
+            self.info["worker_policy"] = worker_policy(self._tier, self.options["policy"])
         self.info["workers"] = (f"{self._tier.config.n_load_workers}+"
                                 f"{self._tier.config.n_store_workers}")
         stats = getattr(self._tier, "stats", None)

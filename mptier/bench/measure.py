@@ -8,6 +8,7 @@
   whether it worked (it needs root outside a restricted container).
 * :func:`probe_o_direct` -- the reference design's O_DIRECT probe (an aligned one-page
   write in the folder), used by the baseline and the raw limit alike.
+* :func:`crc32c_speed` -- the block checksum's speed on one core, over a block in cache.
 * byte-count parsing and formatting, percentiles, the file-system type of a path.
 """
 
@@ -221,6 +222,33 @@ def filesystem_of(path: str) -> tuple[str, str]:
     except OSError:
         pass
     return best
+
+
+# CRC32C speed: a 2 MiB block (a common KV block, well inside L2 + L3 here) checksummed
+# this many times per sample, the best of CRC_SAMPLES samples (the least disturbed by
+# other processes on a shared machine).
+CRC_BLOCK_BYTES = 2 << 20
+CRC_REPEATS = 20
+CRC_SAMPLES = 7
+
+
+def crc32c_speed() -> dict[str, object]:
+    """CRC32C (vLLM's block checksum) on one core over a 2 MiB block already in cache:
+    ``{"impl", "gbps", "backend"}`` for the default I/O backend (thread CPU time, so a
+    preempted sample does not count against it). ``gbps`` is None if it cannot run."""
+    from mptier import native
+
+    data = bytearray(os.urandom(CRC_BLOCK_BYTES))
+    native.crc32c(data)  # warm: the block in cache, the implementation chosen
+    best = None
+    for _ in range(CRC_SAMPLES):
+        t0 = time.thread_time_ns()
+        for _ in range(CRC_REPEATS):
+            native.crc32c(data)
+        took = time.thread_time_ns() - t0
+        best = took if best is None else min(best, took)
+    gbps = CRC_REPEATS * CRC_BLOCK_BYTES / best if best else None
+    return {"impl": native.crc32c_impl(), "backend": native.BACKEND, "gbps": gbps}
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:

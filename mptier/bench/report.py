@@ -359,6 +359,44 @@ def summary_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _checksum_setting(label: str) -> bool | None:
+    """True / False for a variant that sets block checksums on / off, else None."""
+    for part in label.split(":")[1:]:
+        key, _, value = part.partition("=")
+        if key in ("checksum_blocks", "checksum"):
+            return value.lower() in ("true", "1", "yes", "on")
+    return None
+
+
+def checksum_notes(doc: dict[str, Any]) -> list[str]:
+    """The CRC32C speed of one core, and per case the cost of block checksums: each
+    design run with checksums on divided by the same design with them off (same run)."""
+    crc = doc.get("crc32c") or {}
+    lines = []
+    if crc.get("gbps"):
+        lines.append(f"CRC32C on one core, a 2 MiB block in cache: {crc['gbps']:.1f} GB/s "
+                     f"({crc.get('impl')}, {crc.get('backend')} backend)")
+    for case in doc.get("cases", []):
+        by_setting: dict[tuple[str, bool], dict[str, Any]] = {}
+        for r in case["designs"]:
+            setting = _checksum_setting(r["label"])
+            if setting is not None:
+                base = ":".join(p for p in r["label"].split(":")
+                                if p.partition("=")[0] not in ("checksum_blocks", "checksum"))
+                by_setting[(base, setting)] = r
+        for (base, setting), on in sorted(by_setting.items()):
+            off = by_setting.get((base, False))
+            if not setting or off is None:
+                continue
+            parts = []
+            for key, name in (("store_gbps", "store"), ("load_gbps", "load")):
+                a, b = on["figures"].get(key), off["figures"].get(key)
+                parts.append(f"{name} x{a / b:.2f}" if a and b else f"{name} -")
+            lines.append(f"checksums on / off, {case_title(case)}, {base}: "
+                         + ", ".join(parts))
+    return lines
+
+
 def plain_table(case: dict[str, Any]) -> str:
     designs = case["designs"]
     header = ["figure"] + [f"{r['letter']}: {r['label']}" for r in designs]

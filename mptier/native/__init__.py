@@ -41,7 +41,21 @@ several threads and processes. The two backends behave identically:
 - Store and load stop at the first failing block. The errno layer returns ``(rc,
   n_done, fail_index[, tmp_unlink_errno])``, ``rc`` 0 or -errno; the wrappers raise
   :class:`mptier.errors.BatchIOError` with ``errno``, ``index``, ``n_done`` and the
-  failing path. Blocks after ``index`` are not attempted (their slots are untouched).
+  failing path. Blocks ``0 .. index - 1`` are done; nothing after ``index`` is
+  published, removed or touched. The buffer slots of a *load*'s blocks from ``index``
+  on have undefined contents: the failing block may be partly read, and with ``URING``
+  later blocks may have been read while the batch ran. All I/O into the buffer has
+  ended when the call returns. (A store with ``URING`` may also have made empty
+  folders for blocks after ``index``.)
+- ``URING`` runs a store or load through io_uring with up to 32 blocks in flight (each
+  block's opens, folder making, stat and read/write in the ring; checks, checksums,
+  publishing and removals in batch order, as the loop does them), where this process
+  can use io_uring (probed once: :meth:`Backend.uring_status`); elsewhere, with
+  ``NO_OPENAT2``, for one-block batches, and for loads into overlapping slots, the
+  system-call loop runs.
+  The results are the loop's. It pays on block devices, where a lone process leaves
+  the device idle between its dependent steps; on memory file systems (tmpfs:
+  :meth:`Backend.probe_in_memory`) the loop is as fast. The Python backend ignores it.
 - O_DIRECT is used with flag ``O_DIRECT`` where the block's address and ``block_bytes``
   are multiples of 4096; a block whose O_DIRECT open or I/O fails with EINVAL is redone
   buffered, so O_DIRECT never fails a block. Probe a root once (:func:`probe_o_direct`,
@@ -82,10 +96,10 @@ else:
 __all__ = [
     "BACKEND", "CHECKSUM", "FAULT_ENV", "HAS_NATIVE", "LOOKUP_ABSENT", "LOOKUP_BAD",
     "LOOKUP_PRESENT", "LOOKUP_SHORT", "LOOKUP_SYMLINK", "NO_OPENAT2", "O_DIRECT",
-    "TAG_LEN", "TEMP_SUFFIX_MAX_BYTES", "TMPFILE", "TOUCH", "XATTR_NAME", "Backend",
+    "TAG_LEN", "TEMP_SUFFIX_MAX_BYTES", "TMPFILE", "TOUCH", "URING", "XATTR_NAME", "Backend",
     "batch_error", "batch_load", "batch_lookup", "batch_store", "crc32c", "crc32c_impl",
     "get_backend", "new_tag", "open_root", "probe_o_direct", "probe_o_tmpfile",
-    "probe_xattr", "set_fault",
+    "probe_xattr", "set_fault", "uring_status",
 ]
 
 NATIVE_ENV = "MPTIER_NATIVE"
@@ -97,6 +111,7 @@ CHECKSUM = _pure.CHECKSUM
 TOUCH = _pure.TOUCH
 TMPFILE = _pure.TMPFILE
 NO_OPENAT2 = _pure.NO_OPENAT2
+URING = _pure.URING
 # Lookup statuses. SHORT (a file shorter than a block) is a miss: the next store
 # replaces it, a load removes it; lookup itself removes nothing but symlinks.
 LOOKUP_ABSENT = _pure.LOOKUP_ABSENT
@@ -195,7 +210,7 @@ class Backend:
     # -- validated wrappers --------------------------------------------------------------
     def batch_store(self, root, paths, buffer, offsets, block_bytes, *, o_direct=True,
                     checksum=False, touch=False, tmpfile=False, tag=None,
-                    no_openat2=False) -> None:
+                    no_openat2=False, uring=False) -> None:
         """Write block i of ``buffer`` to ``<root>/paths[i]``; see the module docstring.
 
         ``root`` is a directory path or an fd from :func:`open_root`; ``tag`` names the
@@ -204,7 +219,7 @@ class Backend:
         ``BatchIOError`` at the first block that fails. A temporary file that could not
         be removed is reported as a ``ResourceWarning``.
         """
-        flags = _checks.flags(o_direct, checksum, touch, tmpfile, no_openat2)
+        flags = _checks.flags(o_direct, checksum, touch, tmpfile, no_openat2, uring)
         tag_bytes = _checks.tag(tag)
         with _checks.Root(root) as (fd, where):
             encoded, offs, block_bytes = _checks.batch(paths, buffer, offsets, block_bytes)
@@ -217,13 +232,13 @@ class Backend:
             raise batch_error("store", -rc, n_done, index, where(encoded[index]), note)
 
     def batch_load(self, root, paths, buffer, offsets, block_bytes, *, o_direct=True,
-                   checksum=False, touch=False, no_openat2=False) -> None:
+                   checksum=False, touch=False, no_openat2=False, uring=False) -> None:
         """Read ``<root>/paths[i]`` into block i of ``buffer``; see the module docstring.
 
         Raises ``ValueError``/``TypeError`` for bad arguments (before any I/O) and
         ``BatchIOError`` at the first block that fails.
         """
-        flags = _checks.flags(o_direct, checksum, touch, False, no_openat2)
+        flags = _checks.flags(o_direct, checksum, touch, False, no_openat2, uring)
         with _checks.Root(root) as (fd, where):
             encoded, offs, block_bytes = _checks.batch(paths, buffer, offsets, block_bytes)
             rc, n_done, index, _, note = _checks.faulted(
@@ -255,6 +270,20 @@ class Backend:
     def resolver(self) -> str:
         """How paths resolve beneath a root without NO_OPENAT2: "openat2" or "walk"."""
         return self._impl.resolver()
+
+    def uring_status(self) -> str:
+        """"io_uring" when ``URING`` batches of this backend run through io_uring in this
+        process, else why they take the system-call loop (probed once per process)."""
+        return self._impl.uring_status()
+
+    def uring_available(self) -> bool:
+        """Whether ``URING`` batches run through io_uring in this process."""
+        return self.uring_status() == "io_uring"
+
+    def probe_in_memory(self, directory) -> bool:
+        """Whether ``directory``'s file system keeps file data in memory (tmpfs, ramfs),
+        where more I/O in flight buys nothing; False for an unusable directory."""
+        return self._probe("in_memory", self._impl.probe_in_memory, directory)
 
     def _probe(self, what: str, fn, directory) -> bool:
         key = (what, os.path.abspath(os.fsencode(directory)))
@@ -351,3 +380,8 @@ def probe_xattr(directory) -> bool:
 def probe_o_tmpfile(directory) -> bool:
     """Whether O_TMPFILE + link works in ``directory`` (cached; False if unusable)."""
     return _default.probe_o_tmpfile(directory)
+
+
+def uring_status() -> str:
+    """:meth:`Backend.uring_status` of the default backend."""
+    return _default.uring_status()

@@ -73,10 +73,10 @@ def faulted(op: str, fn, root_fd, paths, buffer, offsets, block_bytes, *rest
     return -fault.errno, stop, stop, tmp_errno, f" (injected by {FAULT_ENV})"
 
 
-def flags(o_direct, checksum, touch, tmpfile, no_openat2) -> int:
+def flags(o_direct, checksum, touch, tmpfile, no_openat2, uring=False) -> int:
     return ((_pure.O_DIRECT_FLAG if o_direct else 0) | (_pure.CHECKSUM if checksum else 0)
             | (_pure.TOUCH if touch else 0) | (_pure.TMPFILE if tmpfile else 0)
-            | (_pure.NO_OPENAT2 if no_openat2 else 0))
+            | (_pure.NO_OPENAT2 if no_openat2 else 0) | (_pure.URING if uring else 0))
 
 
 _process_tag: tuple[int, bytes] | None = None

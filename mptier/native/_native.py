@@ -9,6 +9,8 @@ only the paths blob, the buffer address and the offsets array.
 
 from __future__ import annotations
 
+import array
+import errno
 from collections.abc import Sequence
 
 import mptier.native._mptier_cffi as _cffi
@@ -19,7 +21,8 @@ ffi, lib = _cffi.ffi, _cffi.lib
 _MIRRORED = {
     "MPT_O_DIRECT": _pure.O_DIRECT_FLAG, "MPT_CHECKSUM": _pure.CHECKSUM,
     "MPT_TOUCH": _pure.TOUCH, "MPT_TMPFILE": _pure.TMPFILE,
-    "MPT_NO_OPENAT2": _pure.NO_OPENAT2, "MPT_DIRECT_ALIGN": _pure.DIRECT_ALIGN,
+    "MPT_NO_OPENAT2": _pure.NO_OPENAT2, "MPT_URING": _pure.URING,
+    "MPT_DIRECT_ALIGN": _pure.DIRECT_ALIGN,
     "MPT_TAG_LEN": _pure.TAG_LEN, "MPT_TEMP_SUFFIX_MAX_BYTES": _pure.TEMP_SUFFIX_MAX_BYTES,
     "MPT_LOOKUP_ABSENT": _pure.LOOKUP_ABSENT, "MPT_LOOKUP_PRESENT": _pure.LOOKUP_PRESENT,
     "MPT_LOOKUP_SYMLINK": _pure.LOOKUP_SYMLINK, "MPT_LOOKUP_BAD": _pure.LOOKUP_BAD,
@@ -79,6 +82,50 @@ def lookup(root_fd: int, paths: Sequence[bytes], block_bytes: int, flags: int) -
 
 def resolver() -> str:
     return ffi.string(lib.mpt_resolver()).decode()
+
+
+def uring_status() -> str:
+    return ffi.string(lib.mpt_uring_status()).decode()
+
+
+def probe_in_memory(directory: bytes) -> int:
+    return lib.mpt_fs_in_memory(directory)
+
+
+# The task records' layout as the C encoder writes it (mptier.jobs checks it against its own).
+WIRE_VERSION = lib.MPT_WIRE_VERSION
+TASK_RECORD_BYTES = lib.MPT_TASK_RECORD_BYTES
+TASK_HEADER_BYTES = lib.MPT_TASK_HEADER_BYTES
+_KIND_LOOKUP = 3  # lookup records carry no block ids (MPT_KIND_LOOKUP)
+_from_buffer = ffi.from_buffer
+_encode = lib.mpt_encode_job
+
+
+def encode_job(kind: int, first_task_id: int, keys: Sequence[bytes], block_ids,
+               per_task: int) -> bytearray | None:
+    """``mptier.jobs.encode_job``'s records in one C call, or ``None`` where the C
+    encoder does not apply (keys of different lengths, a big-endian machine): the caller
+    then encodes in Python. Raises ``ValueError`` when ``per_task`` items do not fit a
+    record, as the Python encoder does."""
+    n = len(keys)
+    if n == 0:
+        return bytearray()
+    all_keys = b"".join(keys)
+    key_len = len(keys[0])
+    if len(all_keys) != n * key_len:
+        return None  # mixed lengths: the loop of mptier.jobs
+    if kind != _KIND_LOOKUP and len(block_ids) != n:
+        return None  # the Python encoder raises for it
+    if type(block_ids) is not array.array or block_ids.typecode != "q":
+        block_ids = array.array("q", block_ids)
+    out = bytearray(-(-n // per_task) * TASK_RECORD_BYTES)
+    rc = _encode(_from_buffer(out), len(out), kind, first_task_id, all_keys, key_len, n,
+                 _from_buffer("int64_t[]", block_ids), per_task)
+    if rc >= 0:
+        return out
+    if rc == -errno.E2BIG:
+        raise ValueError(f"{per_task} items of {key_len}-byte keys do not fit a task record")
+    return None
 
 
 def crc32c_impl() -> str:

@@ -47,6 +47,7 @@ CHECKSUM = 2  # MPT_CHECKSUM: write / verify the CRC32C record
 TOUCH = 4  # MPT_TOUCH: atime to now on a load and on a store that finds the block
 TMPFILE = 8  # MPT_TMPFILE: store through an O_TMPFILE file linked into place
 NO_OPENAT2 = 16  # MPT_NO_OPENAT2: the component walk even where openat2 exists
+URING = 32  # MPT_URING: several blocks in flight through io_uring (C only; same results)
 DIRECT_ALIGN = 4096  # O_DIRECT alignment of address, length and offset (512 B or 4 KiB)
 TAG_LEN = 16  # a writer's tag: exactly 16 characters of [0-9a-z]
 TEMP_SUFFIX_MAX_BYTES = 1 + TAG_LEN + 1 + 20 + 4  # ".<tag>.<uint64 counter>.tmp"
@@ -55,6 +56,8 @@ XATTR_NAME = "user.vllm.kv_crc32c"
 NAME_TRIES = 8  # temporary names to try when one is already taken
 CHUNK_BYTES = 256 * 1024  # buffered checksummed I/O: CRC each chunk beside its copy
 CRC32C_IMPLS = ("numpy",)
+URING_STATUS = "the pure-Python backend has no io_uring (the syscall loop only)"
+_TMPFS_MAGIC, _RAMFS_MAGIC = 0x01021994, 0x858458F6  # statfs f_type (linux/magic.h)
 
 _counter = itertools.count()  # next() on a count is atomic under the GIL
 _ENOTSUP = getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)
@@ -419,6 +422,24 @@ def lookup(root_fd: int, paths: Sequence[bytes], block_bytes: int, flags: int) -
 
 def resolver() -> str:
     return "walk"
+
+
+def uring_status() -> str:
+    return URING_STATUS
+
+
+class _Statfs(ctypes.Structure):
+    # struct statfs begins with f_type (__fsword_t, a long) on every Linux ABI; the
+    # rest is room for the kernel to fill
+    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_char * 256)]
+
+
+def probe_in_memory(directory: bytes) -> int:
+    """Twin of ``mpt_fs_in_memory``: 1 tmpfs / ramfs, 0 another file system, -errno."""
+    buf = _Statfs()
+    if _libc.statfs(directory, ctypes.byref(buf)) != 0:
+        return -ctypes.get_errno()
+    return int((buf.f_type & 0xFFFFFFFF) in (_TMPFS_MAGIC, _RAMFS_MAGIC))
 
 
 def crc32c_impl() -> str:

@@ -11,7 +11,15 @@
  *
  * Every function returns 0 or -errno and never touches a Python object. A batch stops
  * at its first failing block: *n_done blocks (0 .. *fail_index - 1) completed, block
- * *fail_index failed with the returned errno, later blocks were not attempted.
+ * *fail_index failed with the returned errno, and nothing after it is published,
+ * removed or touched. The memory of a load's blocks from *fail_index on is undefined:
+ * the failing block may be partly read, and with MPT_URING (uring.c) later blocks may
+ * have been read meanwhile -- never reported as loaded. Every transfer into the
+ * caller's memory has ended when a call returns.
+ *
+ * With MPT_URING, store and load run through io_uring, several blocks in flight
+ * (uring.c); every decision stays the loop's, in batch order, and the loop below runs
+ * wherever io_uring cannot.
  *
  * Nothing under the root is reached through a symlink. Paths resolve with openat2
  * (RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS) where the kernel has it, else (or with
@@ -60,31 +68,15 @@
 #include <sys/xattr.h>
 #include <unistd.h>
 
-/* A temporary name already taken (a crashed writer of the same lease) is skipped by
- * taking the next counter value. */
-#define MPT_NAME_TRIES 8
 /* Buffered I/O with checksums moves a block in chunks of this size, checksumming each
  * chunk right after (load) or before (store) its copy, while it is still in the core's
  * cache: far below the 1 MiB L2 of current cores, far above a syscall's cost. */
 #define MPT_CHUNK_BYTES (256 * 1024)
 /* Status of a store attempt that could not use O_TMPFILE here: use a named file. */
 #define MPT_USE_NAMED 1
-/* statfs f_type of file systems that keep file data in memory (include/uapi/linux/magic.h):
- * there O_DIRECT is a memory copy like any other, so checksums take the chunked path. */
-#define MPT_TMPFS_MAGIC 0x01021994
-#define MPT_RAMFS_MAGIC 0x858458f6
 
 static uint64_t mpt_counter;
 static int mpt_empty_path_refused; /* linkat(AT_EMPTY_PATH) needs a capability we lack */
-
-/* What one batch shares between its blocks. */
-struct mpt_batch {
-    int root;
-    int flags;
-    const char *tag;
-    int tmp_errno; /* first failure to remove a temporary file (errno), 0 if none */
-    int memory_fs; /* the root keeps data in memory: even O_DIRECT I/O is a CPU copy */
-};
 
 /* -- small helpers ------------------------------------------------------------------- */
 
@@ -93,7 +85,7 @@ uint64_t mpt_next_counter(void)
     return __atomic_fetch_add(&mpt_counter, 1, __ATOMIC_RELAXED);
 }
 
-static int mpt_direct_ok(int flags, const char *p, size_t len)
+int mpt_direct_ok(int flags, const char *p, size_t len)
 {
     return O_DIRECT != 0 && (flags & MPT_O_DIRECT) &&
            (((uintptr_t)p | (uintptr_t)len) % MPT_DIRECT_ALIGN) == 0;
@@ -152,7 +144,7 @@ static ssize_t mpt_read_full(int fd, char *p, size_t len)
     return (ssize_t)got;
 }
 
-static void mpt_touch(int fd)
+void mpt_touch(int fd)
 {
     /* atime only: the LRU clock of shared roots. Best effort (a reader that does not
      * own the file may not set it). */
@@ -160,7 +152,13 @@ static void mpt_touch(int fd)
     (void)futimens(fd, ts);
 }
 
-static void mpt_remove_if_same_fd(int root, const char *rel, int flags, int fd)
+void mpt_touch_at(int dirfd, const char *leaf)
+{
+    struct timespec ts[2] = {{0, UTIME_NOW}, {0, UTIME_OMIT}};
+    (void)utimensat(dirfd, leaf, ts, AT_SYMLINK_NOFOLLOW);
+}
+
+void mpt_remove_if_same_fd(int root, const char *rel, int flags, int fd)
 {
     struct stat held;
     if (fstat(fd, &held) == 0)
@@ -171,7 +169,7 @@ static void mpt_remove_if_same_fd(int root, const char *rel, int flags, int fd)
 
 /* Read fd's checksum record: 0 with *present = 1 and *want set, or 0 with *present = 0
  * (no record: the block loads unchecked); -EBADMSG: not 4 bytes; else -errno. */
-static int mpt_record_of(int fd, uint32_t *want, int *present)
+int mpt_record_of(int fd, uint32_t *want, int *present)
 {
     unsigned char val[8]; /* room for more than 4 bytes, to tell "too long" */
     ssize_t n = fgetxattr(fd, MPT_XATTR_NAME, val, sizeof val);
@@ -236,8 +234,7 @@ static int mpt_read_block(int fd, char *dst, size_t len, int whole, int check, u
     return 0;
 }
 
-static int mpt_load_one(struct mpt_batch *b, const char *rel, char *dst, size_t len,
-                        int direct)
+int mpt_load_one(struct mpt_batch *b, const char *rel, char *dst, size_t len, int direct)
 {
     struct stat st;
     uint32_t want = 0, got_crc = 0;
@@ -309,7 +306,15 @@ static int mpt_write_block(int fd, const char *src, size_t len, int whole, int c
     return rc;
 }
 
-static void mpt_unlink_temp(struct mpt_batch *b, int dirfd, const char *tmp)
+/* "<leaf>.<tag>.<counter>.tmp" into out (NAME_MAX + 1 bytes): 0 or -ENAMETOOLONG. */
+int mpt_temp_name(char *out, size_t size, const char *leaf, const char *tag)
+{
+    int w = snprintf(out, size, "%s.%s.%llu.tmp", leaf, tag,
+                     (unsigned long long)mpt_next_counter());
+    return w < 0 || (size_t)w >= size ? -ENAMETOOLONG : 0;
+}
+
+void mpt_unlink_temp(struct mpt_batch *b, int dirfd, const char *tmp)
 {
     if (unlinkat(dirfd, tmp, 0) != 0 && errno != ENOENT && b->tmp_errno == 0)
         b->tmp_errno = errno; /* left behind: the caller says so, a sweeper removes it */
@@ -323,10 +328,9 @@ static int mpt_store_named(struct mpt_batch *b, int dirfd, const char *leaf,
     int fd = -EEXIST, rc, tries;
 
     for (tries = 0; fd == -EEXIST && tries < MPT_NAME_TRIES; tries++) {
-        int w = snprintf(tmp, sizeof tmp, "%s.%s.%llu.tmp", leaf, b->tag,
-                         (unsigned long long)mpt_next_counter());
-        if (w < 0 || (size_t)w >= sizeof tmp)
-            return -ENAMETOOLONG;
+        int rc = mpt_temp_name(tmp, sizeof tmp, leaf, b->tag);
+        if (rc != 0)
+            return rc;
         fd = mpt_openat(dirfd, tmp, oflags, 0644);
     }
     if (fd < 0) {
@@ -393,10 +397,8 @@ static int mpt_store_in(struct mpt_batch *b, int dirfd, const char *leaf, const 
 
     if (fstatat(dirfd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0) {
         if (S_ISREG(st.st_mode) && (uint64_t)st.st_size == len) {
-            if (b->flags & MPT_TOUCH) {
-                struct timespec ts[2] = {{0, UTIME_NOW}, {0, UTIME_OMIT}};
-                (void)utimensat(dirfd, leaf, ts, AT_SYMLINK_NOFOLLOW);
-            }
+            if (b->flags & MPT_TOUCH)
+                mpt_touch_at(dirfd, leaf);
             return 0; /* names are content hashes: an existing block holds this one */
         }
         if (S_ISREG(st.st_mode) && (uint64_t)st.st_size > len)
@@ -428,8 +430,7 @@ static int mpt_store_in(struct mpt_batch *b, int dirfd, const char *leaf, const 
 /* Store one block. -EINVAL with direct set may be O_DIRECT's doing: the caller then
  * redoes the block buffered. A temporary file never outlives a failure (if removing it
  * fails, b->tmp_errno says so). */
-static int mpt_store_one(struct mpt_batch *b, const char *rel, char *src, size_t len,
-                         int direct)
+int mpt_store_one(struct mpt_batch *b, const char *rel, char *src, size_t len, int direct)
 {
     const char *leaf = mpt_leaf(rel);
     int tries, rc = 0;
@@ -492,7 +493,13 @@ int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
                     size_t *n_done, size_t *fail_index, int *tmp_unlink_errno)
 {
     struct mpt_batch b = {root, flags, tag, 0, mpt_memory_fs(root, flags)};
-    int rc = mpt_batch(mpt_store_one, &b, paths_blob, n, base, offsets, block_bytes, n_done,
+    int rc = MPT_NO_URING;
+
+    if (flags & MPT_URING)
+        rc = mpt_uring_batch(1, &b, paths_blob, n, base, offsets, block_bytes, n_done,
+                             fail_index);
+    if (rc == MPT_NO_URING)
+        rc = mpt_batch(mpt_store_one, &b, paths_blob, n, base, offsets, block_bytes, n_done,
                        fail_index);
     *tmp_unlink_errno = b.tmp_errno;
     return rc;
@@ -503,8 +510,15 @@ int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base,
                    size_t *fail_index)
 {
     struct mpt_batch b = {root, flags, NULL, 0, mpt_memory_fs(root, flags)};
-    return mpt_batch(mpt_load_one, &b, paths_blob, n, base, offsets, block_bytes, n_done,
-                     fail_index);
+    int rc = MPT_NO_URING;
+
+    if (flags & MPT_URING)
+        rc = mpt_uring_batch(0, &b, paths_blob, n, base, offsets, block_bytes, n_done,
+                             fail_index);
+    if (rc == MPT_NO_URING)
+        rc = mpt_batch(mpt_load_one, &b, paths_blob, n, base, offsets, block_bytes, n_done,
+                       fail_index);
+    return rc;
 }
 
 static uint8_t mpt_lookup_one(int root, const char *rel, size_t block_bytes, int flags)

@@ -6,6 +6,8 @@
  * crc32c.c      CRC32C (AVX-512 folding / SSE4.2 / ARMv8 CRC / tables)
  * direct.c      checksummed O_DIRECT I/O overlapped with the device (Linux AIO)
  * probes.c      what a directory's file system supports
+ * uring.c       the batch calls' io_uring path (MPT_URING): many blocks in flight at once
+ * encode.c      the engine's task records (mptier.jobs' wire format)
  *
  * build_ffi.py's cdef declares the interface part to Python (cffi reads the constants'
  * values from here); _pure.py mirrors the constants and is checked against them.
@@ -26,6 +28,12 @@
 #define MPT_TOUCH 4      /* set atime to now on a load, and on a store that finds the block */
 #define MPT_TMPFILE 8    /* store through an unnamed O_TMPFILE file linked into place */
 #define MPT_NO_OPENAT2 16 /* resolve paths with the O_NOFOLLOW walk even where openat2 exists */
+#define MPT_URING 32      /* store / load through io_uring, several blocks in flight, where
+                           * this process can use it (probed once); else the syscall loop.
+                           * Same results, except what a failed batch leaves undefined
+                           * anyway: a load's memory for blocks after the failing one may
+                           * hold their data (never reported as loaded), a store may have
+                           * made empty folders for them (nothing after it is published) */
 
 /* Alignment O_DIRECT needs for the user address, the length and the file offset.
  * 4096 covers both 512-byte and 4 KiB logical sectors. */
@@ -35,6 +43,13 @@
 #define MPT_TAG_LEN 16
 /* Longest temporary suffix: "." tag "." counter (uint64, at most 20 digits) ".tmp". */
 #define MPT_TEMP_SUFFIX_MAX_BYTES (1 + MPT_TAG_LEN + 1 + 20 + 4)
+
+/* Task records (mptier.jobs): the wire version, the fixed record size (PIPE_BUF: one
+ * atomic pipe write) and the header before the items. */
+#define MPT_WIRE_VERSION 2
+#define MPT_TASK_RECORD_BYTES 4096
+#define MPT_TASK_HEADER_BYTES 20
+#define MPT_KIND_LOOKUP 3 /* lookup records carry no block ids */
 
 /* Lookup status, one byte per path. */
 #define MPT_LOOKUP_ABSENT 0  /* nothing there (or the path cannot be reached) */
@@ -56,6 +71,10 @@
 
 /* -- the Python interface (build_ffi.py's cdef declares the same) ----------------------- */
 
+/* Store / load: 0, or -errno of block *fail_index; blocks 0 .. *n_done - 1 (= *fail_index)
+ * are done, nothing after *fail_index is published, removed or touched, and a load's
+ * memory from *fail_index on is undefined (see MPT_URING). All I/O into base has ended
+ * when they return. */
 int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
                     const uint64_t *offsets, size_t block_bytes, int flags, const char *tag,
                     size_t *n_done, size_t *fail_index, int *tmp_unlink_errno);
@@ -76,6 +95,16 @@ const char *mpt_crc32c_impls(void);
 /* "openat2" or "walk": how paths resolve beneath a root without MPT_NO_OPENAT2. */
 const char *mpt_resolver(void);
 const char *mpt_xattr_name(void);
+/* "io_uring" when MPT_URING batches run through io_uring in this process, else why not
+ * (e.g. "io_uring_setup: Operation not permitted"): then they take the syscall loop. */
+const char *mpt_uring_status(void);
+/* 1: dir's file system keeps file data in memory (tmpfs, ramfs), 0: it does not,
+ * -errno: dir is unusable. */
+int mpt_fs_in_memory(const char *dir);
+/* The task records of one job (mptier.jobs.encode_job's bytes): see encode.c. */
+int mpt_encode_job(unsigned char *out, size_t out_len, int kind, uint64_t first_task,
+                   const unsigned char *keys, size_t key_len, size_t n, const int64_t *ids,
+                   size_t per_task);
 
 /* -- shared between the C files only ------------------------------------------------------- */
 
@@ -91,11 +120,39 @@ const char *mpt_xattr_name(void);
 #define ENOTSUP EOPNOTSUPP
 #endif
 
+/* A temporary name already taken (a crashed writer of the same lease) is skipped by
+ * taking the next counter value, this many times at most. */
+#define MPT_NAME_TRIES 8
+
+/* statfs f_type of file systems that keep file data in memory
+ * (include/uapi/linux/magic.h): there even O_DIRECT I/O is a CPU copy. */
+#define MPT_TMPFS_MAGIC 0x01021994
+#define MPT_RAMFS_MAGIC 0x858458f6
+
 /* Creating a folder and opening it again can lose a race against a process that removes
  * empty folders (or a symlink may be put back); a few rounds are plenty. */
 #define MPT_MKDIR_TRIES 3
 
+/* What one batch shares between its blocks (mptier_io.c, uring.c). */
+struct mpt_batch {
+    int root;
+    int flags;
+    const char *tag;
+    int tmp_errno; /* first failure to remove a temporary file (errno), 0 if none */
+    int memory_fs; /* the root keeps data in memory: even O_DIRECT I/O is a CPU copy */
+};
+
+/* openat2(2)'s argument, kernel ABI (include/uapi/linux/openat2.h). */
+struct mpt_open_how {
+    uint64_t flags;
+    uint64_t mode;
+    uint64_t resolve;
+};
+#define MPT_RESOLVE_NO_SYMLINKS 0x04
+#define MPT_RESOLVE_BENEATH 0x08
+
 /* resolve.c */
+MPT_INTERNAL int mpt_use_openat2(int flags);
 MPT_INTERNAL int mpt_openat(int dirfd, const char *name, int oflags, mode_t mode);
 MPT_INTERNAL void mpt_close_dir(int dirfd, int root);
 MPT_INTERNAL const char *mpt_leaf(const char *rel);
@@ -110,6 +167,24 @@ MPT_INTERNAL int mpt_write_all(int fd, const char *p, size_t len);
 MPT_INTERNAL int mpt_pwrite_all(int fd, const char *p, size_t len, size_t offset);
 MPT_INTERNAL int mpt_set_record(int fd, uint32_t crc);
 MPT_INTERNAL int mpt_link_tmpfile(int fd, int dirfd, const char *leaf);
+MPT_INTERNAL int mpt_direct_ok(int flags, const char *p, size_t len);
+MPT_INTERNAL int mpt_record_of(int fd, uint32_t *want, int *present);
+MPT_INTERNAL void mpt_touch(int fd);
+MPT_INTERNAL void mpt_touch_at(int dirfd, const char *leaf);
+MPT_INTERNAL void mpt_remove_if_same_fd(int root, const char *rel, int flags, int fd);
+MPT_INTERNAL void mpt_unlink_temp(struct mpt_batch *b, int dirfd, const char *tmp);
+MPT_INTERNAL int mpt_temp_name(char *out, size_t size, const char *leaf, const char *tag);
+/* One block the system-call way (the loop's step, and io_uring's path for the unusual) */
+MPT_INTERNAL int mpt_load_one(struct mpt_batch *b, const char *rel, char *dst, size_t len,
+                              int direct);
+MPT_INTERNAL int mpt_store_one(struct mpt_batch *b, const char *rel, char *src, size_t len,
+                               int direct);
+/* uring.c: 0 or -errno with *n_done / *fail_index set as the loop sets them, or
+ * MPT_NO_URING (nothing done: run the loop) */
+#define MPT_NO_URING 1
+MPT_INTERNAL int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob,
+                                 size_t n, char *base, const uint64_t *offsets,
+                                 size_t block_bytes, size_t *n_done, size_t *fail_index);
 /* direct.c: 0, -errno, or MPT_NO_AIO (nothing done: use synchronous I/O) */
 #define MPT_NO_AIO 1
 MPT_INTERNAL int mpt_direct_write_crc(int fd, const char *src, size_t len, uint32_t *crc);

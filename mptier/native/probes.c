@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/vfs.h>
 #include <sys/xattr.h>
 #include <unistd.h>
 
@@ -117,6 +118,18 @@ int mpt_probe_o_tmpfile(const char *dir)
     }
     close(dirfd);
     return rc;
+}
+
+/* 1: dir's file system keeps file data in memory (tmpfs, ramfs): a block's I/O is a
+ * CPU copy there, so more requests in flight do not make it faster; 0: it does not;
+ * -errno: dir is unusable. */
+int mpt_fs_in_memory(const char *dir)
+{
+    struct statfs sf;
+    if (statfs(dir, &sf) != 0)
+        return -errno;
+    return (unsigned long)sf.f_type == MPT_TMPFS_MAGIC ||
+           (unsigned long)sf.f_type == MPT_RAMFS_MAGIC;
 }
 
 const char *mpt_xattr_name(void)

@@ -32,13 +32,6 @@
 #ifndef SYS_openat2
 #define SYS_openat2 437 /* the same number on every architecture that has it */
 #endif
-struct mpt_open_how {
-    uint64_t flags;
-    uint64_t mode;
-    uint64_t resolve;
-};
-#define MPT_RESOLVE_NO_SYMLINKS 0x04
-#define MPT_RESOLVE_BENEATH 0x08
 
 static int mpt_openat2_ok; /* openat2 with RESOLVE_* flags works (probed once) */
 static pthread_once_t mpt_openat2_once = PTHREAD_ONCE_INIT;
@@ -67,7 +60,7 @@ static void mpt_probe_openat2(void)
         close((int)fd);
 }
 
-static int mpt_use_openat2(int flags)
+int mpt_use_openat2(int flags)
 {
     if (flags & MPT_NO_OPENAT2)
         return 0;

@@ -71,6 +71,7 @@ class PoolSettings:
     n_store_workers: int = 2
     use_o_direct: bool | str = "auto"
     checksum_blocks: bool | str = "auto"
+    io_uring: bool | str = "auto"
     backend: str = "native"
     prefault: bool = True
     nice: int = 0
@@ -100,7 +101,7 @@ class PoolSettings:
                    root_failures_to_fail=cfg.root_failures_to_fail,
                    root_retry_s=cfg.root_retry_s, n_load_workers=cfg.n_load_workers,
                    n_store_workers=cfg.n_store_workers, use_o_direct=cfg.use_o_direct,
-                   checksum_blocks=cfg.checksum_blocks,
+                   checksum_blocks=cfg.checksum_blocks, io_uring=cfg.io_uring,
                    backend=backend_name(cfg.native), prefault=cfg.prefault,
                    nice=cfg.worker_nice, cpus=list(cfg.worker_cpus),
                    io_timeout_s=cfg.io_timeout_s, max_task_retries=cfg.max_task_retries,
@@ -139,7 +140,8 @@ def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
                ) -> IoSettings:
     """Make the cache folder for ``layout`` under every root, check its block size and
     probe what each file system offers (O_DIRECT, user xattrs for checksums, O_TMPFILE
-    files that survive being published); returns the settings workers use. Raises
+    files that survive being published, whether io_uring pays); returns the settings
+    workers use. Raises
     ``OSError`` naming the path, or ``ConfigError`` for a block-size clash or
     ``checksum_blocks=true`` on a root without user xattrs. Every root must be usable
     now: a root that is down at start is a configuration to fix (leave it out of
@@ -149,6 +151,7 @@ def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
     return IoSettings(root_dir=first.path, use_o_direct=first.use_o_direct,
                       backend=settings.backend, prefault=settings.prefault,
                       checksum=first.checksum, touch=True, tmpfile=first.tmpfile,
+                      uring=first.uring,
                       roots=roots, capacity_bytes=settings.capacity_bytes,
                       high_watermark=settings.high_watermark,
                       low_watermark=settings.low_watermark,
@@ -193,7 +196,17 @@ def _prepare_root(settings: PoolSettings, root: str, layout: dict[str, Any],
                  root, fs_magic(where) or 0)
         tmpfile = False
     return RootIo(root, use_o_direct=bool(o_direct), checksum=bool(checksum),
-                  tmpfile=tmpfile)
+                  tmpfile=tmpfile, uring=use_uring(settings.io_uring, backend, where))
+
+
+def use_uring(setting: bool | str, backend: Any, where: str) -> bool:
+    """Whether workers batch through io_uring (``TierConfig.io_uring``): "auto" where
+    this process can use it and the root is not in memory (on tmpfs the loop is as fast:
+    docs/performance.md), True wherever it can, False never. Workers whose kernel
+    refuses it take the system-call loop anyway."""
+    if setting is False or not backend.uring_available():
+        return False
+    return setting is True or not backend.probe_in_memory(where)
 
 
 # statfs f_type of the local file systems whose O_TMPFILE files survive linkat + close:

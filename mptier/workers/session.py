@@ -41,6 +41,7 @@ class RootIo:
     use_o_direct: bool = False
     checksum: bool = False
     tmpfile: bool = False
+    uring: bool = False
 
 
 @dataclass
@@ -57,6 +58,7 @@ class IoSettings:
     checksum: bool = False  # write and verify vLLM's CRC32C record (user xattr)
     touch: bool = True  # set a block's atime on load and store (LRU on shared roots)
     tmpfile: bool = False  # publish through O_TMPFILE files (probed: they survive close)
+    uring: bool = False  # batches through io_uring, several blocks in flight
     roots: list[RootIo] = field(default_factory=list)  # empty: root_dir alone
     capacity_bytes: int = 0  # per root; 0 = unlimited
     high_watermark: float = 0.95
@@ -70,7 +72,7 @@ class IoSettings:
         self.roots = [r if isinstance(r, RootIo) else RootIo(**r) for r in self.roots]
         if not self.roots:
             self.roots = [RootIo(self.root_dir, self.use_o_direct, self.checksum,
-                                 self.tmpfile)]
+                                 self.tmpfile, self.uring)]
 
     @property
     def root_dirs(self) -> list[str]:
@@ -84,7 +86,8 @@ class IoSettings:
         return ((native.O_DIRECT if r.use_o_direct else 0)
                 | (native.CHECKSUM if r.checksum else 0)
                 | (native.TOUCH if self.touch else 0)
-                | (native.TMPFILE if r.tmpfile else 0))
+                | (native.TMPFILE if r.tmpfile else 0)
+                | (native.URING if r.uring else 0))
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

@@ -615,6 +615,16 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+def _batch_policy() -> None:
+    """Run this worker (and the threads it starts) under SCHED_BATCH: the same CPU share
+    as before (nice still applies), but a worker woken by the engine's write of a task
+    never preempts the engine's thread on that CPU. Woken after an idle spell, a normal
+    worker did, and the engine's first submit_store waited 2-12 ms for its CPU back
+    (docs/performance.md, "Tails"). Best effort: without it the worker runs as before."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+
+
 def _describe(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
@@ -634,6 +644,7 @@ def process_main(boot: dict[str, Any]) -> int:
             raise RuntimeError(f"boot failure injected ({BOOT_FAULT_ENV}={fault})")
         if boot.get("nice"):
             os.setpriority(os.PRIO_PROCESS, 0, boot["nice"])
+        _batch_policy()
         if boot.get("cpus"):
             os.sched_setaffinity(0, boot["cpus"])
         backend = native.get_backend(boot["backend"])

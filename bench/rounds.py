@@ -1,0 +1,59 @@
+"""Per-round figures of an ``mptier bench --json`` file: how far the rounds spread.
+
+    python bench/rounds.py RESULT.json [--figures store_gbps,load_gbps] [--pair A,B ...]
+
+The tables report medians over rounds; on a shared machine the spread says how much a
+difference between two designs can be trusted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("json")
+    p.add_argument("--figures", default="store_gbps,load_gbps")
+    p.add_argument("--pair", action="append", default=[], metavar="A,B",
+                   help="also each round's A / B (designs by label) and their median: a "
+                        "paired ratio, steadier than a ratio of medians when the machine "
+                        "drifts between rounds (repeatable)")
+    args = p.parse_args()
+    with open(args.json, encoding="utf-8") as f:
+        doc = json.load(f)
+    keys = args.figures.split(",")
+    for case in doc["cases"]:
+        w = case["workload"]
+        print(f"{case['root_fs']} {w['block_bytes'] >> 10} KiB, {w['inflight_jobs']} in flight")
+        for r in case["designs"]:
+            rounds = r["rounds"] if isinstance(r["rounds"], list) else [r["figures"]]
+            cells = []
+            for key in keys:
+                vals = [x.get(key) for x in rounds]
+                cells.append(f"{key} " + " ".join("-" if v is None else f"{v:.2f}"
+                                                  for v in vals))
+            print(f"  {r['label']:32s} " + " | ".join(cells)
+                  + f" | background CPUs {r.get('background_cpus_max') or 0:.1f}")
+        by_label = {r["label"]: r for r in case["designs"]}
+        for pair in args.pair:
+            a, b = pair.split(",")
+            if a not in by_label or b not in by_label:
+                continue
+            ra, rb = by_label[a]["rounds"], by_label[b]["rounds"]
+            cells = []
+            for key in keys:
+                ratios = sorted(x[key] / y[key] for x, y in zip(ra, rb)
+                                if x.get(key) and y.get(key))
+                if ratios:
+                    cells.append(f"{key} median x{statistics.median(ratios):.2f} (" +
+                                 " ".join(f"{v:.2f}" for v in ratios) + ")")
+            print(f"  {a} / {b}: " + " | ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""The C core's io_uring path (flag ``URING``): several blocks in flight, the loop's results.
+
+The suites of test_native*.py already run every rule on the "native-uring" variant beside
+the loop and the pure twin. Here: what only the ring path has -- blocks really in flight at
+once (seen from a FUSE file system's side), kernel refusals that happen *inside* the ring
+(a FUSE file system failing one operation, a ramfs refusing O_DIRECT, O_TMPFILE refused),
+each compared with the loop and the twin on the same file system; batches longer than the
+ring; a forked child and several threads, each with a ring of its own; no descriptor left
+behind; and the cases that take the loop (one block, overlapping load slots, NO_OPENAT2).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import threading
+
+import pytest
+from native_support import (  # noqa: F401  (fixtures)
+    BLOCK,
+    aligned,
+    block_paths,
+    files_under,
+    make_io,
+    no_fault_fixture,
+    offsets,
+    run_python,
+    temp_files,
+)
+
+from mptier import native
+from mptier.errors import BatchIOError
+
+
+@pytest.fixture(name="ring")
+def ring_fixture():
+    """The native-uring variant (skipped, saying why, where io_uring is refused)."""
+    return make_io("native-uring")
+
+
+def _variants() -> list:
+    """The loop, the ring and the twin, each of which must give the same answers."""
+    return [make_io(v) for v in ("native", "native-uring", "python")]
+
+
+def _outcome(fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+        return "ok"
+    except BatchIOError as e:
+        return [e.errno, e.index, e.n_done]
+
+
+def _ring_fds() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[io_uring]"
+               for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+# -- in flight at once --------------------------------------------------------------------
+
+def test_blocks_are_in_flight_at_once(ring, make_fuse_fs, tmp_path):
+    """Reads of every block park in the FUSE daemon at the same moment: the ring put
+    them all at the file system before the first one finished. The loop, given the same
+    parked file system, never has more than one there."""
+    fs = make_fuse_fs()
+    n = 4
+    buf = aligned(2 * n * BLOCK, seed=21)
+    paths = block_paths(n)
+    ring.batch_store(fs.mountpoint, paths, buf, offsets(range(n)), BLOCK, o_direct=False)
+    for io, expect in ((ring, n), (make_io("native"), 1)):
+        rule = fs.block("read", "*.bin")
+        done: list = []
+        reader = threading.Thread(target=lambda io=io, done=done: done.append(_outcome(
+            io.batch_load, fs.mountpoint, paths, buf, offsets(range(n, 2 * n)), BLOCK,
+            o_direct=False)))
+        reader.start()
+        try:
+            fs.wait_blocked(rule, count=expect)
+            if expect == 1:  # the loop: nothing else reaches the file system meanwhile
+                for _ in range(20):
+                    threading.Event().wait(0.01)
+                    assert rule.waiting == 1
+        finally:
+            rule.release()
+            reader.join(30)
+        assert done == ["ok"] and bytes(buf[n * BLOCK:]) == bytes(buf[:n * BLOCK])
+
+
+# -- refusals inside the ring, against the loop and the twin ----------------------------
+
+_FUSE_CASES = {
+    # name: (op, FUSE operations failed, errno, which block's files)
+    "load: read fails": ("load", ["read"], errno.EIO, 2),
+    "load: open fails": ("load", ["open"], errno.EACCES, 1),
+    "store: temp create fails": ("store", ["create"], errno.ENOSPC, 1),
+    "store: write fails": ("store", ["write"], errno.EIO, 2),
+    "store: rename fails": ("store", ["rename"], errno.EIO, 1),
+    "store: folder fails": ("store", ["mkdir"], errno.EDQUOT, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(_FUSE_CASES))
+def test_a_refusal_inside_the_ring_ends_the_batch_as_the_loop_does(case, make_fuse_fs):
+    """A real file system (FUSE) refuses one operation of one block: the ring, the loop
+    and the twin report the same errno, index and prefix, leave the same files and no
+    temporary one. (FUSE has no O_TMPFILE: the stores also take the named fallback.)"""
+    op, ops, err, victim = _FUSE_CASES[case]
+    fs = make_fuse_fs()
+    n = 5
+    results = {}
+    for io in _variants():
+        root = fs.path(io.variant)
+        root.mkdir()
+        buf = aligned(2 * n * BLOCK, seed=22)
+        paths = block_paths(n, io.variant)  # its own names: rules match one block only
+        if op == "load":
+            io.batch_store(root, paths, buf, offsets(range(n)), BLOCK, o_direct=False)
+        leaf = os.path.basename(paths[victim])
+        folder = os.path.dirname(paths[victim])
+        pattern = f"*/{folder}" if ops == ["mkdir"] else f"*{leaf}*"
+        rule = fs.fail(ops, err, pattern)
+        try:
+            if op == "load":
+                got = _outcome(io.batch_load, root, paths, buf, offsets(range(n, 2 * n)),
+                               BLOCK, o_direct=False, checksum=True)
+                same = bytes(buf[n * BLOCK:(n + victim) * BLOCK]) == \
+                    bytes(buf[:victim * BLOCK])
+            else:
+                got = _outcome(io.batch_store, root, paths, buf, offsets(range(n)), BLOCK,
+                               o_direct=False, tmpfile=True, checksum=True)
+                same = True
+        finally:
+            rule.release()
+        published = sorted(paths.index(p) for p in files_under(root))
+        results[io.variant] = (got, same, published, temp_files(root))
+    expected = results["python"]
+    assert expected[0] == [err, victim, victim], expected
+    if op == "store":
+        assert expected[2] == list(range(victim))  # nothing after the failing block
+    for variant, got in results.items():
+        assert got == expected, variant
+
+
+def _in_ramfs(code: str, *args: str):
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to mount a ramfs privately")
+    import tempfile
+    mnt = tempfile.mkdtemp(prefix="mptier-ramfs-")
+    try:
+        proc = run_python(code, mnt, *args, prefix=[
+            "unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount -t ramfs none "$0" && exec "$@"', mnt], check=False)
+        if proc.returncode != 0 and "mount" in proc.stderr and "Traceback" not in proc.stderr:
+            pytest.skip(f"cannot mount a ramfs here: {proc.stderr.strip()}")
+        assert proc.returncode == 0, proc.stderr
+        assert os.listdir(mnt) == []  # the mount was the child's alone
+        return json.loads(proc.stdout)
+    finally:
+        os.rmdir(mnt)
+
+
+def test_o_direct_refused_inside_the_ring_goes_buffered(ring):
+    """ramfs refuses O_DIRECT at open (EINVAL) -- for the ring's O_TMPFILE, named and
+    read opens alike: every block is redone buffered, as the loop does, and the
+    results are the loop's."""
+    out = _in_ramfs("""
+        import json, os, sys
+        from native_support import IO, aligned, block_paths, files_under
+        root = sys.argv[1]
+        res = {}
+        for variant in ("native", "native-uring", "python"):
+            io = IO(variant)
+            folder = os.path.join(root, variant)
+            os.mkdir(folder)
+            buf = aligned(12 * 8192, seed=23)
+            paths = block_paths(6)
+            io.batch_store(folder, paths, buf, [i * 8192 for i in range(6)], 8192,
+                           o_direct=True, tmpfile=True)
+            io.batch_load(folder, paths, buf, [(6 + i) * 8192 for i in range(6)], 8192,
+                          o_direct=True)
+            res[variant] = [buf[:6 * 8192].tobytes() == buf[6 * 8192:].tobytes(),
+                            sorted(files_under(folder)) == sorted(paths)]
+        print(json.dumps(res))
+    """)
+    assert out == {v: [True, True] for v in ("native", "native-uring", "python")}
+
+
+# -- long batches, processes, threads, descriptors ------------------------------------
+
+def test_batch_longer_than_the_ring(ring, tmp_path):
+    n = 100  # the ring holds 32 blocks at a time: slots are reused as blocks finish
+    buf = aligned(2 * n * BLOCK, seed=24)
+    paths = block_paths(n)
+    ring.batch_store(tmp_path, paths, buf, offsets(range(n)), BLOCK, checksum=True,
+                     tmpfile=True)
+    assert sorted(files_under(tmp_path)) == sorted(paths)
+    os.remove(tmp_path / paths[70])
+    with pytest.raises(BatchIOError) as info:
+        ring.batch_load(tmp_path, paths, buf, offsets(range(n, 2 * n)), BLOCK, checksum=True)
+    assert (info.value.errno, info.value.index, info.value.n_done) == (errno.ENOENT, 70, 70)
+    assert bytes(buf[n * BLOCK:(n + 70) * BLOCK]) == bytes(buf[:70 * BLOCK])
+    ring.batch_store(tmp_path, paths, buf, offsets(range(n)), BLOCK)  # heals block 70
+    buf[n * BLOCK:] = 0
+    ring.batch_load(tmp_path, paths, buf, offsets(range(n, 2 * n)), BLOCK, checksum=True)
+    assert bytes(buf[n * BLOCK:]) == bytes(buf[:n * BLOCK])
+
+
+def test_the_ring_path_is_taken_and_the_loop_where_it_must(ring, tmp_path):
+    """In a fresh process: a URING batch makes this thread's ring (an io_uring file
+    descriptor appears); one-block batches, NO_OPENAT2 and loads into overlapping slots
+    run the loop (none appears) -- with the loop's results."""
+    out = run_python("""
+        import json, os, sys
+        from native_support import IO, aligned, block_paths
+        from test_native_uring import _ring_fds
+        root = sys.argv[1]
+        ring, walk = IO("native-uring"), IO("native-walk")
+        buf = aligned(8 * 8192, seed=25)
+        paths = block_paths(3)
+        seen = [_ring_fds()]
+        ring.batch_store(root, paths[:1], buf, [0], 8192)            # one block: loop
+        ring.batch_store(root, paths, buf, [0, 8192, 16384], 8192, no_openat2=True)
+        buf[5 * 8192:] = 0
+        ring.batch_load(root, [paths[0], paths[1]], buf, [5 * 8192, 5 * 8192], 8192)
+        same_slot = buf[5 * 8192:6 * 8192].tobytes() == buf[8192:2 * 8192].tobytes()
+        seen.append(_ring_fds())
+        ring.batch_load(root, paths, buf, [3 * 8192, 4 * 8192, 5 * 8192], 8192)
+        seen.append(_ring_fds())
+        ring.batch_load(root, paths, buf, [3 * 8192, 4 * 8192, 5 * 8192], 8192)
+        seen.append(_ring_fds())  # one ring per thread, kept
+        print(json.dumps([seen, same_slot,
+                          buf[:3 * 8192].tobytes() == buf[3 * 8192:6 * 8192].tobytes()]))
+    """, str(tmp_path))
+    assert json.loads(out.stdout) == [[0, 0, 1, 1], True, True]
+
+
+def test_forked_child_and_threads_each_get_a_ring(ring, tmp_path):
+    n = 8
+    buf = aligned(2 * n * BLOCK, seed=26)
+    paths = block_paths(n)
+    ring.batch_store(tmp_path, paths, buf, offsets(range(n)), BLOCK)  # the parent's ring
+    pid = os.fork()
+    if pid == 0:  # the child inherits the parent's ring: it must not use it
+        code = 1
+        try:
+            child = aligned(2 * n * BLOCK, seed=26)
+            ring.batch_load(tmp_path, paths, child, offsets(range(n, 2 * n)), BLOCK)
+            ring.batch_store(tmp_path, block_paths(n, "child"), child, offsets(range(n)),
+                             BLOCK)
+            code = 0 if bytes(child[n * BLOCK:]) == bytes(child[:n * BLOCK]) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert len(files_under(tmp_path)) == 2 * n
+    errors: list = []
+
+    def worker(k: int) -> None:
+        try:
+            mine = aligned(2 * n * BLOCK, seed=27 + k)
+            names = block_paths(n, f"t{k}")
+            for _ in range(5):
+                ring.batch_store(tmp_path, names, mine, offsets(range(n)), BLOCK,
+                                 checksum=True)
+                ring.batch_load(tmp_path, names, mine, offsets(range(n, 2 * n)), BLOCK,
+                                checksum=True)
+                assert bytes(mine[n * BLOCK:]) == bytes(mine[:n * BLOCK])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    ring.batch_load(tmp_path, paths, buf, offsets(range(n, 2 * n)), BLOCK)  # still works
+    assert bytes(buf[n * BLOCK:]) == bytes(buf[:n * BLOCK])
+
+
+def test_failed_batches_leave_no_descriptor_or_temporary_file(ring, tmp_path):
+    n = 40
+    buf = aligned(2 * n * BLOCK, seed=28)
+    paths = block_paths(n)
+    ring.batch_store(tmp_path, paths, buf, offsets(range(n)), BLOCK, checksum=True)
+    ring.batch_load(tmp_path, paths, buf, offsets(range(n, 2 * n)), BLOCK)  # ring made
+    before = sorted(os.listdir("/proc/self/fd"))
+    os.truncate(tmp_path / paths[10], 10)   # short: removed, ENODATA
+    os.remove(tmp_path / paths[20])         # missing
+    (tmp_path / "file").write_bytes(b"x")   # a file where a folder must be
+    for _ in range(3):
+        with pytest.raises(BatchIOError):
+            ring.batch_load(tmp_path, paths, buf, offsets(range(n, 2 * n)), BLOCK,
+                            checksum=True)
+        with pytest.raises(BatchIOError):
+            ring.batch_store(tmp_path, [*block_paths(5, "x"), "file/a.bin",
+                                        *block_paths(30, "y")], buf,
+                             offsets(range(36)), BLOCK, tmpfile=False)
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    assert temp_files(tmp_path) == []
+    assert not any(p in files_under(tmp_path) for p in block_paths(30, "y"))
+    assert ring.batch_lookup(tmp_path, [paths[10], paths[20]], BLOCK) == [
+        native.LOOKUP_ABSENT, native.LOOKUP_ABSENT]
+
+
+# -- the tier ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("uring", [True, False], ids=["io_uring", "loop"])
+def test_tier_reports_only_the_prefix_of_a_failed_load(ring, tmp_path, uring):
+    """With the ring, blocks after a missing one are read while the task runs; the job
+    still reports exactly the blocks before it as loaded."""
+    import numpy as np
+
+    from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
+
+    block = 16 << 10
+    n = 8
+    keys = [make_key(os.urandom(32), 0) for _ in range(n)]
+    with SharedKVBuffer.create(2 * n, block) as buf, \
+            FileSystemTier(buf, root_dir=str(tmp_path), n_load_workers=1,
+                           n_store_workers=1, io_uring=uring, prefault=False) as tier:
+        assert tier.stats()["io_uring"] is uring
+        buf.view[:n] = np.random.default_rng(29).integers(0, 256, (n, block), np.uint8)
+        tier.submit_store(TransferJob(1, keys, list(range(n))))
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+        os.unlink(tier.mapper.path_for(keys[3]))
+        tier.submit_load(TransferJob(2, keys, list(range(n, 2 * n))))
+        tier.drain_jobs()
+        (result,) = tier.get_finished_jobs()
+        assert (result.success, result.errno) == (False, errno.ENOENT)
+        assert result.successful_keys == tuple(keys[:3])
+        assert result.transfer_bytes == 3 * block
+        assert np.array_equal(buf.view[n:n + 3], buf.view[:3])
