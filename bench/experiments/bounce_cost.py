@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--task-blocks", type=int, default=4, help="blocks per load call")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--uring", action=argparse.BooleanOptionalAction, default=True,
+                    help="batch through io_uring (the tier's default off memory file systems)")
     args = ap.parse_args()
     size = parse_bytes(args.block_bytes)
     n = args.blocks
@@ -38,6 +40,8 @@ def main() -> None:
     backend = native.get_backend("native")
     try:
         flags = native.O_DIRECT if native.probe_o_direct(folder) else 0
+        if args.uring and backend.uring_available():
+            flags |= native.URING
         shared = mmap.mmap(-1, n * size)
         memory = memoryview(shared)
         memory[:] = os.urandom(size) * n
@@ -65,7 +69,8 @@ def main() -> None:
                 results[name].append(gbps)
                 print(f"round {r} {name:15s} {gbps:6.2f} GB/s", flush=True)
         base = statistics.median(results["direct"])
-        print(f"\n{args.root} O_DIRECT={bool(flags)} {args.block_bytes} x{step} per call, "
+        print(f"\n{args.root} O_DIRECT={bool(flags & native.O_DIRECT)} "
+              f"io_uring={bool(flags & native.URING)} {args.block_bytes} x{step} per call, "
               f"bounce {BOUNCE_BYTES >> 20} MiB")
         for name, values in results.items():
             med = statistics.median(values)

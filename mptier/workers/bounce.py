@@ -70,7 +70,8 @@ def needs_bounce(root_dir: str, use_o_direct: bool) -> bool:
 # task goes through in one native call, so the batch path keeps its blocks in flight
 # (io_uring) and pays one call per task, not one per block; a worker's private memory
 # stays bounded. Measured on this VM's ext4 with O_DIRECT, 2 MiB blocks: block by block,
-# loads ran at 0.57-0.81 of unbounced ones; in 16 MiB chunks see docs/reliability.md.
+# loads ran at 0.40-0.49 of unbounced ones (io_uring, 4 blocks per call); in 16 MiB
+# chunks, into pages touched first, at 0.9-1.0 (bench/experiments/bounce_cost.py).
 BOUNCE_BYTES = 16 << 20
 
 
@@ -99,6 +100,10 @@ class Bounce:
         if self._view is None:
             self._map = mmap.mmap(-1, self.blocks * size)
             self._view = memoryview(self._map)
+            # Touch every page now. Measured on this VM (ext4, O_DIRECT, io_uring, 2 MiB
+            # blocks): reading into a mapping no one had written ran at 1.13 GB/s round
+            # after round, into one written first at 1.77 (direct into the slots: 1.64).
+            self._view[:] = bytes(len(self._view))
         view = self._view
         for start in range(0, len(paths), self.blocks):
             chunk = paths[start:start + self.blocks]
