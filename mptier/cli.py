@@ -79,12 +79,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_info(args: argparse.Namespace) -> int:
     from mptier import native
 
+    backend = native.get_backend()
     info = {"native_core": native.HAS_NATIVE, "backend": native.BACKEND,
             "native_import_error": native.NATIVE_IMPORT_ERROR,
+            "crc32c": native.crc32c_impl(), "io_uring": backend.uring_available(),
             "defaults": TierConfig().__dict__}
     if args.root:
         info["root"] = args.root
         info["o_direct"] = native.probe_o_direct(args.root)
+        info["user_xattrs"] = native.probe_xattr(args.root)
+        info["o_tmpfile"] = native.probe_o_tmpfile(args.root)
+        info["in_memory"] = backend.probe_in_memory(args.root)
     print(json.dumps(info, indent=2, default=str))
     return 0
 
@@ -127,8 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a TierConfig field (repeatable)")
     run.set_defaults(func=_cmd_run)
 
-    info = sub.add_parser("info", help="native core, O_DIRECT support, defaults")
-    info.add_argument("--root", help="probe O_DIRECT in this folder")
+    info = sub.add_parser("info", help="native core, CRC32C, io_uring, O_DIRECT support, "
+                                        "defaults")
+    info.add_argument("--root", help="probe O_DIRECT, user xattrs and O_TMPFILE in this "
+                                     "folder")
     info.set_defaults(func=_cmd_info)
 
     _add_monitoring(sub)

@@ -408,8 +408,10 @@ class FileSystemTier:
     # -- introspection -------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Counters, queue depths, latency percentiles and one entry per worker. Never
-        blocks; works after :meth:`shutdown` (the workers' last figures)."""
+        """Counters, queue depths, latency percentiles, usage per root and one entry per
+        worker. Never blocks; works after :meth:`shutdown` (the workers' last figures).
+        The operating system's view of the workers (CPU, memory, I/O) is in
+        :meth:`figures`, which costs milliseconds."""
         def percentiles(samples: collections.deque[float]) -> dict[str, float | None]:
             ordered = sorted(samples)
 
@@ -477,6 +479,15 @@ class FileSystemTier:
         """Name of this tier's status endpoint (``mptier status --name``), or ``None``."""
         endpoint = self._monitoring.endpoint
         return endpoint.name if endpoint is not None else None
+
+    def figures(self) -> dict[str, Any]:
+        """What ``mptier status --json`` shows for this tier: :meth:`stats` plus, per
+        worker, psutil's CPU %, RSS and private memory, I/O bytes and descriptors, and
+        per tier jobs and bytes per second since the previous call, latency and disk use
+        (docs/monitoring.md). Reading ``/proc`` takes milliseconds (tens when private
+        memory is due): call it from a monitoring thread, not the scheduler's --
+        :meth:`stats` stays the cheap call."""
+        return self._monitoring.monitor.figures()
 
     def worker_pids(self) -> list[int]:
         return self._pool.pids()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from mptier import native
 from mptier.cli import main
 
 
@@ -27,3 +28,23 @@ def test_info_reports_the_native_core(tmp_path, capsys):
     assert main(["info", "--root", str(tmp_path)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert {"native_core", "backend", "o_direct", "defaults"} <= set(info)
+    assert info["crc32c"] == native.crc32c_impl()
+    assert info["user_xattrs"] == native.probe_xattr(str(tmp_path))
+    assert isinstance(info["io_uring"], bool) and isinstance(info["in_memory"], bool)
+
+
+def test_the_systemd_unit_starts_a_command_the_cli_accepts():
+    """configs/mptier@.service stays in step with `mptier serve`'s options."""
+    import pathlib
+    import shlex
+
+    from mptier.cli import build_parser
+
+    unit = pathlib.Path(__file__).parent.parent / "configs" / "mptier@.service"
+    lines = [line for line in unit.read_text().splitlines() if line.startswith("ExecStart=")]
+    assert len(lines) == 1
+    argv = shlex.split(lines[0].removeprefix("ExecStart=").replace("%i", "kv"))
+    assert argv[0].endswith("/mptier")
+    args = build_parser().parse_args(argv[1:])
+    assert (args.command, args.name, args.config) == ("serve", "kv", "/etc/mptier/kv.toml")
+    assert args.metrics_port == 9464

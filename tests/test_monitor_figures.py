@@ -207,3 +207,23 @@ def test_an_attached_tier_does_not_read_the_services_pids_locally():
     assert figures["workers"][0]["rss_bytes"] is None
     assert any("mptier status --name svc" in note for note in figures["notes"])
     assert Sampler().sample(_stats(os.getpid()))["workers"][0]["rss_bytes"] > 0
+
+
+def test_tier_figures_carry_the_workers_process_readings(make_buffer, make_tier, tmp_path):
+    """FileSystemTier.figures(): the status object, built in-process, with psutil's
+    readings of each real worker process after real I/O."""
+    buf = make_buffer(16, 64 << 10)
+    fill_random(buf.view, range(16))
+    tier = make_tier(buf, n_load_workers=1, n_store_workers=1, status_socket="",
+                     root_dir=str(tmp_path / "kv"))
+    keys = [make_key(os.urandom(32), 0) for _ in range(16)]
+    tier.submit_store(TransferJob(1, keys, list(range(16))))
+    assert wait_results(tier, [1])[1].success
+    figures = tier.figures()
+    assert figures["kind"] == "engine" and figures["pid"] == os.getpid()
+    pids = set(tier.worker_pids())
+    workers = [w for w in figures["workers"] if w.get("pid") in pids]
+    assert len(workers) == 2
+    for w in workers:
+        assert w["rss_bytes"] > 0 and w["open_fds"] > 0 and w["threads"] >= 1
+    assert figures["totals"]["bytes"]["store"] == 16 * (64 << 10)

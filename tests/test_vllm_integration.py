@@ -677,6 +677,46 @@ def test_cache_is_shared_with_vllms_fs_tier(tmp_path, primary, make_tier, writer
 
 
 @pytest.mark.vllm
+def test_vllms_tier_ignores_mptiers_extra_names(tmp_path, primary, make_tier):
+    """The names mptier adds to a root (mptier.json, .mptier/leases, a lease-named
+    temporary file) change nothing for vLLM's tier: it finds, loads and stores the
+    blocks as on a root of its own, and leaves mptier's files alone."""
+    spec = make_spec(agnostic=True, tp_size=1, rank=0)
+    view = primary(spec)
+    rows = np.asarray(view)
+    root = tmp_path
+    ours = make_tier(view, spec, root_dir=str(root), **SMALL)
+    keys = [key(30), key(31)]
+    fill(rows, [0, 1], seed=11)
+    expected = rows[0:2].copy()
+    store(ours, keys, [0, 1])
+    block = ours.tier.mapper.path_for(keys[0])
+    temp = f"{block}.{'a' * 16}.1.tmp"  # as a writer with lease aaaa... leaves one
+    with open(temp, "wb") as f:
+        f.write(b"x" * 100)
+    ours.shutdown()
+    extra = sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                   if p.is_file() and (p.name == "mptier.json" or ".mptier" in p.parts
+                                       or p.name.endswith(".tmp")))
+    assert any(n.endswith("mptier.json") for n in extra)
+    assert os.path.relpath(temp, root) in extra
+
+    theirs = make_tier(view, spec, VLLM_FS, root_dir=str(root))
+    assert resolve(theirs, keys, ReqContext(req_id="reader")) == [HIT] * 2
+    rows[:] = 0
+    theirs.submit_load(job(2, keys, [5, 6], load=True))
+    assert finish(theirs, [2])[2].success
+    assert np.array_equal(rows[5:7], expected)
+    fill(rows, [2], seed=12)
+    store(theirs, [key(32)], [2])
+    assert os.path.exists(theirs.file_mapper.get_file_name(key(32)))
+    after = sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                   if p.is_file() and (p.name == "mptier.json" or ".mptier" in p.parts
+                                       or p.name.endswith(".tmp")))
+    assert after == extra  # vLLM neither read them as blocks nor removed them
+
+
+@pytest.mark.vllm
 @pytest.mark.parametrize("agnostic", [True, False], ids=["agnostic", "per-rank"])
 def test_config_json_is_byte_identical_to_vllms(tmp_path, primary, make_tier, agnostic):
     spec = make_spec(agnostic=agnostic, tp_size=2, rank=1)
