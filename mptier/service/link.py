@@ -41,6 +41,10 @@ log = logging.getLogger("mptier.service")
 
 # How often the link asks the service for its figures (what stats() shows of the pool).
 STATUS_INTERVAL_S = 1.0
+# attach() waits at most this long for the service's first figures, so stats() and
+# worker_pids() describe the service from the start (a status round trip takes
+# milliseconds; a service too busy to answer in time is described a moment later).
+FIRST_FIGURES_S = 2.0
 # How often a link whose service went away tries to attach again.
 RECONNECT_S = 1.0
 # How long one attach may take: the service prepares the root and its workers map the
@@ -70,6 +74,7 @@ class ServiceLink:
         self._stopping = False
         self._detach_requested = False
         self._detached = threading.Event()
+        self._figures_arrived = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._run, name="mptier-link", daemon=True)
         self.reattaches = 0
@@ -107,7 +112,8 @@ class ServiceLink:
                 self._session.close()
                 raise
         self._sock, self.control, self.io = sock, control, io
-        self._thread.start()
+        self._thread.start()  # it asks for the service's figures first thing
+        self._figures_arrived.wait(FIRST_FIGURES_S)
         return io
 
     def _attach_once(self) -> tuple[socket.socket, ControlBlock, IoSettings, dict]:
@@ -267,6 +273,7 @@ class ServiceLink:
             if op == STATUS and message.get("ok"):
                 with self._lock:
                     self._figures = message.get("figures", {})
+                self._figures_arrived.set()
             elif op == DETACHED:
                 self._detached.set()
 
