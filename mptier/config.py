@@ -73,6 +73,11 @@ class TierConfig:
     # "auto": where the kernel allows it and the root is not in memory (tmpfs, ramfs);
     # True: wherever the kernel allows it; False: the system-call loop only.
     io_uring: bool | str = "auto"
+    # Process workers load through a private bounce buffer, then copy, so a read that
+    # outlives a killed worker never lands in a slot the engine reused. "auto": where a
+    # read may outlive its worker (O_DIRECT on a disk; network and FUSE file systems),
+    # never on tmpfs; True: also buffered reads from local disks; False: never.
+    bounce_loads: bool | str = "auto"
     # Use the compiled C core when it is available (False: the pure-Python twin).
     native: bool = True
     # Emit "stored" events from take_events() for keys of successful stores.
@@ -212,7 +217,8 @@ class TierConfig:
             _want(isinstance(value, (int, float)) and not isinstance(value, bool)
                   and value > 0, name, value, "a positive number of seconds")
         _want_int(self, "max_task_retries", low=0, high=100)
-        for name in ("use_o_direct", "checksum_blocks", "io_uring", "lease_locks"):
+        for name in ("use_o_direct", "checksum_blocks", "io_uring", "lease_locks",
+                     "bounce_loads"):
             setattr(self, name, _tristate(name, getattr(self, name)))
         for name in ("native", "enable_events", "prefault", "parallel_agnostic",
                      "replicated_layout"):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import errno
 import os
+import pathlib
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -88,3 +91,40 @@ def test_which_roots_bounce(tmp_path):
     if fs_type("/dev/shm") == "tmpfs":
         assert not needs_bounce("/dev/shm", use_o_direct=False)
     assert needs_bounce("/proc", use_o_direct=False)  # not known to read via the page cache
+
+
+@pytest.mark.parametrize("setting,o_direct,root,expected", [
+    ("auto", True, "/dev/shm", False),    # memory: a read there is the worker's own copy
+    (True, True, "/dev/shm", False),
+    ("auto", False, "/proc", True),       # not known to read through the page cache
+    (False, True, "/proc", False),
+])
+def test_the_setting_and_the_file_system_decide(setting, o_direct, root, expected):
+    if root == "/dev/shm" and fs_type(root) != "tmpfs":
+        pytest.skip("/dev/shm is not tmpfs here")
+    assert needs_bounce(root, o_direct, setting) is expected
+
+
+def test_o_direct_on_a_disk_bounces_unless_turned_off(tmp_path):
+    kind = fs_type(str(tmp_path))
+    if kind not in ("ext4", "xfs", "btrfs"):
+        pytest.skip(f"{tmp_path} is on {kind}, not a local disk file system")
+    assert needs_bounce(str(tmp_path), True, "auto")
+    assert not needs_bounce(str(tmp_path), False, "auto")  # buffered: killable wait
+    assert needs_bounce(str(tmp_path), False, True)
+    assert not needs_bounce(str(tmp_path), True, False)
+
+
+def test_each_root_reports_what_it_got(make_buffer, make_tier, tmp_path):
+    """stats()["roots"][i]["bounce_loads"]: the decision the workers act on."""
+    disk = tmp_path / "kv"
+    shm = pathlib.Path(tempfile.mkdtemp(prefix="mptier-test-bounce-", dir="/dev/shm"))
+    try:
+        for root, setting in ((disk, "auto"), (disk, False), (shm, "auto")):
+            tier = make_tier(make_buffer(4, BLOCK), root_dir=str(root), bounce_loads=setting,
+                             n_load_workers=1, n_store_workers=1)
+            (got,) = tier.stats()["roots"]
+            assert got["bounce_loads"] is needs_bounce(str(root), got["o_direct"], setting)
+            tier.shutdown()
+    finally:
+        shutil.rmtree(shm)

@@ -288,6 +288,37 @@ def test_a_read_that_outlives_its_worker_never_lands_in_a_reused_slot(
 
 @pytest.mark.fuse
 @pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_without_the_bounce_buffer_the_late_read_lands_in_the_reused_slot(
+        make_fuse_fs, make_buffer, make_tier):
+    """The control for the test above: with ``bounce_loads = false`` the same stale read
+    overwrites the engine's new contents of the slot -- so the hazard is real, and the
+    setting reaches the workers."""
+    fs, buf, tier = fuse_tier(make_fuse_fs, make_buffer, make_tier, use_o_direct=True,
+                              bounce_loads=False)
+    assert [r["bounce_loads"] for r in tier.stats()["roots"]] == [False]
+    book = JobBook(EngineCalls(tier), buf)
+    stale, fresh = keys_for(2, b"late-read")
+    book.wait([book.store([stale, fresh], [0, 1])])
+    rule = fs.block("read", name_of(tier, stale))
+    job = book.load([stale], [5])
+    fs.wait_blocked(rule)
+    pid = busy_worker(tier)["pid"]
+    assert book.wait([job], timeout=IO_TIMEOUT_S + supervisor.TICK_S + LATE_S), "hung"
+    wait_until(lambda: worker_state(tier, pid) == "stuck", 5 + LATE_S,
+               "the worker in the direct read to be parked", book.collect)
+    reuse = book.load([fresh], [5])
+    assert book.wait([reuse], timeout=10)[reuse].success
+    assert np.array_equal(buf.view[5], content(fresh, BLOCK))
+    rule.release()
+    wait_until(lambda: worker_state(tier, pid) is None, 5 + LATE_S,
+               "the stuck worker to exit", book.collect)
+    assert np.array_equal(buf.view[5], content(stale, BLOCK)), \
+        "the stale read did not land: the switch did not reach the worker, or the " \
+        "kernel no longer copies into pinned pages after SIGKILL"
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
 def test_status_still_answers_while_the_root_hangs(make_fuse_fs, make_buffer, make_tier):
     """`mptier status` reads the root's disk use (statvfs): on a hung mount that call
     never returns, and status must answer all the same, saying why the figure is

@@ -17,10 +17,14 @@ page-aligned buffer of its own and copies it into the slot only after the read r
 A worker killed while stuck dies on its way back from the system call, before the
 copy: the late bytes land in memory that dies with it.
 
-Where it is used: O_DIRECT loads, and any load from a file system not known to read
+Where it is used (``TierConfig.bounce_loads = "auto"``): O_DIRECT loads from a file
+system with a device behind it, and any load from a file system not known to read
 through the page cache (:data:`PAGE_CACHE_FS_TYPES`: local disks and memory file
-systems). The cost is one memory copy per block, small beside a network or direct read; blocks
-go through in chunks of :data:`BOUNCE_BYTES`, so a task stays one native call.
+systems); never in memory (tmpfs: an O_DIRECT read there is a copy the worker makes
+itself). ``bounce_loads = false`` turns it off for roots the operator trusts never to
+stall past ``io_timeout_s``. The cost is one memory copy per block, small beside a
+network or direct read; blocks go through in chunks of :data:`BOUNCE_BYTES`, so a task
+stays one native call.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from collections.abc import Callable, Sequence
 PAGE_CACHE_FS_TYPES = frozenset({
     "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "jfs", "reiserfs", "bcachefs",
     "tmpfs", "ramfs", "hugetlbfs", "overlay"})
+# File systems in memory: no device and no server, so even an O_DIRECT read is a copy
+# the reading process makes itself, done before SIGKILL is acted on. Never bounced.
+MEMORY_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 
 def fs_type(path: str) -> str:
@@ -60,10 +67,18 @@ def fs_type(path: str) -> str:
     return best_type
 
 
-def needs_bounce(root_dir: str, use_o_direct: bool) -> bool:
-    """Whether loads under ``root_dir`` must go through a bounce buffer (see module
-    docstring)."""
-    return use_o_direct or fs_type(root_dir) not in PAGE_CACHE_FS_TYPES
+def needs_bounce(root_dir: str, use_o_direct: bool, setting: bool | str = "auto") -> bool:
+    """Whether process workers' loads under ``root_dir`` go through a bounce buffer
+    (``TierConfig.bounce_loads``, see the module docstring): "auto" where a read may
+    outlive its worker -- O_DIRECT on a file system with a device behind it, or any file
+    system not known to read through the page cache -- never in memory; True wherever
+    not in memory; False never."""
+    if setting is False:
+        return False
+    kind = fs_type(root_dir)
+    if kind in MEMORY_FS_TYPES:
+        return False
+    return setting is True or use_o_direct or kind not in PAGE_CACHE_FS_TYPES
 
 
 # A bounce buffer holds this many bytes of blocks (at least one block): a default 8 MiB

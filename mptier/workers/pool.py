@@ -31,6 +31,7 @@ from typing import Any
 from mptier import native
 from mptier.errors import ConfigError, MptierError
 from mptier.layout import FileMapper
+from mptier.workers.bounce import needs_bounce
 from mptier.workers.control import (
     ROOT_COMPLETE,
     ROOT_EVICTING,
@@ -72,6 +73,7 @@ class PoolSettings:
     use_o_direct: bool | str = "auto"
     checksum_blocks: bool | str = "auto"
     io_uring: bool | str = "auto"
+    bounce_loads: bool | str = "auto"
     backend: str = "native"
     prefault: bool = True
     nice: int = 0
@@ -102,6 +104,7 @@ class PoolSettings:
                    root_retry_s=cfg.root_retry_s, n_load_workers=cfg.n_load_workers,
                    n_store_workers=cfg.n_store_workers, use_o_direct=cfg.use_o_direct,
                    checksum_blocks=cfg.checksum_blocks, io_uring=cfg.io_uring,
+                   bounce_loads=cfg.bounce_loads,
                    backend=backend_name(cfg.native), prefault=cfg.prefault,
                    nice=cfg.worker_nice, cpus=list(cfg.worker_cpus),
                    io_timeout_s=cfg.io_timeout_s, max_task_retries=cfg.max_task_retries,
@@ -196,7 +199,8 @@ def _prepare_root(settings: PoolSettings, root: str, layout: dict[str, Any],
                  root, fs_magic(where) or 0)
         tmpfile = False
     return RootIo(root, use_o_direct=bool(o_direct), checksum=bool(checksum),
-                  tmpfile=tmpfile, uring=use_uring(settings.io_uring, backend, where))
+                  tmpfile=tmpfile, uring=use_uring(settings.io_uring, backend, where),
+                  bounce=needs_bounce(root, bool(o_direct), settings.bounce_loads))
 
 
 def use_uring(setting: bool | str, backend: Any, where: str) -> bool:
@@ -235,6 +239,8 @@ def root_figures(control: ControlBlock, io: IoSettings) -> list[dict[str, Any]]:
         rec = control.root(index)
         out.append({
             "path": path, "in_rotation": rec.state is RootState.IN,
+            "o_direct": io.roots[index].use_o_direct, "io_uring": io.roots[index].uring,
+            "bounce_loads": io.roots[index].bounce,
             "errno": rec.err, "failures": rec.failures, "times_out": rec.outs,
             "probe_in_s": max(0.0, (rec.retry_at_ns - now) / 1e9)
             if rec.state is RootState.OUT else None,

@@ -42,6 +42,7 @@ class RootIo:
     checksum: bool = False
     tmpfile: bool = False
     uring: bool = False
+    bounce: bool = False  # process workers load through a bounce buffer (bounce.py)
 
 
 @dataclass

@@ -61,7 +61,7 @@ from mptier.layout import FileMapper
 from mptier.storage.leases import Lease
 from mptier.storage.roots import RootRouter
 from mptier.workers import protocol
-from mptier.workers.bounce import Bounce, needs_bounce
+from mptier.workers.bounce import Bounce
 from mptier.workers.control import ControlBlock, RootState, SlotState, SlotWriter
 from mptier.workers.health import is_fault, out_of_rotation_text
 from mptier.workers.session import QUEUE_ORDER, IoSettings, WorkerSession
@@ -194,8 +194,7 @@ class WorkerContext:
         # in a slot the engine reused since (see mptier.workers.bounce). Thread workers
         # die with the engine: no bounce.
         roots = [RootHandle(i, r.path, FileMapper(r.path, **session.layout), io.flags(i),
-                            bounce=mapped is not None and needs_bounce(r.path,
-                                                                       r.use_o_direct))
+                            bounce=mapped is not None and r.bounce)
                  for i, r in enumerate(io.roots)]
         ctx = cls(role=role, slot_writer=slot_writer,
                   queues=tuple(session.queues[k] for k in QUEUE_ORDER[role]),
