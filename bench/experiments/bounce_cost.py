@@ -1,9 +1,9 @@
 """What the bounce buffer costs a load (mptier.workers.bounce), measured side by side.
 
-Stores N blocks under ROOT once, then in interleaved rounds loads them into a shared
-mapping three ways with the native batch call: straight into the slots, through a
-bounce buffer of BOUNCE_BYTES (a task per call), and through a one-block bounce buffer
-(one call per block: the first design). O_DIRECT where the root takes it, so every
+Stores N blocks under ROOT once, then in interleaved rounds (odd ones in reverse order)
+loads them into a shared mapping three ways with the native batch call: straight into
+the slots, through a bounce buffer of BOUNCE_BYTES (a task per call), and through a
+one-block bounce buffer (one call per block: the first design). O_DIRECT where the root takes it, so every
 round reads the disk. Prints GB/s per round and the medians' ratios to direct.
 
     python bench/experiments/bounce_cost.py --root /var/tmp --block-bytes 2M --blocks 256
@@ -56,7 +56,10 @@ def main() -> None:
         results: dict[str, list[float]] = {name: [] for name in designs}
         step = args.task_blocks
         for r in range(args.rounds):
-            for name, bounce in designs.items():
+            order = list(designs.items())
+            if r % 2:  # odd rounds in reverse: a drift of the disk hits every design alike
+                order.reverse()
+            for name, bounce in order:
                 t0 = time.perf_counter()
                 for i in range(0, n, step):
                     p, o = paths[i:i + step], offsets[i:i + step]
