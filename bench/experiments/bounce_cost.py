@@ -3,8 +3,8 @@
 Stores N blocks under ROOT once, then in interleaved rounds (odd ones in reverse order)
 loads them into a shared mapping three ways with the native batch call: straight into
 the slots, through a bounce buffer of BOUNCE_BYTES (a task per call), and through a
-one-block bounce buffer (one call per block: the first design). O_DIRECT where the root takes it, so every
-round reads the disk. Prints GB/s per round and the medians' ratios to direct.
+one-block bounce buffer (one call per block: the first design). O_DIRECT where the root
+takes it, so every round reads the disk. Prints GB/s per round and the medians' ratios to direct.
 
     python bench/experiments/bounce_cost.py --root /var/tmp --block-bytes 2M --blocks 256
 """
