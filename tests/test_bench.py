@@ -171,8 +171,12 @@ def test_cold_pass_and_memory_warm_up_are_recorded(tmp_path, fake_drop):
     assert {"store_cold", "load_cold", "store", "load", "single"} <= set(warm)
     assert warm["store"]["bytes"] == (2 << 20) * 5 // 4
     assert warm["single"]["bytes"] == 8 * (64 << 10) * 5 // 4
-    # The machine's page counters were read around each phase.
-    assert record["memory"]["store"]["pages_allocated"] > 0
+    # The machine's page counters were read around each phase (one small phase may see
+    # no allocation machine-wide; the design's phases together always do).
+    memory = record["memory"]
+    assert {"store", "load"} <= set(memory)
+    assert all(isinstance(m["pages_allocated"], int) for m in memory.values())
+    assert sum(m["pages_allocated"] for m in memory.values()) > 0
     # The cold pass's own files were removed again: what is left is the warm pass (32),
     # the warm-up job (4) and the large job (8).
     (root,) = tmp_path.glob("mptier-bench-*-b")
