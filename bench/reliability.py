@@ -68,9 +68,11 @@ from reliability_kit import (  # noqa: E402
     EngineCalls,
     JobBook,
     Service,
+    Traffic,
     busy_worker,
     content,
     gone,
+    run_stop_storm,
     temp_files,
     wait_until,
     worker_state,
@@ -261,55 +263,18 @@ def sigstop_storm(row: Row, root: str, seconds: float = 12.0) -> None:
     buf = SharedKVBuffer.create(48, BLOCK)
     tier = FileSystemTier(buf, root_dir=root, n_load_workers=2, n_store_workers=2,
                           io_timeout_s=1.0, heartbeat_s=0.5, prefault=False)
-    stopped: dict[int, float] = {}
     try:
         calls = EngineCalls(tier)
         book = JobBook(calls, buf)
         keys = keys_for(24, b"stop storm")
         book.wait([book.store(keys, list(range(24)))])
-        ends = time.monotonic() + seconds
-        next_stop = time.monotonic()
-        n = stops = 0
-        while time.monotonic() < ends:
-            now = time.monotonic()
-            for pid, until in list(stopped.items()):
-                if now >= until:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGCONT)
-                    del stopped[pid]
-            if now >= next_stop:
-                victims = [w["pid"] for w in calls.stats()["workers"]
-                           if w["alive"] and w["pid"] not in stopped]
-                if victims:
-                    pid = rng.choice(victims)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGSTOP)
-                        stops += 1
-                    stopped[pid] = now + rng.uniform(0.1, 2.5)
-                next_stop = now + rng.uniform(0.2, 0.8)
-            if len(book.pending) < 8:
-                if n % 3:
-                    book.load([keys[n % 24]], [24 + n % 24])
-                else:
-                    book.store([keys[n % 24]], [n % 24])
-                n += 1
-            calls.lookup(keys[rng.randrange(24)], n % 5)
-            calls.on_schedule_end()
-            book.collect()
-            time.sleep(0.01)
-        for pid in stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-        stopped.clear()
+        stops = run_stop_storm(calls, book, keys, rng, seconds)
         book.drain(30)
         pool = tier.stats()["pool"]
         row.notes.append(f"{stops} stops; {pool['timeouts']} timed out, "
                          f"{pool['heartbeat_kills']} missed heartbeats")
         row.from_book(book, calls)
     finally:
-        for pid in stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
         tier.shutdown()
         buf.close()
         buf.unlink()
@@ -571,25 +536,12 @@ def service_restarts(row: Row, root: str, restarts: int = 4) -> None:
         book = JobBook(calls, buf)
         keys = keys_for(16, b"restarts")
         book.wait([book.store(keys, list(range(16)))])
-        n = 0
         away: list[float] = []
         back: list[float] = []
-
-        def work() -> None:
-            nonlocal n
-            if n % 2:
-                book.store([keys[n % 16]], [n % 16])
-            else:
-                book.load([keys[n % 16]], [16 + n % 16])
-            n += 1
-            calls.lookup(keys[(n * 7) % 16], n)
-            calls.on_schedule_end()
-            book.collect()
-            time.sleep(0.005)
+        work = Traffic(book, calls, keys).step
 
         for restart in range(restarts):
-            for _ in range(20):
-                work()
+            work(20)
             sig = signal.SIGKILL if restart % 2 == 0 else signal.SIGTERM
             current = services[-1]
             current.proc.send_signal(sig)
@@ -602,8 +554,7 @@ def service_restarts(row: Row, root: str, restarts: int = 4) -> None:
             started = time.monotonic()
             wait_until(lambda: not calls.stats()["unavailable"], 20, "attached", work)
             back.append(time.monotonic() - started)
-        for _ in range(20):
-            work()
+        work(20)
         book.drain(30)
         row.notes.append(f"{restarts} restarts (SIGKILL and SIGTERM in turn); the engine "
                          f"noticed within {max(away):.2f} s, attached again within "

@@ -163,6 +163,15 @@ def no_leaks(tmp_path_factory) -> Iterator[None]:
 
 
 @pytest.fixture
+def run_dir(tmp_path, monkeypatch) -> str:
+    """A run directory of the test's own (service and status sockets), for the test and,
+    through MPTIER_RUN_DIR, every process it starts."""
+    path = str(tmp_path / "run")
+    monkeypatch.setenv("MPTIER_RUN_DIR", path)
+    return path
+
+
+@pytest.fixture
 def root(tmp_path) -> str:
     return str(tmp_path / "kv")
 

@@ -7,6 +7,9 @@
   exactly once (a second report is recorded, never raised), every byte a successful load
   put in its slot checked against :func:`content` (a block's bytes follow from its key,
   whichever store wrote the file);
+* :class:`StopStorm` / :func:`run_stop_storm` -- random workers SIGSTOPped and
+  continued while the engine works;
+  :class:`Traffic` -- the engine's own work meanwhile (stores and loads in turn, lookups);
 * :func:`busy_worker`, :func:`worker_state`, :func:`temp_files`, :func:`tiny_tmpfs`.
 
 Nothing here sleeps on the engine's behalf: callers poll, as a scheduler loop would.
@@ -17,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import random
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -172,6 +177,94 @@ class JobBook:
 # A slot says "busy" for a moment after its task reported, too: a worker busy this long
 # is inside a task (a stalled or hung one), not at the end of a quick one.
 BUSY_AFTER_S = 0.05
+
+
+class StopStorm:
+    """A random live worker SIGSTOPped every 0.2-0.8 s and continued 0.1-2.5 s later (a
+    debugger, a throttled container, a swapping host). Call :meth:`step` from the
+    engine's loop and :meth:`continue_all` when done (also from a ``finally``)."""
+
+    def __init__(self, calls: EngineCalls, rng: random.Random) -> None:
+        self.calls, self.rng = calls, rng
+        self.stopped: dict[int, float] = {}  # pid -> when to continue it
+        self.next_stop = time.monotonic()
+        self.stops = 0
+
+    def step(self) -> None:
+        now = time.monotonic()
+        for pid, until in list(self.stopped.items()):
+            if now >= until:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+                del self.stopped[pid]
+        if now >= self.next_stop:
+            victims = [w["pid"] for w in self.calls.stats()["workers"]
+                       if w["alive"] and w["pid"] not in self.stopped]
+            if victims:
+                pid = self.rng.choice(victims)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+                    self.stops += 1
+                self.stopped[pid] = now + self.rng.uniform(0.1, 2.5)
+            self.next_stop = now + self.rng.uniform(0.2, 0.8)
+
+    def continue_all(self) -> None:
+        for pid in self.stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self.stopped.clear()
+
+
+def run_stop_storm(calls: EngineCalls, book: JobBook, keys: list[bytes],
+                   rng: random.Random, seconds: float) -> int:
+    """For ``seconds``, a :class:`StopStorm` while the engine keeps up to 8 jobs of one
+    of ``keys`` in flight (two loads, into slots ``len(keys)`` on, for each store),
+    looks keys up and collects results every 10 ms. Every stopped worker is continued
+    before it returns; returns how many stops there were."""
+    storm = StopStorm(calls, rng)
+    k = len(keys)
+    ends = time.monotonic() + seconds
+    n = 0
+    try:
+        while time.monotonic() < ends:
+            storm.step()
+            if len(book.pending) < 8:
+                if n % 3:
+                    book.load([keys[n % k]], [k + n % k])
+                else:
+                    book.store([keys[n % k]], [n % k])
+                n += 1
+            calls.lookup(keys[rng.randrange(k)], n % 5)
+            calls.on_schedule_end()
+            book.collect()
+            time.sleep(0.01)
+    finally:
+        storm.continue_all()
+    return storm.stops
+
+
+class Traffic:
+    """What the engine does meanwhile: a store or a load of one of ``keys`` in turn
+    (stores into slot ``i``, loads into slot ``len(keys) + i``), a lookup, the step's end
+    and its results, then 5 ms of other work."""
+
+    def __init__(self, book: JobBook, calls: EngineCalls, keys: list[bytes]) -> None:
+        self.book, self.calls, self.keys = book, calls, keys
+        self.n = 0
+
+    def step(self, rounds: int = 1) -> None:
+        keys, k = self.keys, len(self.keys)
+        for _ in range(rounds):
+            i = self.n % k
+            if self.n % 2:
+                self.book.store([keys[i]], [i])
+            else:
+                self.book.load([keys[i]], [k + i])
+            self.n += 1
+            self.calls.lookup(keys[(self.n * 7) % k], self.n)
+            self.calls.on_schedule_end()
+            self.book.collect()
+            time.sleep(0.005)
 
 
 def busy_worker(tier: Any, timeout: float = 10.0, exclude: Iterable[int] = ()) -> dict:

@@ -25,6 +25,7 @@ from reliability_kit import (
     LATE_S,
     EngineCalls,
     JobBook,
+    run_stop_storm,
     temp_files,
     tiny_tmpfs,
     wait_until,
@@ -242,40 +243,7 @@ def test_sigstop_sigcont_storm_loses_nothing_and_serves_no_wrong_byte(make_buffe
     book = JobBook(calls, buf)
     keys = keys_for(24, b"stop-storm")
     book.wait([book.store(keys, list(range(24)))])
-    stopped: dict[int, float] = {}  # pid -> when to continue it
-    storm_ends = time.monotonic() + 12
-    next_stop = time.monotonic()
-    n = 0
-    while time.monotonic() < storm_ends:
-        now = time.monotonic()
-        for pid, until in list(stopped.items()):
-            if now >= until:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
-                del stopped[pid]
-        if now >= next_stop:
-            victims = [w["pid"] for w in tier.stats()["workers"]
-                       if w["alive"] and w["pid"] not in stopped]
-            if victims:
-                pid = rng.choice(victims)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGSTOP)
-                stopped[pid] = now + rng.uniform(0.1, 2.5)
-            next_stop = now + rng.uniform(0.2, 0.8)
-        if len(book.pending) < 8:
-            key = keys[n % 24]
-            if n % 3:
-                book.load([key], [24 + n % 24])
-            else:
-                book.store([key], [n % 24])
-            n += 1
-        calls.lookup(keys[rng.randrange(24)], n % 5)
-        calls.on_schedule_end()
-        book.collect()
-        time.sleep(0.01)
-    for pid in stopped:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+    run_stop_storm(calls, book, keys, rng, 12)
     book.drain(30)
     assert not book.lost() and not book.twice and not book.wrong
     assert sum(r.success for r in book.results.values()) > 20

@@ -24,6 +24,7 @@ from reliability_kit import (
     EngineCalls,
     JobBook,
     Service,
+    Traffic,
     gone,
     wait_until,
 )
@@ -42,13 +43,6 @@ BUSY_AFTER_S = 0.1
 
 def keys_for(n: int, tag: bytes) -> list[bytes]:
     return [make_key(tag.ljust(28, b".") + i.to_bytes(4, "big")) for i in range(n)]
-
-
-@pytest.fixture
-def run_dir(tmp_path, monkeypatch) -> str:
-    path = str(tmp_path / "run")
-    monkeypatch.setenv("MPTIER_RUN_DIR", path)
-    return path
 
 
 @pytest.fixture
@@ -158,21 +152,7 @@ def test_service_restarted_again_and_again_while_the_engine_keeps_submitting(
     book.wait([book.store(keys, list(range(16)))])
     restarts = 4
     failed_fast = 0
-    n = 0
-
-    def work(rounds: int = 1) -> None:
-        """What the engine does meanwhile: a store or a load, lookups, results."""
-        nonlocal n
-        for _ in range(rounds):
-            if n % 2:
-                book.store([keys[n % 16]], [n % 16])
-            else:
-                book.load([keys[n % 16]], [16 + n % 16])
-            n += 1
-            calls.lookup(keys[(n * 7) % 16], n)
-            calls.on_schedule_end()
-            book.collect()
-            time.sleep(0.005)
+    work = Traffic(book, calls, keys).step  # what the engine does meanwhile
 
     for restart in range(restarts):
         work(20)

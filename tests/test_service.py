@@ -65,13 +65,6 @@ class ServiceProcess:
 
 
 @pytest.fixture
-def run_dir(tmp_path, monkeypatch) -> str:
-    path = str(tmp_path / "run")
-    monkeypatch.setenv("MPTIER_RUN_DIR", path)
-    return path
-
-
-@pytest.fixture
 def start_service(run_dir, tmp_path):
     started: list[ServiceProcess] = []
 

@@ -1000,20 +1000,34 @@ def test_checksum_metric_is_declared_only_with_checksums_on(tmp_path, vllm_versi
         assert extra == set()  # vLLM 0.33 has no such metric; checksums off: nothing
 
 
+def checksummed_pair(tmp_path, primary, make_tier, io_backend: str, *,
+                     vllm_first: bool = False):
+    """Our tier with checksums on (on ``io_backend``, checked) and vLLM 0.33's own tier
+    on one buffer and one root (``vllm_first``: vLLM's made first, so it writes the
+    folder): ``(rows, ours, theirs)``."""
+    spec = make_spec()
+    view = primary(spec)
+    root = str(tmp_path)
+
+    def make_ours():
+        return make_tier(view, spec, root_dir=root, checksum_blocks=True,
+                         native=io_backend == "native", **SMALL)
+
+    theirs = make_tier(view, spec, VLLM_FS, root_dir=root) if vllm_first else None
+    ours = make_ours()
+    assert ours.tier.stats()["backend"] == io_backend
+    if theirs is None:
+        theirs = make_tier(view, spec, VLLM_FS, root_dir=root)
+    return np.asarray(view), ours, theirs
+
+
 @pytest.mark.vllm
 @BACKENDS
 def test_block_stored_with_checksums_loads_in_vllms_033_tier(tmp_path, primary, make_tier,
                                                              io_backend):
     """vLLM 0.33's own tier ignores the record: a cache written by mptier with
     checksums on stays readable to it."""
-    spec = make_spec()
-    view = primary(spec)
-    rows = np.asarray(view)
-    root = str(tmp_path)
-    ours = make_tier(view, spec, root_dir=root, checksum_blocks=True,
-                     native=io_backend == "native", **SMALL)
-    assert ours.tier.stats()["backend"] == io_backend
-    theirs = make_tier(view, spec, VLLM_FS, root_dir=root)
+    rows, ours, theirs = checksummed_pair(tmp_path, primary, make_tier, io_backend)
     keys = [key(1), key(2)]
     fill(rows, [0, 1], seed=12)
     expected = rows[0:2].copy()
@@ -1033,14 +1047,8 @@ def test_block_stored_by_vllms_033_tier_loads_with_checksums_on(tmp_path, primar
                                                                 make_tier, vllm_version,
                                                                 io_backend):
     """A block without a record (vLLM 0.33 writes none) loads as before."""
-    spec = make_spec()
-    view = primary(spec)
-    rows = np.asarray(view)
-    root = str(tmp_path)
-    theirs = make_tier(view, spec, VLLM_FS, root_dir=root)
-    ours = make_tier(view, spec, root_dir=root, checksum_blocks=True,
-                     native=io_backend == "native", **SMALL)
-    assert ours.tier.stats()["backend"] == io_backend
+    rows, ours, theirs = checksummed_pair(tmp_path, primary, make_tier, io_backend,
+                                          vllm_first=True)
     assert ours.tier.checksum_blocks
     keys = [key(1), key(2)]
     fill(rows, [0, 1], seed=13)
@@ -1068,14 +1076,7 @@ def test_corrupted_block_fails_its_checksum_and_becomes_a_miss(tmp_path, primary
     a word; mptier fails that block's load (EBADMSG), keeps the blocks before it,
     deletes the file, turns the key into a miss and, where vLLM has the field, sets
     ``checksum_failed``. The next store of the key writes it again."""
-    spec = make_spec()
-    view = primary(spec)
-    rows = np.asarray(view)
-    root = str(tmp_path)
-    ours = make_tier(view, spec, root_dir=root, checksum_blocks=True,
-                     native=io_backend == "native", **SMALL)
-    assert ours.tier.stats()["backend"] == io_backend
-    theirs = make_tier(view, spec, VLLM_FS, root_dir=root)
+    rows, ours, theirs = checksummed_pair(tmp_path, primary, make_tier, io_backend)
     keys = [key(1), key(2), key(3)]
     fill(rows, [0, 1, 2], seed=14)
     good = rows[0:3].copy()
