@@ -454,7 +454,6 @@ ENGINE_STORING = textwrap.dedent("""
 
 def engine_sigkill_mid_store(row: Row, root: str, kills: int = 5) -> None:
     from mptier.layout import FileMapper
-    from mptier.shm import STALE_GRACE_S
 
     rng = random.Random(3)
     row.jobs_run = 0
@@ -488,9 +487,8 @@ def engine_sigkill_mid_store(row: Row, root: str, kills: int = 5) -> None:
     leftover = temp_files(root)
     row.notes.append(f"{kills} engines killed mid-store; {len(leftover)} temporary files "
                      "left by them")
-    # A new engine on the same root (after the grace during which a new object's creator
-    # may not hold its lock yet): its start removes what nobody holds any more.
-    time.sleep(STALE_GRACE_S)
+    # A new engine on the same root, at once (objects are locked before they are
+    # named, so no grace is needed): its start removes what nobody holds any more.
     buf = SharedKVBuffer.create(8, BLOCK)
     tier = FileSystemTier(buf, root_dir=root, n_load_workers=1, n_store_workers=1,
                           prefault=False)
@@ -604,7 +602,7 @@ def pidns_buffer(row: Row, root: str) -> None:
         row.owners.add(ns.ns_pid)
         ns.run(INSIDE.format(tests=str(TESTS), root=os.path.join(root, "inside")))
         name = ns.eval("buf.name")
-        removed = cleanup_stale(min_age_s=0)  # what a start here does, without its grace
+        removed = cleanup_stale()  # what a start here does
         outside_buf = SharedKVBuffer.create(8, BLOCK)
         outside = FileSystemTier(outside_buf, root_dir=os.path.join(root, "outside"),
                                  n_load_workers=1, n_store_workers=1, prefault=False)
