@@ -87,7 +87,7 @@ def test_every_design_reports_every_figure_with_consistent_ratios(tmp_path, fake
             assert r["verify"]["ok"] and r["verify"]["blocks_checked"] == 32
             assert r["single_verify"]["ok"]
             assert r["jobs"]["store"] == {"jobs": 8, "failed": 0, "duplicates": 0,
-                                          "bytes_ok": 2 << 20}
+                                          "bytes_ok": 2 << 20, "first_failure": ""}
     assert all(v == 1.0 for v in b["ratio_to_b"].values() if v is not None)
     assert all(v == 1.0 for v in d["ratio_to_d"].values() if v is not None)
     if importlib.util.find_spec("matplotlib") is not None:  # the vLLM env has no charts

@@ -181,7 +181,10 @@ def merge_rounds(records: list[dict[str, Any]]) -> dict[str, Any]:
     merged["page_cache_dropped"] = all(drops) if drops else None
     if all(r.get("jobs") for r in records):
         merged["jobs"] = {
-            phase: {k: sum(r["jobs"][phase][k] for r in records) for k in j}
+            phase: {k: (next((r["jobs"][phase][k] for r in records if r["jobs"][phase][k]),
+                             "") if isinstance(v, str)
+                        else sum(r["jobs"][phase][k] for r in records))
+                    for k, v in j.items()}
             for phase, j in first["jobs"].items()}
     for which in ("warm_memory", "memory", "position"):
         merged[which] = [r.get(which) for r in records]
