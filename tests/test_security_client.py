@@ -1,0 +1,217 @@
+"""A hostile client of ``mptier serve`` (a real service subprocess, a client speaking the
+wire protocol by hand: tests/hostile_client.py) never owns the service:
+
+* a malformed datagram, or an attach with any one thing wrong (types, ranges, a layout
+  leaving the root, descriptors of the wrong kind, a buffer larger than its file),
+  closes that client, with a log line naming its pid and what was wrong; the service
+  goes on serving a well-behaved engine, byte for byte, and nothing appears outside its
+  root;
+* the same bad layout is refused by a local configuration with the same words (one
+  rule);
+* an attached engine that sends garbage loses its session, not the service;
+* task records whose block ids lie past the engine's buffer are refused by the workers
+  (EINVAL, no block file, nothing written into the worker), on both backends.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+
+import pytest
+from conftest import wait_for
+from hostile_client import (
+    BLOCK,
+    FIRST_DATAGRAMS,
+    RAW_BLOCKS,
+    Attach,
+    EngineCheck,
+    RawEngine,
+    attaches,
+    files_under,
+    keys_for,
+    send_attach,
+    send_datagram,
+    status,
+)
+from reliability_kit import Service, gone, temp_files
+
+from mptier import TierConfig
+from mptier.errors import ConfigError
+from mptier.jobs import TaskKind
+
+
+@pytest.fixture
+def service_env(run_dir, tmp_path):
+    """``start(**settings)`` -> a running service (its log in ``tmp_path/serve.log``),
+    killed with its workers at teardown."""
+    started: list[Service] = []
+
+    def start(**settings) -> Service:
+        service = Service("hostile", str(tmp_path / "kv"), run_dir,
+                          log=str(tmp_path / "serve.log"), **settings)
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        pids = service.children()
+        service.stop(signal.SIGKILL)
+        wait_for(lambda p=pids: all(gone(x) for x in p), timeout=10,
+                 what="the service's workers to go")
+
+
+def socket_of(service: Service) -> str:
+    return os.path.join(service.run_dir, f"{service.name}.sock")
+
+
+def test_malformed_datagrams_and_attaches_close_the_client_never_the_service(
+        service_env, tmp_path):
+    service = service_env()
+    path = socket_of(service)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    engine = EngineCheck(service.name)  # attached all along: served after every attack
+    problems = []
+    try:
+        assert engine.round_trip() == (0, 0)
+        cases = [(name, lambda d=data, f=make: send_datagram(path, d, f()))
+                 for name, (data, make) in FIRST_DATAGRAMS.items()]
+        cases += [(name, lambda a=attack: send_attach(path, a))
+                  for name, attack in attaches(str(outside)).items()]
+        previous = "the start"
+        for name, send in cases:
+            try:
+                sent = send()
+            except OSError as exc:
+                pytest.fail(f"{name}: the service is unreachable after {previous!r} ({exc}); "
+                            f"its exit status: {service.proc.poll()}")
+            previous = name
+            expected = "protocol version" if name.startswith("version") else "malformed"
+            if sent.reply is not None and (sent.reply.get("ok") or expected not in
+                                           str(sent.reply.get("error"))):
+                problems.append(f"{name}: answered {sent.reply}")
+            if not sent.hung_up:
+                problems.append(f"{name}: the service kept the connection open")
+            if service.proc.poll() is not None:
+                pytest.fail(f"{name}: mptier serve exited with {service.proc.returncode}")
+            if status(path).get("pid") != service.pid:
+                problems.append(f"{name}: status answered by another process")
+            failed, wrong = engine.round_trip()
+            if failed or wrong:
+                problems.append(f"{name}: the engine then had {failed} failed jobs, "
+                                f"{wrong} wrong blocks")
+        assert not problems, "\n".join(problems)
+        # A fresh engine attaches as well (the attach path itself still works).
+        engine.detach()
+        assert engine.round_trip() == (0, 0)
+    finally:
+        engine.close()
+    assert files_under(str(outside)) == []
+    assert not any("hostile" in name for name in os.listdir(tmp_path / "kv"))
+    log = (tmp_path / "serve.log").read_text()
+    assert f"closed a client (pid {os.getpid()}) that sent a malformed message" in log
+    for reason in ("op = None is not a request", "rank = '0/../", "a message longer than",
+                   "segments[0] came with a descriptor of a pipe",
+                   "a buffer must lie inside its files", "is a blocking pipe end"):
+        assert reason in log, reason
+    assert service.stop() == 0  # and it still stops cleanly
+
+
+def test_a_bad_layout_is_refused_in_the_same_words_as_a_local_config(service_env):
+    service = service_env()
+    for layout in ({"rank": "0/../../../../../tmp/r3/escaped"}, {"model_name": "m" * 300},
+                   {"model_name": "a\x00b"}, {"rank": True}, {"dtype": 3}):
+        with pytest.raises(ConfigError) as local:
+            TierConfig(**layout)
+        with pytest.raises(ConfigError) as attach_rule:
+            TierConfig.layout_from(layout)
+        assert str(local.value) == str(attach_rule.value)
+        sent = send_attach(socket_of(service), Attach(layout=layout))
+        assert sent.reply is not None and not sent.reply["ok"]
+        assert str(local.value) in sent.reply["error"], (layout, sent.reply)
+    assert not os.path.exists("/tmp/r3/escaped")
+
+
+LINK_GARBAGE = {"empty list": (b"[]", 0), "null": (b"null", 0), "a number": (b"1", 0),
+                "attach again": (b'{"op": "attach"}', 0),
+                "a status with descriptors": (b'{"op": "status"}', 2)}
+
+
+def test_garbage_on_an_attached_link_ends_that_session_only(service_env):
+    service = service_env()
+    path = socket_of(service)
+    workers = sorted(service.children())
+    engine = EngineCheck(service.name)
+    try:
+        for name, (data, n_fds) in LINK_GARBAGE.items():
+            raw = RawEngine()
+            try:
+                raw.attach(path)
+                assert raw.sock is not None
+                extra = [os.open("/dev/null", os.O_RDONLY) for _ in range(n_fds)]
+                try:
+                    socket.send_fds(raw.sock, [data], extra) if extra else raw.sock.send(data)
+                finally:
+                    for fd in extra:
+                        os.close(fd)
+                raw.sock.settimeout(20)
+                # The service hangs up on it (status replies it may have queued first).
+                while (got := raw.sock.recv(1 << 16)) != b"":
+                    assert json.loads(got)["op"] == "status", (name, got)
+                assert service.proc.poll() is None, name
+                raw.hang_up(path)
+            finally:
+                raw.close()
+            assert engine.round_trip() == (0, 0), name
+            engine.detach()
+    finally:
+        engine.close()
+    assert sorted(service.children()) == workers  # no worker died of it
+
+
+def test_task_records_past_the_buffer_are_refused_by_the_workers(service_env, backend,
+                                                                 tmp_path):
+    service = service_env(native=str(backend == "native").lower())
+    path = socket_of(service)
+    workers = sorted(service.children())
+    raw = RawEngine()
+    try:
+        raw.attach(path)
+        assert raw.io["backend"] == backend
+        mapper = raw.mapper()
+        keys = keys_for(8, "raw")
+        raw.buf.view[0] = 0x5A
+        # a store and a load inside the buffer work as for any engine
+        raw.submit(TaskKind.STORE, 1, keys[:1], [0])
+        assert raw.results({1}) == {1: 0}
+        raw.submit(TaskKind.LOAD, 2, keys[:1], [1])
+        assert raw.results({2}) == {2: 0}
+        assert bytes(raw.buf.view[1]) == b"\x5a" * BLOCK
+        # stores from past the buffer would copy the worker's own memory into files
+        past = [RAW_BLOCKS, RAW_BLOCKS + 1000, 1 << 40, (1 << 64) - 1]
+        raw.submit(TaskKind.STORE, 10, keys[1:1 + len(past)], past)
+        want = set(range(10, 10 + len(past)))
+        assert raw.results(want) == dict.fromkeys(want, errno.EINVAL)
+        for key in keys[1:1 + len(past)]:
+            assert not os.path.exists(mapper.path_for(key))
+        assert temp_files(mapper.blocks_dir) == []
+        # a load into past the buffer would write the file's bytes into the worker
+        raw.submit(TaskKind.LOAD, 20, [keys[0]] * len(past), past)
+        want = set(range(20, 20 + len(past)))
+        assert raw.results(want) == dict.fromkeys(want, errno.EINVAL)
+        assert os.path.exists(mapper.path_for(keys[0]))  # refusing removed nothing
+        figures = status(path)  # the service still reads its own control block
+        assert figures["attached"] == f"hostile pid {os.getpid()}"
+        raw.hang_up(path)
+    finally:
+        raw.close()
+    assert sorted(service.children()) == workers  # no worker died of it
+    engine = EngineCheck(service.name)
+    try:
+        assert engine.round_trip() == (0, 0)
+    finally:
+        engine.close()
