@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -37,7 +38,13 @@ from reliability_kit import EngineCalls, JobBook
 
 from mptier import FileSystemTier, SharedKVBuffer, make_key, messages
 from mptier.channels import EngineChannels
-from mptier.jobs import MessageType, TaskKind, encode_job_python, task_record_capacity
+from mptier.jobs import (
+    TASK_RECORD_BYTES,
+    MessageType,
+    TaskKind,
+    encode_job_python,
+    task_record_capacity,
+)
 from mptier.layout import FileMapper
 from mptier.service.server import ATTACH, DETACH, PROTOCOL_VERSION, STATUS
 
@@ -193,6 +200,18 @@ class RawEngine:
                     got[m.task_id] = m.errno
             time.sleep(0.01)
         return got
+
+    def garbage_failed(self, n: int, timeout: float = REPLY_S) -> int:
+        """How many of ``n`` task-id-0 failures (malformed records) came back."""
+        assert self.channels.completions is not None
+        seen = 0
+        deadline = time.monotonic() + timeout
+        while seen < n and time.monotonic() < deadline:
+            seen += sum(m.type == MessageType.DONE and m.task_id == 0
+                        and m.errno == errno.EINVAL
+                        for m in self.channels.completions.read_available())
+            time.sleep(0.01)
+        return seen
 
     def hang_up(self, path: str | None = None) -> None:
         """Detach (the service ends the session); with ``path``, wait until the service
@@ -403,4 +422,136 @@ def files_under(folder: str) -> list[str]:
     out = []
     for dirpath, dirs, names in os.walk(folder):
         out += [os.path.join(dirpath, n) for n in dirs + names]
+    return out
+
+
+# -- attacks from an attached engine --------------------------------------------------------
+
+# Datagrams an attached engine sends on its link instead of a status request:
+# name -> (datagram, descriptors to send with it).
+LINK_GARBAGE: dict[str, tuple[bytes, int]] = {
+    "empty list": (b"[]", 0), "null": (b"null", 0), "a number": (b"1", 0),
+    "attach again": (b'{"op": "attach"}', 0),
+    "a status with descriptors": (b'{"op": "status"}', 2),
+}
+
+
+def garbage_on_link(path: str, data: bytes, n_fds: int) -> str:
+    """Attach by hand, then send ``data`` on the link: "" when the service hung up on
+    this engine (what it must do), else what happened instead."""
+    raw = RawEngine()
+    try:
+        raw.attach(path)
+        assert raw.sock is not None
+        extra = [os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC) for _ in range(n_fds)]
+        try:
+            if extra:
+                socket.send_fds(raw.sock, [data], extra)
+            else:
+                raw.sock.send(data)
+        finally:
+            messages.close_all(extra)
+        raw.sock.settimeout(REPLY_S)
+        try:
+            while (got := raw.sock.recv(messages.MAX_MESSAGE_BYTES)) != b"":
+                if json.loads(got).get("op") != STATUS:  # figures it sent before: fine
+                    return f"answered {got[:200]!r}"
+        except TimeoutError:
+            return f"kept the link open for {REPLY_S:g} s"
+        raw.hang_up(path)
+        return ""
+    finally:
+        raw.close()
+
+
+# Block ids past a RAW_BLOCKS-block buffer: the next one, far past, past 2^40 blocks, the
+# largest a record holds.
+PAST = (RAW_BLOCKS, RAW_BLOCKS + 1000, 1 << 40, (1 << 64) - 1)
+
+
+def _record(magic: bytes = b"MPT", version: int = 2, kind: int = 1, n: int = 1,
+            task_id: int = 99, body: bytes = b"") -> bytes:
+    import struct
+
+    head = struct.pack("<3sBBBHIQ", magic, version, kind, 0, 0, n, task_id)
+    return (head + body).ljust(TASK_RECORD_BYTES, b"\0")[:TASK_RECORD_BYTES]
+
+
+# Task records no engine of ours writes (a worker must fail them and keep serving).
+GARBAGE_RECORDS: dict[str, bytes] = {
+    "bad magic": _record(magic=b"XYZ"),
+    "unknown kind": _record(kind=9),
+    "more items than fit": _record(n=1 << 30),
+    "keys past the record": _record(n=1, body=(0).to_bytes(8, "little")
+                                    + (60000).to_bytes(2, "little")),
+    "all ones": b"\xff" * TASK_RECORD_BYTES,
+}
+
+
+@dataclass
+class TaskAttack:
+    """What task records with block ids past the buffer got (see :func:`task_attacks`)."""
+
+    backend: str = ""
+    inside: dict[int, int] = field(default_factory=dict)  # task -> errno, inside the buffer
+    loaded_right: bool = False  # the in-buffer load brought back the stored bytes
+    past_stores: dict[int, int] = field(default_factory=dict)  # task -> errno
+    past_loads: dict[int, int] = field(default_factory=dict)
+    files_at_past_keys: list[str] = field(default_factory=list)
+    temps: list[str] = field(default_factory=list)
+    attached: str | None = None  # who the service said is attached, after the attacks
+    garbage_failed: int = 0  # garbage records the workers failed (DONE, EINVAL)
+    after_garbage: dict[int, int] = field(default_factory=dict)  # a store after them
+
+    @property
+    def sent(self) -> int:
+        return len(PAST) * 2 + len(GARBAGE_RECORDS)
+
+    @property
+    def wrong(self) -> int:
+        """Blocks served or written wrongly: a task past the buffer that did not fail
+        with EINVAL, a file published for one, an in-buffer round trip that failed."""
+        refused = [e == errno.EINVAL for e in (*self.past_stores.values(),
+                                                *self.past_loads.values())]
+        return (len(PAST) * 2 - sum(refused) + len(self.files_at_past_keys)
+                + (not self.loaded_right or any(self.inside.values()))
+                + (self.after_garbage != {30: 0}))
+
+
+def task_attacks(path: str) -> TaskAttack:
+    """Attach by hand, store and load a block inside the buffer, then send store and
+    load tasks for every block id in :data:`PAST`; detach."""
+    from reliability_kit import temp_files
+
+    out = TaskAttack()
+    raw = RawEngine()
+    try:
+        raw.attach(path)
+        out.backend = raw.io.get("backend", "")
+        mapper = raw.mapper()
+        keys = keys_for(1 + len(PAST), f"raw-{os.getpid()}")
+        raw.buf.view[0] = 0x5A
+        raw.submit(TaskKind.STORE, 1, keys[:1], [0])
+        out.inside.update(raw.results({1}))
+        raw.submit(TaskKind.LOAD, 2, keys[:1], [1])
+        out.inside.update(raw.results({2}))
+        out.loaded_right = bytes(raw.buf.view[1]) == b"\x5a" * raw.buf.block_bytes
+        raw.submit(TaskKind.STORE, 10, keys[1:], list(PAST))
+        out.past_stores = raw.results(set(range(10, 10 + len(PAST))))
+        raw.submit(TaskKind.LOAD, 20, [keys[0]] * len(PAST), list(PAST))
+        out.past_loads = raw.results(set(range(20, 20 + len(PAST))))
+        out.files_at_past_keys = [mapper.path_for(k) for k in keys[1:]
+                                  if os.path.lexists(mapper.path_for(k))]
+        out.temps = temp_files(mapper.blocks_dir) if os.path.isdir(mapper.blocks_dir) else []
+        out.attached = status(path).get("attached")
+        queue = raw.channels.queues[TaskKind.STORE]
+        for record in GARBAGE_RECORDS.values():
+            queue.put_records(record)
+        queue.flush()
+        out.garbage_failed = raw.garbage_failed(len(GARBAGE_RECORDS))
+        raw.submit(TaskKind.STORE, 30, keys[:1], [0])  # the workers still serve
+        out.after_garbage = raw.results({30})
+        raw.hang_up(path)
+    finally:
+        raw.close()
     return out

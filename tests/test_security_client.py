@@ -10,38 +10,38 @@ wire protocol by hand: tests/hostile_client.py) never owns the service:
   rule);
 * an attached engine that sends garbage loses its session, not the service;
 * task records whose block ids lie past the engine's buffer are refused by the workers
-  (EINVAL, no block file, nothing written into the worker), on both backends.
+  (EINVAL, no block file, nothing written into the worker), on both backends, and
+  records no engine of ours writes are failed without a worker dying of them.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
-import socket
+from pathlib import Path
 
 import pytest
 from conftest import wait_for
 from hostile_client import (
-    BLOCK,
     FIRST_DATAGRAMS,
-    RAW_BLOCKS,
+    GARBAGE_RECORDS,
+    LINK_GARBAGE,
+    PAST,
     Attach,
     EngineCheck,
-    RawEngine,
     attaches,
     files_under,
-    keys_for,
+    garbage_on_link,
     send_attach,
     send_datagram,
     status,
+    task_attacks,
 )
-from reliability_kit import Service, gone, temp_files
+from reliability_kit import Service, gone
 
 from mptier import TierConfig
 from mptier.errors import ConfigError
-from mptier.jobs import TaskKind
 
 
 @pytest.fixture
@@ -136,11 +136,6 @@ def test_a_bad_layout_is_refused_in_the_same_words_as_a_local_config(service_env
     assert not os.path.exists("/tmp/r3/escaped")
 
 
-LINK_GARBAGE = {"empty list": (b"[]", 0), "null": (b"null", 0), "a number": (b"1", 0),
-                "attach again": (b'{"op": "attach"}', 0),
-                "a status with descriptors": (b'{"op": "status"}', 2)}
-
-
 def test_garbage_on_an_attached_link_ends_that_session_only(service_env):
     service = service_env()
     path = socket_of(service)
@@ -148,67 +143,35 @@ def test_garbage_on_an_attached_link_ends_that_session_only(service_env):
     engine = EngineCheck(service.name)
     try:
         for name, (data, n_fds) in LINK_GARBAGE.items():
-            raw = RawEngine()
-            try:
-                raw.attach(path)
-                assert raw.sock is not None
-                extra = [os.open("/dev/null", os.O_RDONLY) for _ in range(n_fds)]
-                try:
-                    socket.send_fds(raw.sock, [data], extra) if extra else raw.sock.send(data)
-                finally:
-                    for fd in extra:
-                        os.close(fd)
-                raw.sock.settimeout(20)
-                # The service hangs up on it (status replies it may have queued first).
-                while (got := raw.sock.recv(1 << 16)) != b"":
-                    assert json.loads(got)["op"] == "status", (name, got)
-                assert service.proc.poll() is None, name
-                raw.hang_up(path)
-            finally:
-                raw.close()
+            assert garbage_on_link(path, data, n_fds) == "", name
+            assert service.proc.poll() is None, name
             assert engine.round_trip() == (0, 0), name
             engine.detach()
     finally:
         engine.close()
     assert sorted(service.children()) == workers  # no worker died of it
+    log = (Path(service.root).parent / "serve.log").read_text()
+    assert f"closed hostile pid {os.getpid()} (pid {os.getpid()}) that sent a malformed " \
+        "message" in log
 
 
-def test_task_records_past_the_buffer_are_refused_by_the_workers(service_env, backend,
-                                                                 tmp_path):
+def test_task_records_past_the_buffer_are_refused_by_the_workers(service_env, backend):
     service = service_env(native=str(backend == "native").lower())
     path = socket_of(service)
     workers = sorted(service.children())
-    raw = RawEngine()
-    try:
-        raw.attach(path)
-        assert raw.io["backend"] == backend
-        mapper = raw.mapper()
-        keys = keys_for(8, "raw")
-        raw.buf.view[0] = 0x5A
-        # a store and a load inside the buffer work as for any engine
-        raw.submit(TaskKind.STORE, 1, keys[:1], [0])
-        assert raw.results({1}) == {1: 0}
-        raw.submit(TaskKind.LOAD, 2, keys[:1], [1])
-        assert raw.results({2}) == {2: 0}
-        assert bytes(raw.buf.view[1]) == b"\x5a" * BLOCK
-        # stores from past the buffer would copy the worker's own memory into files
-        past = [RAW_BLOCKS, RAW_BLOCKS + 1000, 1 << 40, (1 << 64) - 1]
-        raw.submit(TaskKind.STORE, 10, keys[1:1 + len(past)], past)
-        want = set(range(10, 10 + len(past)))
-        assert raw.results(want) == dict.fromkeys(want, errno.EINVAL)
-        for key in keys[1:1 + len(past)]:
-            assert not os.path.exists(mapper.path_for(key))
-        assert temp_files(mapper.blocks_dir) == []
-        # a load into past the buffer would write the file's bytes into the worker
-        raw.submit(TaskKind.LOAD, 20, [keys[0]] * len(past), past)
-        want = set(range(20, 20 + len(past)))
-        assert raw.results(want) == dict.fromkeys(want, errno.EINVAL)
-        assert os.path.exists(mapper.path_for(keys[0]))  # refusing removed nothing
-        figures = status(path)  # the service still reads its own control block
-        assert figures["attached"] == f"hostile pid {os.getpid()}"
-        raw.hang_up(path)
-    finally:
-        raw.close()
+    got = task_attacks(path)
+    assert got.backend == backend
+    # a store and a load inside the buffer work as for any engine
+    assert got.inside == {1: 0, 2: 0} and got.loaded_right
+    # stores from past the buffer would copy the worker's own memory into block files,
+    # loads into past it would write the files' bytes into the worker's memory
+    assert got.past_stores == {10 + i: errno.EINVAL for i in range(len(PAST))}
+    assert got.past_loads == {20 + i: errno.EINVAL for i in range(len(PAST))}
+    assert got.files_at_past_keys == [] and got.temps == []
+    assert got.attached == f"hostile pid {os.getpid()}"  # status still reads the pool
+    # records no engine of ours writes are failed, and the workers go on
+    assert got.garbage_failed == len(GARBAGE_RECORDS) and got.after_garbage == {30: 0}
+    assert got.wrong == 0
     assert sorted(service.children()) == workers  # no worker died of it
     engine = EngineCheck(service.name)
     try:

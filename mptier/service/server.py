@@ -212,13 +212,8 @@ class Service:
         if op == ATTACH:
             self._attach(conn, message, fds)
             return
-        messages.close_all(fds)
-        with contextlib.suppress(OSError):
-            if op == STATUS:
-                messages.send(conn, STATUS, ok=True, figures=self.figures())
-            else:
-                messages.send(conn, op or "error", ok=False,
-                              error=f"unknown request {op!r}")
+        with contextlib.suppress(OSError):  # a status request (validate: nothing else)
+            messages.send(conn, STATUS, ok=True, figures=self.figures())
         conn.close()
 
     def _refuse_malformed(self, conn: socket.socket, exc: validate.Malformed,
@@ -299,9 +294,9 @@ class Service:
         except OSError:
             got = None
         if malformed is not None:  # the engine's session ends as if it had hung up
-            log.warning("mptier service %r: %s (pid %d) sent a malformed message, "
-                        "closing it: %s", self.name, self._engine, self._engine_pid,
-                        malformed)
+            log.warning("mptier service %r: closed %s (pid %s) that sent a malformed "
+                        "message: %s", self.name, self._engine,
+                        validate.peer_pid(self._link) or "unknown", malformed)
         if got is None:
             # The engine is gone: its workers detach by themselves (its lifeline ended).
             # Nobody waits for that, so neither does this loop: a worker hung in the
