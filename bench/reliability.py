@@ -755,8 +755,8 @@ def hostile_client(row: Row, root: str) -> None:
             wrong += hc.task_attacks(path).wrong
         except (OSError, AssertionError) as exc:
             row.notes.append(f"the task-record attack could not run: {exc}")
-        sent += len(hc.PAST) * 2 - 1
-        after("task records past the buffer")
+        sent += len(hc.PAST) * 2 + len(hc.GARBAGE_RECORDS) - 1  # after() counts one
+        after("task records past the buffer, garbage records")
         engine = hc.EngineCheck("hostile")
         try:
             engine.attach()
@@ -774,7 +774,8 @@ def hostile_client(row: Row, root: str) -> None:
         row.notes.append(f"{sent} attacks sent ({len(hc.FIRST_DATAGRAMS)} malformed first "
                          f"datagrams, {len(hc.attaches(outside))} spoiled attaches, "
                          f"{len(hc.LINK_GARBAGE)} garbage messages on an attached link, "
-                         f"{len(hc.PAST) * 2} task records past the buffer); service exits "
+                         f"{len(hc.PAST) * 2} task records past the buffer, "
+                         f"{len(hc.GARBAGE_RECORDS)} garbage task records); service exits "
                          f"{exits}{f' (after {broken})' if broken else ''}; wrong bytes "
                          f"{wrong}; files outside the root {len(escaped)}")
         if exits:
