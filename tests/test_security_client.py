@@ -11,7 +11,8 @@ wire protocol by hand: tests/hostile_client.py) never owns the service:
 * an attached engine that sends garbage loses its session, not the service;
 * task records whose block ids lie past the engine's buffer are refused by the workers
   (EINVAL, no block file, nothing written into the worker), on both backends, and
-  records no engine of ours writes are failed without a worker dying of them.
+  records no engine of ours writes are failed without a worker dying of them;
+* a buffer truncated after attach costs its engine a worker (SIGBUS), not the service.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from hostile_client import (
     PAST,
     Attach,
     EngineCheck,
+    RawEngine,
     attaches,
     files_under,
     garbage_on_link,
+    keys_for,
     send_attach,
     send_datagram,
     status,
@@ -42,6 +45,7 @@ from reliability_kit import Service, gone
 
 from mptier import TierConfig
 from mptier.errors import ConfigError
+from mptier.jobs import TaskKind
 
 
 @pytest.fixture
@@ -178,3 +182,32 @@ def test_task_records_past_the_buffer_are_refused_by_the_workers(service_env, ba
         assert engine.round_trip() == (0, 0)
     finally:
         engine.close()
+
+
+def test_a_buffer_shrunk_after_attach_costs_its_engine_a_worker_not_the_service(
+        service_env):
+    """The one thing fstat at attach cannot rule out: the engine truncates its buffer
+    afterwards. The worker touching it dies (SIGBUS) and is replaced (a replacement that
+    comes while the session lasts refuses to map a buffer past its file:
+    mapping.check_segments); the next engine is served as ever."""
+    service = service_env()
+    path = socket_of(service)
+    raw = RawEngine()
+    try:
+        raw.attach(path)
+        os.ftruncate(raw.segments[0].fd, 0)
+        raw.submit(TaskKind.STORE, 1, keys_for(1, "shrunk"), [0])
+        wait_for(lambda: len(service.children()) == 2 and
+                 sorted(service.children()) != sorted(service.worker_pids),
+                 timeout=30, what="the worker that touched the shrunk buffer replaced")
+        raw.hang_up(path)
+    finally:
+        raw.close()
+    assert service.proc.poll() is None
+    engine = EngineCheck(service.name)
+    try:
+        assert engine.round_trip() == (0, 0)
+    finally:
+        engine.close()
+    log = (Path(service.root).parent / "serve.log").read_text()
+    assert "killed by SIGBUS" in log

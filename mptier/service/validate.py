@@ -97,6 +97,15 @@ def attach(message: dict[str, Any], fds: list[int]) -> Session:
     """The engine's :class:`Session` from its attach message, every field and
     descriptor checked (see the module docstring). The descriptors become the
     session's; on :class:`Malformed` the caller still owns (and closes) them."""
+    try:
+        return _attach(message, fds)
+    except Malformed:
+        raise
+    except Exception as exc:  # a check that did not foresee this value: still refused
+        raise Malformed(f"attach could not be read ({type(exc).__name__}: {exc})") from None
+
+
+def _attach(message: dict[str, Any], fds: list[int]) -> Session:
     segments = message.get("segments")
     if not isinstance(segments, list) or not 1 <= len(segments) <= (
             messages.MAX_MESSAGE_FDS - N_CHANNELS):
