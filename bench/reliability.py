@@ -723,7 +723,7 @@ def hostile_client(row: Row, root: str) -> None:
     outside = os.path.join(root, "outside")
     os.makedirs(outside)
     kv = os.path.join(root, "kv")
-    services = [Service("hostile", kv, run_dir)]
+    services = [Service("hostile", kv, run_dir, heartbeat_s=1)]
     path = os.path.join(run_dir, "hostile.sock")
     sent = exits = wrong = 0
     broken: list[str] = []
@@ -734,7 +734,7 @@ def hostile_client(row: Row, root: str) -> None:
         if services[-1].proc.poll() is not None:  # it died of it: count, start anew
             exits += 1
             broken.append(name)
-            services.append(Service("hostile", kv, run_dir))
+            services.append(Service("hostile", kv, run_dir, heartbeat_s=1))
 
     try:
         for name, (data, make) in hc.FIRST_DATAGRAMS.items():
@@ -757,6 +757,13 @@ def hostile_client(row: Row, root: str) -> None:
             row.notes.append(f"the task-record attack could not run: {exc}")
         sent += len(hc.PAST) * 2 + len(hc.GARBAGE_RECORDS) - 1  # after() counts one
         after("task records past the buffer, garbage records")
+        workers = sorted(services[-1].children())
+        with contextlib.suppress(OSError, AssertionError):
+            if hc.blocking_after_attach(path, wait_s=3.0) != {1: 0}:
+                row.notes.append("a store after the engine cleared O_NONBLOCK never finished")
+        if sorted(services[-1].children()) != workers:
+            row.notes.append("workers were replaced after the engine cleared O_NONBLOCK")
+        after("O_NONBLOCK cleared after attach")
         engine = hc.EngineCheck("hostile")
         try:
             engine.attach()
@@ -775,7 +782,8 @@ def hostile_client(row: Row, root: str) -> None:
                          f"datagrams, {len(hc.attaches(outside))} spoiled attaches, "
                          f"{len(hc.LINK_GARBAGE)} garbage messages on an attached link, "
                          f"{len(hc.PAST) * 2} task records past the buffer, "
-                         f"{len(hc.GARBAGE_RECORDS)} garbage task records); service exits "
+                         f"{len(hc.GARBAGE_RECORDS)} garbage task records, O_NONBLOCK "
+                         "cleared on the pipes after attach); service exits "
                          f"{exits}{f' (after {broken})' if broken else ''}; wrong bytes "
                          f"{wrong}; files outside the root {len(escaped)}")
         if exits:

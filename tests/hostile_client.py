@@ -555,3 +555,23 @@ def task_attacks(path: str) -> TaskAttack:
     finally:
         raw.close()
     return out
+
+
+def blocking_after_attach(path: str, wait_s: float) -> dict[int, int]:
+    """Attach by hand, then clear O_NONBLOCK on the queue and doorbell descriptors the
+    service was sent (a descriptor passed over a socket shares its file description
+    with the sender), wait ``wait_s`` (a few heartbeats of idle workers), store one
+    block: ``{task_id: errno}`` of that store ({} if it never finished)."""
+    raw = RawEngine()
+    try:
+        raw.attach(path)
+        for queue in raw.channels.queues.values():
+            os.set_blocking(queue.read_fd, True)
+        os.set_blocking(raw.channels.doorbell[0], True)
+        time.sleep(wait_s)
+        raw.submit(TaskKind.STORE, 1, keys_for(1, f"blocking-{os.getpid()}"), [0])
+        done = raw.results({1})
+        raw.hang_up(path)
+        return done
+    finally:
+        raw.close()

@@ -12,7 +12,8 @@ wire protocol by hand: tests/hostile_client.py) never owns the service:
 * task records whose block ids lie past the engine's buffer are refused by the workers
   (EINVAL, no block file, nothing written into the worker), on both backends, and
   records no engine of ours writes are failed without a worker dying of them;
-* a buffer truncated after attach costs its engine a worker (SIGBUS), not the service.
+* a buffer truncated after attach costs its engine a worker (SIGBUS), not the service;
+  clearing O_NONBLOCK on the pipes it sent hangs no worker.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from hostile_client import (
     EngineCheck,
     RawEngine,
     attaches,
+    blocking_after_attach,
     files_under,
     garbage_on_link,
     keys_for,
@@ -211,3 +213,16 @@ def test_a_buffer_shrunk_after_attach_costs_its_engine_a_worker_not_the_service(
         engine.close()
     log = (Path(service.root).parent / "serve.log").read_text()
     assert "killed by SIGBUS" in log
+
+
+def test_a_client_clearing_o_nonblock_after_attach_hangs_no_worker(service_env):
+    """The channel pipes the service was sent are opened afresh (validate): the engine's
+    later fcntl on its own descriptors cannot make a worker's read of an empty queue
+    wait for ever (before, every idle worker missed its heartbeat and was replaced, over
+    and over, and the engine's store never finished)."""
+    service = service_env(heartbeat_s=1)
+    workers = sorted(service.children())
+    assert blocking_after_attach(socket_of(service), wait_s=4.0) == {1: 0}
+    assert sorted(service.children()) == workers
+    log = (Path(service.root).parent / "serve.log").read_text()
+    assert "did not answer a heartbeat" not in log

@@ -10,7 +10,9 @@ hands them. So every message is checked here, in one place, before any I/O::
                            descriptors: how many, and of which kind (pipes for the
                            channels, regular files -- shm objects, memfds -- for the
                            buffer, opened for reading and writing); the buffer's geometry
-                           against the files it is made of (fstat: mapping.check_segments)
+                           against the files it is made of (fstat: mapping.check_segments);
+                           the channel pipes opened afresh, so their modes are the
+                           service's own (the engine cannot clear O_NONBLOCK under it)
 
 A message that fails raises :class:`Malformed` naming what was wrong; the service closes
 that client and goes on. The task records an engine writes into its queues later are
@@ -143,10 +145,37 @@ def _attach(message: dict[str, Any], fds: list[int]) -> Session:
         check_segments(made, nbytes)
     except (ValueError, OSError) as exc:
         raise Malformed(f"buffer: {exc}") from None
+    own = _own_channels(fds[:N_CHANNELS])
+    messages.close_all(fds[:N_CHANNELS])  # ours now: own's copies replace them
+    queues = own[:len(kinds)]
+    completion, lifeline, bell_r, bell_w = own[len(kinds):]
     return Session(queues=dict(zip(kinds, queues)), completion=completion,
                    lifeline=lifeline, doorbell=(bell_r, bell_w), segments=made,
                    nbytes=nbytes, block_bytes=block_bytes, layout=layout,
                    engine_pid=engine_pid, label=label)
+
+
+def _own_channels(fds: list[int]) -> list[int]:
+    """Each channel pipe opened afresh (``/proc/self/fd/N``), with the mode it came
+    with. A descriptor passed over a socket shares its open file description with the
+    sender, who could clear O_NONBLOCK on it after the checks: a worker's read of an
+    empty queue, or the supervisor's drain of one, would then wait for ever. A pipe
+    opened again has a file description of the service's own. Raises
+    :class:`Malformed` (nothing left open) if one cannot be opened."""
+    out: list[int] = []
+    try:
+        for fd in fds:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            access = flags & os.O_ACCMODE
+            # O_NONBLOCK for the open itself: opening a FIFO end never waits for its peer.
+            new = os.open(f"/proc/self/fd/{fd}", access | os.O_NONBLOCK | os.O_CLOEXEC)
+            out.append(new)
+            if not flags & os.O_NONBLOCK:
+                os.set_blocking(new, True)
+    except OSError as exc:
+        messages.close_all(out)
+        raise Malformed(f"a channel pipe could not be opened again ({exc})") from None
+    return out
 
 
 def _segment(i: int, seg: Any, fd: int) -> Segment:
