@@ -741,7 +741,8 @@ def hostile_client(row: Row, root: str) -> None:
             with contextlib.suppress(OSError):
                 hc.send_datagram(path, data, make())
             after(name)
-        for name, attack in hc.attaches(outside).items():
+        spoiled = {**hc.attaches(outside), **hc.wrong_values()}
+        for name, attack in spoiled.items():
             with contextlib.suppress(OSError):
                 reply = hc.send_attach(path, attack).reply
                 wrong += bool(reply and reply.get("ok"))  # accepted: served a lie
@@ -779,7 +780,7 @@ def hostile_client(row: Row, root: str) -> None:
         row.wrong_bytes = (row.wrong_bytes or 0) + wrong
         row.objects_leaked = (row.objects_leaked or 0) + len(escaped)
         row.notes.append(f"{sent} attacks sent ({len(hc.FIRST_DATAGRAMS)} malformed first "
-                         f"datagrams, {len(hc.attaches(outside))} spoiled attaches, "
+                         f"datagrams, {len(spoiled)} spoiled attaches, "
                          f"{len(hc.LINK_GARBAGE)} garbage messages on an attached link, "
                          f"{len(hc.PAST) * 2} task records past the buffer, "
                          f"{len(hc.GARBAGE_RECORDS)} garbage task records, O_NONBLOCK "

@@ -343,6 +343,43 @@ def attaches(outside: str) -> dict[str, Attach]:
     }
 
 
+# Values of the wrong type or out of range, tried on every field (those a field takes
+# are left out by wrong_values).
+WRONG_VALUES: tuple[Any, ...] = (None, "x", "", [], {}, [1], {"a": 1}, 1.5, True, -1, 0,
+                                 1 << 70, "0/../..")
+# What each attach field takes, beside what a real engine sends.
+_FIELD_TAKES: dict[str, Callable[[Any], bool]] = {
+    "version": lambda v: v == PROTOCOL_VERSION and v is not True,
+    "engine_pid": lambda v: False,  # every wrong value is wrong here (0, -1, ...)
+    "nbytes": lambda v: False,
+    "block_bytes": lambda v: False,
+    "label": lambda v: v is None or isinstance(v, str),  # absent or "": the default
+    "layout": lambda v: v == {} or v is None,  # the defaults
+    "segments": lambda v: False,
+}
+
+
+def wrong_values() -> dict[str, Attach]:
+    """Every field of the attach message, and every layout field, set to each of
+    :data:`WRONG_VALUES` it does not take (for the layout: those a local configuration
+    refuses, TierConfig.layout_from -- the service must refuse exactly those)."""
+    from mptier.config import LAYOUT_FIELDS, TierConfig
+    from mptier.errors import ConfigError
+
+    out = {}
+    for name, takes in _FIELD_TAKES.items():
+        for value in WRONG_VALUES:
+            if not takes(value):
+                out[f"{name} = {value!r}"] = Attach(fields={name: value})
+    for name in LAYOUT_FIELDS:
+        for value in WRONG_VALUES:
+            try:
+                TierConfig.layout_from({name: value})
+            except ConfigError:
+                out[f"layout {name} = {value!r}"] = Attach(layout={name: value})
+    return out
+
+
 def send_attach(path: str, attack: Attach) -> Sent:
     """One spoiled attach on a new connection (its own buffer and channels, closed
     after)."""

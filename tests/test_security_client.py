@@ -42,6 +42,7 @@ from hostile_client import (
     send_datagram,
     status,
     task_attacks,
+    wrong_values,
 )
 from reliability_kit import Service, gone
 
@@ -125,6 +126,34 @@ def test_malformed_datagrams_and_attaches_close_the_client_never_the_service(
                    "a buffer must lie inside its files", "is a blocking pipe end"):
         assert reason in log, reason
     assert service.stop() == 0  # and it still stops cleanly
+
+
+# Of the field sweep, a well-behaved engine round-trips after this many attaches (and
+# status is asked after each one).
+SWEEP_ENGINE_EVERY = 10
+
+
+def test_every_field_of_the_wrong_type_or_range_is_refused(service_env, tmp_path):
+    service = service_env()
+    path = socket_of(service)
+    engine = EngineCheck(service.name)
+    problems = []
+    try:
+        for n, (name, attack) in enumerate(wrong_values().items()):
+            sent = send_attach(path, attack)
+            error = str(sent.reply.get("error")) if sent.reply else ""
+            expected = "protocol version" if name.startswith("version") else "malformed"
+            if sent.reply is None or sent.reply.get("ok") or expected not in error:
+                problems.append(f"{name}: answered {sent.reply}")
+            assert service.proc.poll() is None, f"{name}: mptier serve exited"
+            assert status(path)["pid"] == service.pid
+            if n % SWEEP_ENGINE_EVERY == 0:
+                assert engine.round_trip() == (0, 0), name
+        assert engine.round_trip() == (0, 0)
+    finally:
+        engine.close()
+    assert not problems, "\n".join(problems)
+    assert not any("hostile" in name for name in os.listdir(tmp_path / "kv"))
 
 
 def test_a_bad_layout_is_refused_in_the_same_words_as_a_local_config(service_env):

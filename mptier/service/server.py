@@ -231,8 +231,9 @@ class Service:
         assert self._pool is not None
         label = f"engine pid {validate.peer_pid(conn) or 'unknown'}"
         session = None
-        if message.get("version") != PROTOCOL_VERSION:
-            refusal = (f"protocol version {validate.short(message.get('version'))} is not "
+        version = message.get("version")
+        if type(version) is not int or version != PROTOCOL_VERSION:  # not True, not 1.0
+            refusal = (f"protocol version {validate.short(version)} is not "
                        f"the service's {PROTOCOL_VERSION}: run the same mptier on both sides")
         else:
             # Everything checked before the service acts on any of it (busy or not).
