@@ -29,6 +29,7 @@ stays one native call.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from collections.abc import Callable, Sequence
@@ -112,6 +113,12 @@ class Bounce:
         would for the whole batch, ``(rc, n_done, fail_index)``. Only the blocks before
         a failure reach ``memory``; the failing block's slot is left untouched."""
         size = self.block_bytes
+        last = len(memory) - size  # a slot outside the buffer fails, as in the native layer
+        inside = next((i for i, o in enumerate(offsets) if not 0 <= o <= last), len(paths))
+        if inside < len(paths):
+            rc, done, index = self.load(load, root_fd, paths[:inside], memory,
+                                        offsets[:inside], flags) if inside else (0, 0, 0)
+            return (rc, done, index) if rc else (-errno.EINVAL, inside, inside)
         if self._view is None:
             self._map = mmap.mmap(-1, self.blocks * size)
             self._view = memoryview(self._map)
