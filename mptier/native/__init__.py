@@ -276,6 +276,16 @@ class Backend:
         first unless ``MPTIER_CRC32C_PATH`` named another."""
         return self._impl.crc32c_impl()
 
+    def crc32c_lacks(self, impl: str) -> str:
+        """What this machine lacks to run CRC32C path ``impl``: "" when it is one of
+        :attr:`crc32c_impls`, else the missing CPU features (as /proc/cpuinfo names
+        them). Raises ``ValueError`` for a name this backend does not know."""
+        lacks = self._impl.crc32c_lacks(impl)
+        if lacks is None:
+            raise ValueError(f"{impl!r} names no CRC32C path of the {self.name} backend; "
+                             f"this machine runs {', '.join(self.crc32c_impls)}")
+        return lacks
+
     def resolver(self) -> str:
         """How paths resolve beneath a root without NO_OPENAT2: "openat2" or "walk"."""
         return self._impl.resolver()
@@ -335,7 +345,7 @@ def _force_crc32c_path() -> None:
     name = os.environ.get(CRC32C_PATH_ENV, "").strip()
     if not name or _native is None:
         return
-    rc, lacks = _native.crc32c_select(name)
+    rc, lacks = _native.crc32c_select(name)  # lacks: None for no such path
     if rc == -_errno.EINVAL:
         raise ConfigError(f"{CRC32C_PATH_ENV}={name!r} names no CRC32C path; use one of "
                           f"{', '.join(_native.CRC32C_IMPLS)} (this CPU's) or unset it")

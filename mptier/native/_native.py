@@ -133,13 +133,15 @@ def crc32c_impl() -> str:
     return ffi.string(lib.mpt_crc32c_selected()).decode()
 
 
+def crc32c_lacks(name: str) -> str | None:
+    lacks = lib.mpt_crc32c_lacks(name.encode())
+    return None if lacks == ffi.NULL else ffi.string(lacks).decode()
+
+
 def crc32c_select(name: str) -> tuple[int, str | None]:
     """Make ``name`` the path this process's CRCs run: ``(0 | -EINVAL | -ENOTSUP, what
     the CPU lacks for it or None for no such path)``."""
-    encoded = name.encode()
-    lacks = lib.mpt_crc32c_lacks(encoded)
-    return (lib.mpt_crc32c_select(encoded),
-            None if lacks == ffi.NULL else ffi.string(lacks).decode())
+    return lib.mpt_crc32c_select(name.encode()), crc32c_lacks(name)
 
 
 def crc32c_with(data, value: int, impl: str | None) -> int:
