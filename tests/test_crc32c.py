@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import platform
 import random
-import subprocess
-import sys
 import threading
 import time
 
