@@ -689,6 +689,7 @@ static char mpt_lacks_avx512[MPT_LACKS_BYTES], mpt_lacks_avx2[MPT_LACKS_BYTES];
 static char mpt_lacks_pclmul[MPT_LACKS_BYTES], mpt_lacks_hw[MPT_LACKS_BYTES];
 static char mpt_lacks_armv8[MPT_LACKS_BYTES];
 
+/* Unless the CPU has it, add what to the list out. */
 static void mpt_lack(char *out, int have, const char *what)
 {
     size_t used = strlen(out);
