@@ -82,7 +82,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     backend = native.get_backend()
     info = {"native_core": native.HAS_NATIVE, "backend": native.BACKEND,
             "native_import_error": native.NATIVE_IMPORT_ERROR,
-            "crc32c": native.crc32c_impl(), "io_uring": backend.uring_available(),
+            "crc32c": native.crc32c_impl(), "crc32c_paths": list(backend.crc32c_impls),
+            "io_uring": backend.uring_available(),
             "defaults": TierConfig().__dict__}
     if args.root:
         info["root"] = args.root
@@ -132,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a TierConfig field (repeatable)")
     run.set_defaults(func=_cmd_run)
 
-    info = sub.add_parser("info", help="native core, CRC32C, io_uring, O_DIRECT support, "
+    info = sub.add_parser("info", help="native core, CRC32C path in use (crc32c) and the "
+                                        "ones this CPU runs, io_uring, O_DIRECT support, "
                                         "defaults")
     info.add_argument("--root", help="probe O_DIRECT, user xattrs and O_TMPFILE in this "
                                      "folder")

@@ -29,6 +29,8 @@ def test_info_reports_the_native_core(tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert {"native_core", "backend", "o_direct", "defaults"} <= set(info)
     assert info["crc32c"] == native.crc32c_impl()
+    assert info["crc32c"] in info["crc32c_paths"]  # what MPTIER_CRC32C_PATH may name
+    assert info["crc32c_paths"] == list(native.get_backend().crc32c_impls)
     assert info["user_xattrs"] == native.probe_xattr(str(tmp_path))
     assert isinstance(info["io_uring"], bool) and isinstance(info["in_memory"], bool)
 

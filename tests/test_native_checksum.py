@@ -21,6 +21,7 @@ from native_support import (  # noqa: F401  (fixtures)
     block_paths,
     crc32c_reference,
     io_fixture,
+    make_io,
     no_fault_fixture,
     offsets,
     run_python,
@@ -321,3 +322,59 @@ def test_checksummed_direct_io_without_linux_aio(io, tmp_path, shim):
     assert same and records == [record(buf[i * DEEP_BLOCK : (i + 1) * DEEP_BLOCK]).hex()
                                 for i in range(2)]
     assert hits == (1 if io.name == "native" else 0)  # the C core asked for AIO once
+
+
+def _crc_paths() -> list[str]:
+    return list(native.get_backend("native").crc32c_impls) if native.HAS_NATIVE else []
+
+
+@pytest.mark.parametrize("variant", ["native", "native-uring"])
+@pytest.mark.parametrize("path", _crc_paths())
+def test_records_under_each_forced_crc_path(tmp_path, path, variant):
+    """MPTIER_CRC32C_PATH (read at import, as a worker would) makes the C core's stores
+    and loads checksum with that path: the records are the reference's, and a flipped
+    byte in the last 16 KiB folding chunk or in the tail is still caught."""
+    make_io(variant)  # skips where io_uring is not usable
+    root = tmp_path / "root"
+    root.mkdir()
+    code = """
+        import json, os, sys
+        from native_support import IO, aligned
+        from mptier import native
+        from mptier.errors import BatchIOError
+        io, root, size = IO(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+        buf = aligned(4 * size, seed=21)
+        paths = ["a/x.bin", "a/y.bin"]
+        out = {"impl": native.get_backend("native").crc32c_impl(), "caught": []}
+        for o_direct in (False, True):
+            io.batch_store(root, paths, buf, [0, size], size, checksum=True, o_direct=o_direct)
+            out["records"] = [os.getxattr(os.path.join(root, p), "user.vllm.kv_crc32c").hex()
+                              for p in paths]
+            io.batch_load(root, paths, buf, [2 * size, 3 * size], size, checksum=True,
+                          o_direct=o_direct)
+            out["same"] = buf[: 2 * size].tobytes() == buf[2 * size :].tobytes()
+            for where in (size - 16384 - 1, size - 3):
+                with open(os.path.join(root, paths[1]), "r+b") as f:
+                    f.seek(where)
+                    old = f.read(1)
+                    f.seek(where)
+                    f.write(bytes([old[0] ^ 0x04]))
+                try:
+                    io.batch_load(root, paths, buf, [2 * size, 3 * size], size,
+                                  checksum=True, o_direct=o_direct)
+                except BatchIOError as e:
+                    out["caught"].append([e.errno, e.index])
+                io.batch_store(root, paths, buf, [0, size], size, checksum=True)
+            for p in paths:
+                os.unlink(os.path.join(root, p))
+        print(json.dumps(out))
+    """
+    proc = run_python(code, variant, str(root), str(MULTI_CHUNK),
+                      env={native.CRC32C_PATH_ENV: path})
+    out = json.loads(proc.stdout)
+    buf = aligned(4 * MULTI_CHUNK, seed=21)
+    assert out["impl"] == path
+    assert out["records"] == [record(buf[i * MULTI_CHUNK : (i + 1) * MULTI_CHUNK]).hex()
+                              for i in range(2)]
+    assert out["same"]
+    assert out["caught"] == [[errno.EBADMSG, 1]] * 4

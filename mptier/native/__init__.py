@@ -65,6 +65,13 @@ Choosing the backend: the module-level functions use the compiled core when it w
 built (``HAS_NATIVE``), unless the environment sets ``MPTIER_NATIVE=0`` at import;
 ``BACKEND`` says which one they use. :func:`get_backend` gives either one by name.
 
+CRC32C: the native core runs the fastest path this CPU has (``Backend.crc32c_impls``,
+best first: "avx512-vpclmulqdq", "avx2-vpclmulqdq", "pclmulqdq", "sse4.2" or
+"armv8-crc", "table"); ``MPTIER_CRC32C_PATH=<name>`` at import makes every CRC of this
+process (and of workers, which inherit it) run that one instead, for tests and
+benchmarks. A name this CPU cannot run raises ``ConfigError`` saying what it lacks.
+The Python backend has one path ("numpy") and ignores the variable.
+
 Fault injection (tests): ``MPTIER_FAULT_ERRNO=op:index:errno``, e.g. ``load:2:13`` or
 ``store:0:EIO``, makes every ``op`` batch (``store`` or ``load``, errno layer and
 wrappers, either backend) fail at block ``index`` with that errno, as if the block's
@@ -81,7 +88,7 @@ import os
 import secrets
 import string
 
-from mptier.errors import BatchIOError, errno_name, strerror
+from mptier.errors import BatchIOError, ConfigError, errno_name, strerror
 from mptier.native import _checks, _pure
 from mptier.native._checks import FAULT_ENV, set_fault
 
@@ -103,6 +110,7 @@ __all__ = [
 ]
 
 NATIVE_ENV = "MPTIER_NATIVE"
+CRC32C_PATH_ENV = "MPTIER_CRC32C_PATH"
 HAS_NATIVE: bool = _native is not None
 
 # Flags of store / load / lookup (the same bits in both backends and in C).
@@ -264,8 +272,19 @@ class Backend:
         return self._impl.crc32c_with(_checks.contiguous(data), value & 0xFFFFFFFF, impl)
 
     def crc32c_impl(self) -> str:
-        """Which CRC32C implementation runs: "sse4.2", "armv8-crc", "table" or "numpy"."""
+        """Which CRC32C implementation (path) runs: one of :attr:`crc32c_impls`, the
+        first unless ``MPTIER_CRC32C_PATH`` named another."""
         return self._impl.crc32c_impl()
+
+    def crc32c_lacks(self, impl: str) -> str:
+        """What this machine lacks to run CRC32C path ``impl``: "" when it is one of
+        :attr:`crc32c_impls`, else the missing CPU features (as /proc/cpuinfo names
+        them). Raises ``ValueError`` for a name this backend does not know."""
+        lacks = self._impl.crc32c_lacks(impl)
+        if lacks is None:
+            raise ValueError(f"{impl!r} names no CRC32C path of the {self.name} backend; "
+                             f"this machine runs {', '.join(self.crc32c_impls)}")
+        return lacks
 
     def resolver(self) -> str:
         """How paths resolve beneath a root without NO_OPENAT2: "openat2" or "walk"."""
@@ -319,6 +338,23 @@ _BACKENDS = {"python": Backend("python", _pure)}
 if _native is not None:
     _BACKENDS["native"] = Backend("native", _native)
 
+
+
+def _force_crc32c_path() -> None:
+    """Apply ``MPTIER_CRC32C_PATH`` to the native core (once, at import)."""
+    name = os.environ.get(CRC32C_PATH_ENV, "").strip()
+    if not name or _native is None:
+        return
+    rc, lacks = _native.crc32c_select(name)  # lacks: None for no such path
+    if rc == -_errno.EINVAL:
+        raise ConfigError(f"{CRC32C_PATH_ENV}={name!r} names no CRC32C path; use one of "
+                          f"{', '.join(_native.CRC32C_IMPLS)} (this CPU's) or unset it")
+    if rc:
+        raise ConfigError(f"{CRC32C_PATH_ENV}={name!r}: this CPU lacks {lacks}; use one "
+                          f"of {', '.join(_native.CRC32C_IMPLS)} or unset it")
+
+
+_force_crc32c_path()
 _forced_python = os.environ.get(NATIVE_ENV, "").strip().lower() in ("0", "false", "no", "off")
 BACKEND: str = "native" if HAS_NATIVE and not _forced_python else "python"
 _default = _BACKENDS[BACKEND]

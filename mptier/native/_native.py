@@ -37,7 +37,8 @@ if _differ or ffi.string(lib.mpt_xattr_name()).decode() != _pure.XATTR_NAME:
 CRC32C_IMPLS = tuple(ffi.string(lib.mpt_crc32c_impls()).decode().split(","))
 _IMPL_CODE = {None: lib.MPT_CRC32C_BEST, "table": lib.MPT_CRC32C_TABLE,
               "sse4.2": lib.MPT_CRC32C_HW, "armv8-crc": lib.MPT_CRC32C_HW,
-              "avx512-vpclmulqdq": lib.MPT_CRC32C_FOLD}
+              "avx512-vpclmulqdq": lib.MPT_CRC32C_AVX512,
+              "avx2-vpclmulqdq": lib.MPT_CRC32C_AVX2, "pclmulqdq": lib.MPT_CRC32C_PCLMUL}
 
 
 def _blob(paths: Sequence[bytes]) -> bytes:
@@ -142,7 +143,18 @@ def encode_job(kind: int, first_task_id: int, keys: Sequence[bytes], block_ids,
 
 
 def crc32c_impl() -> str:
-    return CRC32C_IMPLS[0]
+    return ffi.string(lib.mpt_crc32c_selected()).decode()
+
+
+def crc32c_lacks(name: str) -> str | None:
+    lacks = lib.mpt_crc32c_lacks(name.encode())
+    return None if lacks == ffi.NULL else ffi.string(lacks).decode()
+
+
+def crc32c_select(name: str) -> tuple[int, str | None]:
+    """Make ``name`` the path this process's CRCs run: ``(0 | -EINVAL | -ENOTSUP, what
+    the CPU lacks for it or None for no such path)``."""
+    return lib.mpt_crc32c_select(name.encode()), crc32c_lacks(name)
 
 
 def crc32c_with(data, value: int, impl: str | None) -> int:

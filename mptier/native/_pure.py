@@ -450,6 +450,10 @@ def crc32c_impl() -> str:
     return CRC32C_IMPLS[0]
 
 
+def crc32c_lacks(name: str) -> str | None:
+    return "" if name in CRC32C_IMPLS else None
+
+
 def crc32c_with(data, value: int, impl: str | None) -> int:
     """CRC32C of ``data``; ``impl`` must be None or "numpy" (the only one here)."""
     return crc32c(data, value)

@@ -3,7 +3,7 @@
  *
  * mptier_io.c   batch store / load / lookup
  * resolve.c     reaching a path beneath the root without following a symlink
- * crc32c.c      CRC32C (AVX-512 folding / SSE4.2 / ARMv8 CRC / tables)
+ * crc32c.c      CRC32C (VPCLMULQDQ / PCLMULQDQ folding, SSE4.2, ARMv8 CRC, tables)
  * direct.c      checksummed O_DIRECT I/O overlapped with the device (Linux AIO)
  * probes.c      what a directory's file system supports
  * uring.c       the batch calls' io_uring path (MPT_URING): many blocks in flight at once
@@ -61,10 +61,12 @@
                               * corrupt, a miss; left for the next store or load to remove */
 
 /* CRC32C implementations for mpt_crc32c's impl argument. */
-#define MPT_CRC32C_BEST 0  /* the fastest this CPU has (chosen once, at first use) */
-#define MPT_CRC32C_TABLE 1 /* the portable table-driven code, whatever the CPU */
-#define MPT_CRC32C_HW 2    /* the CRC instruction (SSE4.2 / ARMv8), three streams */
-#define MPT_CRC32C_FOLD 3  /* carry-less multiply folding (AVX-512 VPCLMULQDQ) */
+#define MPT_CRC32C_BEST 0   /* the fastest this CPU has, or what mpt_crc32c_select named */
+#define MPT_CRC32C_TABLE 1  /* the portable table-driven code, whatever the CPU */
+#define MPT_CRC32C_HW 2     /* the CRC instruction (SSE4.2 / ARMv8), three streams */
+#define MPT_CRC32C_AVX512 3 /* carry-less multiply folding, VPCLMULQDQ on 512-bit registers */
+#define MPT_CRC32C_AVX2 4   /* the same on 256-bit registers (AVX2 + VPCLMULQDQ) */
+#define MPT_CRC32C_PCLMUL 5 /* the same on 128-bit registers (PCLMULQDQ) */
 
 /* vLLM's checksum record: CRC32C of the block, 4 bytes big-endian, in this attribute. */
 #define MPT_XATTR_NAME "user.vllm.kv_crc32c"
@@ -91,9 +93,18 @@ int mpt_probe_o_tmpfile(const char *dir);
 /* CRC32C (Castagnoli) of n bytes at p, continuing from crc (0 to start), as zlib's
  * crc32() continues: crc(a + b) == crc(b, crc(a)). */
 uint32_t mpt_crc32c(uint32_t crc, const char *p, size_t n, int impl);
-/* The implementations this CPU runs, best first, comma-separated: e.g.
- * "avx512-vpclmulqdq,sse4.2,table". An impl it lacks falls back to the next one. */
+/* The implementations ("paths") this CPU runs, best first, comma-separated: e.g.
+ * "avx2-vpclmulqdq,pclmulqdq,sse4.2,table". A folding impl the CPU lacks, or an input
+ * shorter than it takes, runs the CRC instruction (or the tables, without one). */
 const char *mpt_crc32c_impls(void);
+/* What this CPU lacks for the path called name ("" when it runs it; feature names as in
+ * /proc/cpuinfo), NULL when no path has that name. */
+const char *mpt_crc32c_lacks(const char *name);
+/* Make the path called name the one MPT_CRC32C_BEST runs in this process (NULL: the
+ * fastest again): 0, -EINVAL for no such path, -ENOTSUP when the CPU lacks it. */
+int mpt_crc32c_select(const char *name);
+/* The name of the path MPT_CRC32C_BEST runs. */
+const char *mpt_crc32c_selected(void);
 /* "openat2" or "walk": how paths resolve beneath a root without MPT_NO_OPENAT2. */
 const char *mpt_resolver(void);
 const char *mpt_xattr_name(void);
