@@ -29,8 +29,8 @@ marks the slot REPORTING, so the supervisor never takes the wait for a hung file
 The I/O never blocks the engine: if it hangs, the supervisor kills this process and
 handles the task its slot holds.
 
-Run as a process: ``python -m mptier.workers.worker '<json boot spec>'`` (see
-:mod:`mptier.workers.launcher`).
+Run as a process by :mod:`mptier.workers.launcher`, which makes sure it is the
+engine's own mptier that runs (:func:`main`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import select
 import signal
 import socket
 import stat
-import sys
 import termios
 import time
 import traceback
@@ -809,5 +808,21 @@ def _attached(control: socket.socket, writer: SlotWriter, role: str, backend: An
     return ended
 
 
-if __name__ == "__main__":
-    sys.exit(process_main(json.loads(sys.argv[1])))
+def main(package_dir: str, spec: str) -> int:
+    """The process's entry (see :mod:`mptier.workers.launcher`): boot from the JSON
+    ``spec`` -- unless this mptier is not the one in ``package_dir``, the engine's,
+    which is a boot failure naming both (never run another tree's code)."""
+    import mptier
+
+    here = os.path.dirname(os.path.abspath(mptier.__file__))
+    boot = json.loads(spec)
+    if os.path.realpath(here) != os.path.realpath(package_dir) or \
+            os.path.realpath(os.path.dirname(__file__)) != \
+            os.path.realpath(os.path.join(package_dir, "workers")):
+        with socket.socket(fileno=boot["control_socket"]) as control, \
+                contextlib.suppress(OSError):
+            protocol.send(control, protocol.BOOT_FAILED, errno=0, error=(
+                f"the worker imported mptier from {here}, not the engine's {package_dir}"
+                " (check PYTHONPATH and .pth files)"))
+        return protocol.EXIT_BOOT_FAILED
+    return process_main(boot)
