@@ -34,7 +34,9 @@ from mptier.jobs import MAX_MESSAGE_BYTES
 PAGE = os.sysconf("SC_PAGE_SIZE")
 BLOCK = 4096  # small jobs: the reports, not the copies, are what piles up
 IO_TIMEOUT_S = 1.0
-HEARTBEAT_S = 0.5
+# Several heartbeats in a pause, each answered by workers waiting to report (a worker
+# at nice 10 on a loaded 2-core machine may take a while to be scheduled: not tighter).
+HEARTBEAT_S = 1.0
 # Kept from polling this long: past io_timeout_s and several heartbeats, with the
 # supervisor's tick and a loaded machine's lateness on top.
 PAUSE_S = 2 * IO_TIMEOUT_S + LATE_S
