@@ -678,21 +678,20 @@ class Supervisor:
         list, and goes in as soon as there is room (see the module docstring)."""
         if self._reports is None:
             return
-        message = encode_message(type_, SUPERVISOR_SLOT, os.getpid(), errno=err,
-                                 task_id=task_id, payload=text, attempt=attempt)
-        try:
-            self._reports.put(message)
-        except OSError:
-            self._reports.overflow.clear()  # the engine is gone: nobody to tell
-        self._flush_reports()
+        self._flush_reports(encode_message(type_, SUPERVISOR_SLOT, os.getpid(), errno=err,
+                                           task_id=task_id, payload=text, attempt=attempt))
 
-    def _flush_reports(self) -> None:
-        """Write the reports waiting while the pipe has room; count each written."""
+    def _flush_reports(self, message: bytes | None = None) -> None:
+        """Put ``message`` (if any) behind the reports waiting, and write them while the
+        pipe has room; each one written is counted (the engine reads when a counter
+        moves)."""
         reports = self._reports
         if reports is None:
             return
         before = reports.sent
         try:
+            if message is not None:
+                reports.put(message)
             reports.flush()
         except OSError:
             reports.overflow.clear()  # the engine is gone: nobody to tell
