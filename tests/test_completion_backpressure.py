@@ -25,6 +25,7 @@ import termios
 import textwrap
 import time
 
+import pytest
 from reliability_kit import LATE_S, EngineCalls, JobBook, wait_until
 
 from mptier import make_key
@@ -45,6 +46,11 @@ STORM_TIMEOUT_S = 30.0
 
 def keys_for(n: int, salt: str) -> list[bytes]:
     return [make_key(hashlib.sha256(f"{salt}-{i}".encode()).digest(), 0) for i in range(n)]
+
+
+@pytest.fixture(params=[False, True], ids=["processes", "threads"])
+def anonymous(request) -> bool:
+    return request.param
 
 
 def one_page_pipe(tier) -> None:
@@ -197,6 +203,37 @@ def test_a_worker_killed_while_the_pipe_is_full_is_handled_and_replaced(
     assert len(results) == n and all(r.success for r in results.values())
     assert not book.twice and not book.lost()
     assert tier.stats()["pool"]["reports_waiting"] == 0
+
+
+def test_shutdown_with_the_pipe_full_reports_every_job_once(make_buffer, make_tier,
+                                                             anonymous):
+    """An engine that never polled shuts down with workers waiting to report (process
+    workers, or the engine's own threads when its buffer is anonymous memory): shutdown
+    returns (it reads while they detach), every job is reported exactly once, and each
+    one that ran is reported as it ran."""
+    import numpy as np
+
+    from mptier import SharedKVBuffer
+
+    n = 200
+    if anonymous:
+        buf = SharedKVBuffer.from_memoryview(np.zeros((n, BLOCK), dtype=np.uint8))
+    else:
+        buf = make_buffer(n, BLOCK)
+    tier = make_tier(buf, n_load_workers=1, n_store_workers=1, io_timeout_s=IO_TIMEOUT_S)
+    assert tier.stats()["mode"] == ("threads" if anonymous else "processes")
+    one_page_pipe(tier)
+    book = JobBook(EngineCalls(tier), buf)
+    jobs = [book.store([k], [i]) for i, k in enumerate(keys_for(n, "shutdown"))]
+    wait_until(lambda: pipe_full(tier), 30, "the completion pipe full")
+    tier.shutdown()
+    book.collect()
+    assert sorted(book.results) == jobs and not book.twice
+    # Queued ones were cancelled; every one a worker had run was reported as it was
+    # (a report dropped at the lifeline would fail its job "while the task was running").
+    failed = [r.error for r in book.results.values() if not r.success]
+    assert all("before the task ran" in e for e in failed), sorted(set(failed))[:3]
+    assert len(failed) < n
 
 
 ENGINE = """\
