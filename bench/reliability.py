@@ -743,6 +743,8 @@ def full_completion_pipe(row: Row, root: str, jobs: int = 1500) -> None:
         kills, most_waiting = 0, 0
         ids = [book.load([k], [jobs + i]) for i, k in enumerate(keys)]
         ids += [book.store([k], [i]) for i, k in enumerate(keys_for(jobs, b"full pipe 2"))]
+        wait_until(lambda: any(w["state"] == "reporting" for w in calls.stats()["workers"]),
+                   30, "the completion pipe full")  # the storm begins once it is
         ends = time.monotonic() + 4.0
         before_storm = shot()
         while time.monotonic() < ends:  # not polling, killing

@@ -121,8 +121,9 @@ def test_an_engine_that_stops_polling_shoots_no_worker_and_gets_every_report(
 
 def test_a_crash_storm_while_the_engine_stops_polling_loses_and_doubles_nothing(
         make_buffer, make_tier):
-    """1000 one-block stores, then loads of them (2000 jobs), a random worker
-    SIGKILLed every ~50 ms for a few seconds each time, and the engine not polling
+    """1000 one-block stores, then loads of them (2000 jobs), a random worker (every
+    other time one waiting to report, if any) SIGKILLed every ~50 ms for a few seconds
+    each time, and the engine not polling
     meanwhile: the supervisor's RETRY/LOST reports wait for room too. Every job once;
     every store a success (retried as often as it takes); every byte a load reported
     right."""
@@ -145,11 +146,16 @@ def test_a_crash_storm_while_the_engine_stops_polling_loses_and_doubles_nothing(
             jobs = [book.store([k], [i]) for i, k in enumerate(keys)]
         else:
             jobs = [book.load([k], [n + i]) for i, k in enumerate(keys)]
+        # The engine stopped reading: the pipe fills, then the storm begins.
+        wait_until(lambda: pipe_full(tier), 30, "the completion pipe full")
         ends = time.monotonic() + 4.0
         while time.monotonic() < ends:  # no get_finished_jobs() in here
             stats = tier.stats()
             most_waiting = max(most_waiting, stats["pool"]["reports_waiting"])
             victims = [w["pid"] for w in stats["workers"] if w["alive"]]
+            holding = [w["pid"] for w in stats["workers"] if w["state"] == "reporting"]
+            if holding and rng.random() < 0.5:  # (booting ones hold no task to report)
+                victims = holding
             if victims:
                 try:
                     os.kill(rng.choice(victims), signal.SIGKILL)
