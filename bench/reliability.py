@@ -29,6 +29,9 @@ skipped with the reason):
                        attaches (a layout leaving the root, descriptors of the wrong
                        kind, a buffer larger than its file) and task records past its
                        buffer; then a well-behaved engine's traffic
+* ``full_completion_pipe``  the engine stops reading its completion pipe past
+                       io_timeout_s, then again during a crash storm: nobody blocks,
+                       no healthy worker is shot, no report dropped or doubled
 
 Columns: *jobs run* (reported, or for a killed engine: completed before the kill);
 *jobs lost* (submitted, never reported); *wrong bytes* (loads that reported success
@@ -797,6 +800,71 @@ def hostile_client(row: Row, root: str) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def full_completion_pipe(row: Row, root: str, jobs: int = 1500) -> None:
+    """Thousands of one-block jobs while the engine does not read its completion pipe:
+    first for longer than io_timeout_s (workers wait to report: none may be taken for
+    hung), then during a crash storm (a worker SIGKILLed every ~50 ms: the supervisor's
+    RETRY/LOST reports wait for room too). The pipe is shrunk to a page through the
+    tier's fileno(), so a few hundred reports fill it as tens of thousands would fill
+    the real 1 MiB."""
+    import fcntl
+
+    from mptier.channels import F_SETPIPE_SZ
+
+    rng = random.Random(3)
+    io_timeout_s, block = 2.0, 4 * KB
+    buf = SharedKVBuffer.create(2 * jobs, block)
+    tier = FileSystemTier(buf, root_dir=root, n_load_workers=2, n_store_workers=2,
+                          io_timeout_s=io_timeout_s, heartbeat_s=1.0, max_task_retries=100,
+                          prefault=False)
+    try:
+        fcntl.fcntl(tier.fileno(), F_SETPIPE_SZ, os.sysconf("SC_PAGE_SIZE"))
+        calls = EngineCalls(tier)
+        book = JobBook(calls, buf)
+        keys = keys_for(jobs, b"full pipe")
+
+        def shot() -> tuple[int, int]:  # workers the supervisor killed: hung, deaf
+            pool = calls.stats()["pool"]
+            return pool["timeouts"], pool["heartbeat_kills"]
+
+        ids = [book.store([k], [i]) for i, k in enumerate(keys)]
+        time.sleep(2 * io_timeout_s + 1)  # not polling
+        paused = shot()
+        book.wait(ids, timeout=120)
+        kills, most_waiting = 0, 0
+        ids = [book.load([k], [jobs + i]) for i, k in enumerate(keys)]
+        ids += [book.store([k], [i]) for i, k in enumerate(keys_for(jobs, b"full pipe 2"))]
+        wait_until(lambda: any(w["state"] == "reporting" for w in calls.stats()["workers"]),
+                   30, "the completion pipe full")  # the storm begins once it is
+        ends = time.monotonic() + 4.0
+        before_storm = shot()
+        while time.monotonic() < ends:  # not polling, killing
+            stats = calls.stats()
+            most_waiting = max(most_waiting, stats["pool"]["reports_waiting"])
+            victims = [w["pid"] for w in stats["workers"] if w["alive"]]
+            if victims:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rng.choice(victims), signal.SIGKILL)
+                    kills += 1
+            time.sleep(0.05)
+        book.wait(ids, timeout=180)
+        failed_stores = sum(1 for j, r in book.results.items()
+                            if not r.success and j > 2 * jobs)  # the storm's stores
+        during = [a - b for a, b in zip(shot(), before_storm)]
+        row.notes.append(
+            f"healthy workers killed {sum(paused)} (timed out {paused[0]}, missed heartbeats "
+            f"{paused[1]}) while the engine did not read for {2 * io_timeout_s + 1:g} s "
+            f"(io_timeout_s={io_timeout_s:g}); then {kills} SIGKILLs while it did not read "
+            f"again: the supervisor's reports waiting for room {most_waiting} at most, "
+            f"workers it killed meanwhile (timed out, missed heartbeats) {during}; stores "
+            f"that failed {failed_stores}, jobs reported twice {len(book.twice)}")
+        row.from_book(book, calls)
+    finally:
+        tier.shutdown()
+        buf.close()
+        buf.unlink()
+
+
 SCENARIOS: dict[str, Callable[[Row, str], None]] = {
     "crash_storm": crash_storm,
     "sigstop_storm": sigstop_storm,
@@ -807,6 +875,7 @@ SCENARIOS: dict[str, Callable[[Row, str], None]] = {
     "pidns_buffer": pidns_buffer,
     "hostile_entries": hostile_entries,
     "hostile_client": hostile_client,
+    "full_completion_pipe": full_completion_pipe,
 }
 
 

@@ -9,7 +9,11 @@
   and never drops a job, whatever the depth. Only the engine writes: a task whose
   worker died comes back as a RETRY message and the engine queues it again.
 * :class:`CompletionReader` -- the single pipe workers report on; the engine drains it
-  without blocking. Messages are length-prefixed and written atomically.
+  without blocking. Messages are length-prefixed and written atomically. Its writers
+  (every worker, the supervisor) write through a :class:`RecordWriter` of their own, as
+  the engine does its tasks: when the engine does not read for a while and the pipe
+  fills, messages wait in the writer's list and go in when it drains -- a worker or
+  the supervisor never blocks on the engine, and no report is dropped.
 * the *lifeline* -- a pipe whose write end only the engine holds. Workers and the
   supervisor poll its read end: when the engine exits (however it dies) or shuts down,
   they see end-of-file and the session is over.
@@ -54,20 +58,29 @@ def set_nonblocking(fd: int) -> None:
 
 
 class RecordWriter:
-    """The write end of a queue pipe, for one process: whole records in, never blocks.
+    """The write end of a pipe, for one process: whole records in, never blocks.
 
-    A record that does not fit waits in an in-process overflow list, pushed on by
-    :meth:`flush`. Several threads may write (a lock keeps the pipe and the list in
-    order).
+    A record is one atomic ``write`` (at most ``PIPE_BUF`` bytes: a task record, or a
+    completion message). One that does not fit waits in an in-process overflow list,
+    pushed on by :meth:`flush`. The descriptor is made non-blocking (a flag of the open
+    pipe, so every process holding it writes this way). Several threads may write (a
+    lock keeps the pipe and the list in order). ``sent`` counts records that went into
+    the pipe, for writers that tell the engine so (the control block's counters).
     """
 
     def __init__(self, write_fd: int) -> None:
         self.write_fd = write_fd
         self.overflow: collections.deque[bytes] = collections.deque()
+        self.sent = 0
         self._lock = threading.Lock()
+        set_nonblocking(write_fd)
 
     def put(self, record: bytes) -> None:
-        """Enqueue one record; never blocks."""
+        """Enqueue one record; never blocks. Raises ``BrokenPipeError`` when nobody
+        reads the pipe any more."""
+        if len(record) > select.PIPE_BUF:
+            raise ValueError(f"a record of {len(record)} bytes is not written atomically "
+                             f"(PIPE_BUF is {select.PIPE_BUF})")
         with self._lock:
             if self.overflow or not self._write(record):
                 self.overflow.append(record)
@@ -92,11 +105,13 @@ class RecordWriter:
             if written % TASK_RECORD_BYTES:  # never seen; finish the torn record anyway
                 written += _write_fully(self.write_fd, memoryview(blob)[
                     written:written + TASK_RECORD_BYTES - written % TASK_RECORD_BYTES])
+            self.sent += written // TASK_RECORD_BYTES
             if written < len(blob):
                 self.overflow.extend(_split(memoryview(blob)[written:]))
 
     def flush(self) -> int:
-        """Move overflow into the pipe while it has room. Returns records still waiting."""
+        """Move overflow into the pipe while it has room. Returns records still waiting.
+        Raises ``BrokenPipeError`` when nobody reads the pipe any more."""
         if not self.overflow:
             return 0
         with self._lock:
@@ -116,6 +131,7 @@ class RecordWriter:
             os.write(self.write_fd, record)
         except BlockingIOError:
             return False
+        self.sent += 1
         return True
 
     def _room(self) -> int:
@@ -214,6 +230,7 @@ class CompletionReader:
     def __init__(self) -> None:
         self.read_fd, self.write_fd = make_pipe()
         set_nonblocking(self.read_fd)
+        set_nonblocking(self.write_fd)  # its writers never block (see RecordWriter)
         self._pending = bytearray()
 
     def read_available(self) -> list[Message]:

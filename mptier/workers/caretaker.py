@@ -379,7 +379,6 @@ class Caretaker:
             message = encode_message(MessageType.REMOVED, writer.slot, os.getpid(),
                                      n_done=count, payload=payload)
             try:
-                os.write(ctx.completion_fd, message)
+                ctx.report(message)  # waits in the worker's list while the pipe is full
             except OSError:
                 return  # the engine is gone; serve() finds out at its next write
-            writer.message_sent()

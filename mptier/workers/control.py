@@ -86,6 +86,8 @@ class SlotState(enum.IntEnum):
     IDLE = 2  # ready (attached or not), waiting for work
     BUSY = 3  # running the task in its record area
     LEAVING = 4  # exiting on purpose
+    REPORTING = 5  # its task's I/O is over; its report waits for room in the engine's
+    #                completion pipe (the engine is not reading): not a hung file system
 
 
 class PoolState(enum.IntEnum):
@@ -301,9 +303,9 @@ class ControlBlock:
     def counters_snapshot(self) -> bytes:
         return self.counters.tobytes()
 
-    def bump(self, index: int) -> None:
-        """Count one more message from ``index`` (each index has a single writer)."""
-        self.counters[index] += 1
+    def bump(self, index: int, n: int = 1) -> None:
+        """Count ``n`` more messages from ``index`` (each index has a single writer)."""
+        self.counters[index] += n
 
     # -- slots ---------------------------------------------------------------------------
 
@@ -381,8 +383,15 @@ class SlotWriter:
     def mark_started(self, started_ns: int) -> None:
         struct.pack_into("<QQ", self._mem, 0, SlotState.BUSY, started_ns)
 
-    def message_sent(self) -> None:
-        self._counters[self.slot] += 1
+    def message_sent(self, n: int = 1) -> None:
+        if n:
+            self._counters[self.slot] += n
+
+    def mark_reporting(self, started_ns: int) -> None:
+        """The task's I/O is over and its report waits for room in the completion pipe:
+        the task stays held (a death now is handled as one after the I/O), but the
+        supervisor's io_timeout_s no longer runs for it."""
+        struct.pack_into("<QQ", self._mem, 0, SlotState.REPORTING, started_ns)
 
     def account(self, nbytes: int, elapsed_ns: int, failed: bool, started_ns: int) -> None:
         """Count a finished task (before it is reported, so stats agree with results).

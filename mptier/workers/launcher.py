@@ -1,7 +1,14 @@
 """Starting one worker process: a fresh interpreter (no fork of the engine, whose
 threads and locks must not be copied), handed exactly two descriptors -- its end of a
 control socket and the pool's control block. Everything else (queues, pipes, the
-buffer) arrives later over the control socket, one session at a time."""
+buffer) arrives later over the control socket, one session at a time.
+
+The worker runs the engine's own mptier, whatever folder the engine was started from:
+``python -m`` (and ``-c``) would put the working folder first on ``sys.path``, so an
+``mptier`` folder there (a source checkout, anything planted) would be what the
+workers import. The interpreter is started with a small ``-c`` script instead that
+drops the working folder from ``sys.path`` and imports the engine's package from its
+own folder (Python 3.10 has no ``-P``)."""
 
 from __future__ import annotations
 
@@ -12,7 +19,29 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+import mptier
 from mptier.workers.protocol import control_pair
+
+# The engine's own ``mptier`` package folder: the workers import it from there.
+PACKAGE_DIR = os.path.dirname(os.path.abspath(mptier.__file__))
+# sys.argv of the script: [-c, PACKAGE_DIR, boot spec]. Under -c, sys.path[0] is the
+# working folder ("", unless PYTHONSAFEPATH left it out): it goes. Then the package is
+# imported from its file, so every ``mptier.*`` import follows its ``__path__``, while
+# the rest of sys.path is left as it is (putting site-packages in front could shadow
+# the standard library with an old backport).
+_BOOT_SCRIPT = """\
+import sys
+if sys.path and sys.path[0] == "":
+    del sys.path[0]
+import importlib.util
+spec = importlib.util.spec_from_file_location(
+    "mptier", sys.argv[1] + "/__init__.py", submodule_search_locations=[sys.argv[1]])
+package = importlib.util.module_from_spec(spec)
+sys.modules["mptier"] = package
+spec.loader.exec_module(package)
+from mptier.workers.worker import main
+sys.exit(main(sys.argv[1], sys.argv[2]))
+"""
 
 
 @dataclass
@@ -38,7 +67,7 @@ def launch(boot: BootSpec, slot: int, role: str) -> tuple[subprocess.Popen, sock
             "parent_pid": os.getpid(),
         }
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mptier.workers.worker", json.dumps(spec)],
+            [sys.executable, "-c", _BOOT_SCRIPT, PACKAGE_DIR, json.dumps(spec)],
             pass_fds=(boot.control_block_fd, worker_end.fileno()),
             stdin=subprocess.DEVNULL, close_fds=True)
     except BaseException:

@@ -418,6 +418,8 @@ class WorkerPool:
             state = w.phase.value
             if w.phase is Phase.SERVING:
                 state = "busy" if busy else "idle"
+                if snap.state == SlotState.REPORTING:  # done; waiting for the engine to read
+                    state = "reporting"
             out.append({
                 "pid": w.pid, "role": w.role, "slot": w.slot, "state": state,
                 "alive": w.alive, "ready": w.phase in (Phase.IDLE, Phase.SERVING),

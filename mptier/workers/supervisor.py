@@ -29,6 +29,13 @@ wake-up pipe, every worker's pidfd and every worker's control socket, and ticks 
   whose private memory passes ``max_worker_rss_bytes``;
 * while the pool is unavailable, fails every task still queued (never silence).
 
+Its own reports (LOST, RETRY) never block it: they go through a
+:class:`~mptier.channels.RecordWriter` on the completion pipe, and when the engine does
+not read for a while they wait in its list and go in when the pipe drains (the poll
+watches the pipe for room meanwhile), so deaths are still handled and workers still
+respawned. A worker whose slot says REPORTING waits for the same room: its I/O is over,
+so io_timeout_s does not run for it; it still answers heartbeats.
+
 Every exit is handled exactly once. No exception leaves the loop: each is logged with
 its traceback and the loop goes on. Workers ask the kernel to kill them if this thread
 exits, so it lives until they have left (see :meth:`Supervisor.stop`).
@@ -53,7 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mptier.channels import drain_records
+from mptier.channels import RecordWriter, drain_records
 from mptier.errors import describe_exit
 from mptier.jobs import MessageType, TaskKind, decode_task, encode_message
 from mptier.layout import FileMapper
@@ -160,6 +167,7 @@ class PoolCounters:
     heartbeat_kills: int = 0
     memory_kills: int = 0
     stuck: int = 0  # now parked (a gauge)
+    reports_waiting: int = 0  # LOST/RETRY reports waiting for room in the pipe (a gauge)
     last_deaths: list[str] = field(default_factory=list)
 
 
@@ -201,6 +209,7 @@ class Supervisor:
         self._unavailable = ""  # why the pool cannot serve ("" = it can)
         self._unavailable_errno = 0
         self.session: Session | None = None  # the supervisor's own copy of its descriptors
+        self._reports: RecordWriter | None = None  # its reports to the session's engine
         self.session_id = 0
         self.session_io: IoSettings | None = None
         self.attach_errors: list[str] = []
@@ -285,6 +294,8 @@ class Supervisor:
                         continue
                     if what == "lifeline":
                         self._guarded(self._lifeline_closed, w)
+                    elif what == "completion":
+                        self._guarded(self._flush_reports)
                     elif what == "sock":
                         self._guarded(self._read_messages, w, poller, watched)
                     else:
@@ -315,6 +326,8 @@ class Supervisor:
         wanted: dict[int, tuple[Any, str]] = {}
         if self.session is not None:  # the engine's lifeline: end of file = it is gone
             wanted[self.session.lifeline] = (self.session, "lifeline")
+            if self._reports is not None and self._reports.overflow:  # room for them
+                wanted[self.session.completion] = (self.session, "completion")
         for w in workers:
             if w.pidfd >= 0:
                 wanted[w.pidfd] = (w, "pidfd")
@@ -327,7 +340,8 @@ class Supervisor:
                 del watched[fd]
         for fd, entry in wanted.items():
             if fd not in watched:
-                poller.register(fd, select.POLLIN)
+                poller.register(fd, select.POLLOUT if entry[1] == "completion"
+                                else select.POLLIN)
                 watched[fd] = entry
 
     def _notify(self) -> None:
@@ -467,6 +481,8 @@ class Supervisor:
             self.session.close()
         self.session_id += 1
         self.session = session
+        self._reports = RecordWriter(session.completion)
+        self._count_waiting()
         self.session_io = io
         with self.lock:
             self.attach_errors = []
@@ -486,6 +502,15 @@ class Supervisor:
             for w in self._live():
                 if w.phase in (Phase.SERVING, Phase.ATTACHING):
                     self._send(w, protocol.DETACH)
+        if self._reports is not None:
+            self._flush_reports()  # what fits now; the rest is the engine's to fail
+            if self._reports.overflow:
+                log.warning("mptier: %d report(s) of tasks given up on were not delivered: "
+                            "%s stopped reading its completion pipe and ended its session",
+                            len(self._reports.overflow),
+                            self.session.label if self.session else "the engine")
+        self._reports = None
+        self._count_waiting()
         if self.session is not None:
             self.session.close()
         self.session = None
@@ -656,19 +681,36 @@ class Supervisor:
     def _post(self, type_: MessageType, task_id: int, err: int, text: str,
               attempt: int = 0) -> None:
         """Tell the engine a task was given up on (LOST) or should run again (RETRY).
-        Never blocks."""
-        if self.session is None:
+        Never blocks: while the engine's pipe is full the report waits in this thread's
+        list, and goes in as soon as there is room (see the module docstring)."""
+        if self._reports is None:
             return
+        self._flush_reports(encode_message(type_, SUPERVISOR_SLOT, os.getpid(), errno=err,
+                                           task_id=task_id, payload=text, attempt=attempt))
+
+    def _flush_reports(self, message: bytes | None = None) -> None:
+        """Put ``message`` (if any) behind the reports waiting, and write them while the
+        pipe has room; each one written is counted (the engine reads when a counter
+        moves)."""
+        reports = self._reports
+        if reports is None:
+            return
+        before = reports.sent
         try:
-            os.write(self.session.completion, encode_message(
-                type_, SUPERVISOR_SLOT, os.getpid(), errno=err, task_id=task_id,
-                payload=text, attempt=attempt))
-        except BlockingIOError:  # the engine is not reading: its pipe is full
-            log.error("mptier: completion pipe full; could not report task %d", task_id)
-            return
+            if message is not None:
+                reports.put(message)
+            reports.flush()
         except OSError:
-            return  # the engine is gone
-        self.control.bump(self.control.supervisor_counter)
+            reports.overflow.clear()  # the engine is gone: nobody to tell
+        finally:
+            self.control.bump(self.control.supervisor_counter, reports.sent - before)
+            self._count_waiting()
+
+    def _count_waiting(self) -> None:
+        waiting = len(self._reports.overflow) if self._reports is not None else 0
+        if waiting != self.counters.reports_waiting:
+            with self.lock:
+                self.counters.reports_waiting = waiting
 
     # -- the tick ------------------------------------------------------------------------
 
@@ -684,14 +726,17 @@ class Supervisor:
             unwatched = [w for w in self.workers if w.pidfd < 0]
         for w in unwatched:  # started without a pidfd: look for its exit here
             self._reap(w)
+        self._flush_reports()  # a backstop for the poll's room event
         for w in self._live():
             snap = self.control.snapshot(w.slot)
             if w.phase is Phase.BOOTING and now - w.started_at > s.start_timeout_s:
                 w.boot_error = f"not ready within worker_start_timeout_s={s.start_timeout_s:g}"
                 self._kill(w)
                 continue
-            if snap.held_task and snap.started_ns and \
-                    now_ns - snap.started_ns > s.io_timeout_s * 1e9:
+            # (A task whose report waits for room in the completion pipe is done with its
+            # I/O: the engine is not reading, the file system is not hung.)
+            if snap.held_task and snap.started_ns and snap.state != SlotState.REPORTING \
+                    and now_ns - snap.started_ns > s.io_timeout_s * 1e9:
                 with self.lock:
                     self.counters.timeouts += 1
                 how = (f"was killed after its task ran {(now_ns - snap.started_ns) / 1e9:.1f}"
@@ -738,7 +783,9 @@ class Supervisor:
                 self._blame_root(w, how)  # a caretaker hung walking a root
                 self._kill(w, how, ERR_WORKER_DIED)
             return
-        if snap.state == SlotState.IDLE and now - w.last_ping_at >= self.settings.heartbeat_s:
+        # Idle, or waiting for room to report: either way it answers in a moment.
+        if snap.state in (SlotState.IDLE, SlotState.REPORTING) and \
+                now - w.last_ping_at >= self.settings.heartbeat_s:
             w.ping_seq += 1
             w.ping_progress = snap.tasks_done
             w.ping_sent_at = w.last_ping_at = now

@@ -19,11 +19,18 @@ wake-ups), the lifeline and the control socket, and in file I/O::
 Lookups are tiny and gate the engine's scheduling, so every worker takes them first;
 then its own priority's queue; then the other one (see ``session.QUEUE_ORDER``).
 
+Reports never block either. The completion pipe is non-blocking; when it is full (the
+engine has not read for a while) a report waits in the worker's own list (the
+:class:`~mptier.channels.RecordWriter` the engine uses for its tasks) while the worker
+waits for room in ``poll``, answering heartbeats. It keeps the task in its slot until
+the report is in the pipe -- a death meanwhile is handled like one after the I/O -- and
+marks the slot REPORTING, so the supervisor never takes the wait for a hung file system.
+
 The I/O never blocks the engine: if it hangs, the supervisor kills this process and
 handles the task its slot holds.
 
-Run as a process: ``python -m mptier.workers.worker '<json boot spec>'`` (see
-:mod:`mptier.workers.launcher`).
+Run as a process by :mod:`mptier.workers.launcher`, which makes sure it is the
+engine's own mptier that runs (:func:`main`).
 """
 
 from __future__ import annotations
@@ -40,7 +47,6 @@ import select
 import signal
 import socket
 import stat
-import sys
 import termios
 import time
 import traceback
@@ -49,6 +55,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mptier import native
+from mptier.channels import RecordWriter
 from mptier.jobs import (
     TASK_HEADER_BYTES,
     TASK_RECORD_BYTES,
@@ -70,6 +77,11 @@ from mptier.workers.session import QUEUE_ORDER, IoSettings, WorkerSession
 IDLE_POLL_S = 1.0
 # A store waiting for its root's caretaker to make room looks again this often.
 ROOM_POLL_S = 0.005
+# How long a report still waiting for room in the completion pipe is kept trying once
+# the engine closed its lifeline: an engine shutting down reads its pipe while its
+# workers detach (for up to mptier.workers.pool.DETACH_GRACE_S), one that is gone never
+# will. After this the report is dropped and the engine fails the task itself.
+REPORT_AFTER_LIFELINE_S = 5.0
 _EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 0)
 log = logging.getLogger("mptier.workers")
 _PR_SET_PDEATHSIG = 1
@@ -164,6 +176,21 @@ class WorkerContext:
     # Before probing a root that is out of rotation: (root) -> None.
     report_probe: Callable[[int], None] = lambda r: None
     caretaker: Any = None  # a Caretaker once the supervisor designates roots
+    reports: RecordWriter | None = None  # this worker's messages to the completion pipe
+
+    def report(self, message: bytes | None = None) -> None:
+        """Put ``message`` (if any) behind the reports still waiting and write what fits
+        into the completion pipe; never blocks. Each one written is counted in the
+        slot's message counter. Raises ``BrokenPipeError`` when the engine is gone."""
+        reports = self.reports
+        assert reports is not None
+        before = reports.sent
+        try:
+            if message is not None:
+                reports.put(message)
+            reports.flush()
+        finally:
+            self.slot_writer.message_sent(reports.sent - before)
 
     @property
     def mapper(self) -> FileMapper:
@@ -207,6 +234,7 @@ class WorkerContext:
                   bounce=Bounce(session.block_bytes) if any(r.bounce for r in roots)
                   else None)
         ctx.caretaker = Caretaker(ctx)
+        ctx.reports = RecordWriter(session.completion)
         return ctx
 
     def close(self) -> None:
@@ -245,6 +273,9 @@ def serve(ctx: WorkerContext, control: socket.socket | None) -> str:
                 poller.register(control.fileno(), select.EPOLLIN)
         writer.set_state(SlotState.IDLE)
         caretaker = ctx.caretaker
+        reports = ctx.reports
+        assert reports is not None
+        watching_room = False  # the completion pipe is in `work`, for room
         while True:
             took = _take(ctx.queues, record)
             if not took:
@@ -252,7 +283,20 @@ def serve(ctx: WorkerContext, control: socket.socket | None) -> str:
                 if caretaker:  # idle: look after this worker's roots, if any
                     caretaker.run(busy=False)
                     wait = caretaker.wait_s(IDLE_POLL_S)
+                if reports.overflow:  # the caretaker's REMOVED messages wait for room
+                    try:
+                        ctx.report()
+                    except BrokenPipeError:
+                        return ENDED_ENGINE_GONE
+                if bool(reports.overflow) != watching_room:
+                    watching_room = not watching_room
+                    if watching_room:
+                        work.register(ctx.completion_fd, select.EPOLLOUT)
+                    else:
+                        work.unregister(ctx.completion_fd)
                 for fd, _ in work.poll(wait):
+                    if fd == ctx.completion_fd:
+                        continue  # room: written at the top of the next round
                     ended = _news(ctx, control, fd)
                     if ended:
                         return ended
@@ -266,19 +310,56 @@ def serve(ctx: WorkerContext, control: socket.socket | None) -> str:
             # Report first, then let go of the task: a death in between leaves the task
             # in the slot, and the engine ignores the supervisor's second report of it.
             writer.account(nbytes, time.monotonic_ns() - started, failed, started)
-            try:
-                os.write(ctx.completion_fd, message)
-            except BrokenPipeError:
-                writer.release()
-                return ENDED_ENGINE_GONE
-            writer.message_sent()
+            ended = _report_task(ctx, control, message, started)
             writer.release()
+            if ended:
+                return ended
             if caretaker:  # busy: a step now and then, often while evicting
                 caretaker.run(busy=True)
             for fd, _ in news.poll(0):  # one cheap check per task: session over? asked?
                 ended = _news(ctx, control, fd)
                 if ended:
                     return ended
+
+
+def _report_task(ctx: WorkerContext, control: socket.socket | None, message: bytes,
+                 started: int) -> str:
+    """Report a finished task, behind this worker's reports still waiting. While the
+    completion pipe is full, wait for room (the slot says REPORTING; heartbeats are
+    answered). Returns why serving ends ("" to go on). The task stays in the slot
+    until the report is in the pipe -- or is dropped because the session ended, when
+    the engine fails it itself."""
+    try:
+        ctx.report(message)
+    except BrokenPipeError:
+        return ENDED_ENGINE_GONE
+    if not ctx.reports.overflow:
+        return ""
+    ctx.slot_writer.mark_reporting(started)
+    poller = select.poll()
+    poller.register(ctx.completion_fd, select.POLLOUT)
+    poller.register(ctx.lifeline_fd, select.POLLIN)
+    if control is not None:
+        poller.register(control.fileno(), select.POLLIN)
+    ended, give_up_at = "", float("inf")
+    while ctx.reports.overflow:
+        if time.monotonic() > give_up_at:
+            return ended
+        for fd, _ in poller.poll(IDLE_POLL_S * 1000):
+            if fd == ctx.completion_fd:  # room (or an error the write will name)
+                try:
+                    ctx.report()
+                except BrokenPipeError:
+                    return ENDED_ENGINE_GONE
+            elif fd == ctx.lifeline_fd:  # the session ends; the engine may still read
+                poller.unregister(fd)
+                ended = ENDED_LIFELINE
+                give_up_at = time.monotonic() + REPORT_AFTER_LIFELINE_S
+            else:
+                news = _news(ctx, control, fd)
+                if news:
+                    return news
+    return ended
 
 
 def _news(ctx: WorkerContext, control: socket.socket | None, fd: int) -> str:
@@ -735,5 +816,21 @@ def _attached(control: socket.socket, writer: SlotWriter, role: str, backend: An
     return ended
 
 
-if __name__ == "__main__":
-    sys.exit(process_main(json.loads(sys.argv[1])))
+def main(package_dir: str, spec: str) -> int:
+    """The process's entry (see :mod:`mptier.workers.launcher`): boot from the JSON
+    ``spec`` -- unless this mptier is not the one in ``package_dir``, the engine's,
+    which is a boot failure naming both (never run another tree's code)."""
+    import mptier
+
+    here = os.path.dirname(os.path.abspath(mptier.__file__))
+    boot = json.loads(spec)
+    if os.path.realpath(here) != os.path.realpath(package_dir) or \
+            os.path.realpath(os.path.dirname(__file__)) != \
+            os.path.realpath(os.path.join(package_dir, "workers")):
+        with socket.socket(fileno=boot["control_socket"]) as control, \
+                contextlib.suppress(OSError):
+            protocol.send(control, protocol.BOOT_FAILED, errno=0, error=(
+                f"the worker imported mptier from {here}, not the engine's {package_dir}"
+                " (check PYTHONPATH and .pth files)"))
+        return protocol.EXIT_BOOT_FAILED
+    return process_main(boot)
