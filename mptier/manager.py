@@ -197,7 +197,7 @@ class FileSystemTier:
             from mptier.service import ServiceLink
 
             return ServiceLink(cfg.service, wait_s=cfg.worker_start_timeout_s,
-                               trust=Trust.of(user=cfg.service_user))
+                               trust=Trust.of(cfg.service_group, cfg.service_user))
         memory = None
         if not buffer.shareable:
             memory = memoryview(buffer.view).cast("B")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from mptier.rundir import Trust, check_name, run_dir, scan_dirs
+from mptier.rundir import Trust, check_name, run_dir, scan_dirs, warn_once
 
 SOCKET_SUFFIX = ".sock"
 LOCK_SUFFIX = ".lock"
@@ -20,9 +20,11 @@ def locate(name: str, trust: Trust | None = None) -> tuple[str, list[str]]:
     """``(the socket of service name, why run folders were skipped)``: the socket in the
     first checked folder clients search that has it (a process that could not write
     /run/mptier serves from /tmp), else where it would be (``""`` when no folder may be
-    used)."""
+    used). Each skipped folder is logged once, naming its owner and mode."""
     check_name(name)
     folders, refused = scan_dirs(trust)
+    for problem in refused:
+        warn_once(problem)
     for folder in folders:
         path = os.path.join(folder, name + SOCKET_SUFFIX)
         if os.path.lexists(path):
