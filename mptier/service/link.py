@@ -14,7 +14,13 @@ goes (end of file). Then, without touching the engine's state, it marks the pool
 the scheduler thread, at its next call, fails every job in flight with an error naming
 the service (:meth:`take_lost`), answers lookups MISS and fails new jobs at once. When
 the engine has done so (:meth:`allow_reattach`), the thread tries to attach again every
-:data:`RECONNECT_S` and the tier serves again by itself when the service is back.
+:data:`RECONNECT_S` and the tier serves again by itself when the service is back; the
+control block of the lost attachment is closed :data:`RETIRE_AFTER_S` later, so restarts
+cost nothing that stays.
+
+Trust (docs/security.md): the socket is looked for only in checked run folders, and after
+``connect()`` the listener's credentials (``SO_PEERCRED``) must be our uid's, root's or
+``service_user``'s before a byte or a descriptor is sent.
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ comes from each engine. The service creates nothing in /dev/shm (its control blo
 memfd; the buffer is the engine's). SIGTERM or SIGINT: in-flight copies finish, workers
 leave, the socket is removed, exit 0.
 
+Trust (docs/security.md): the run folder is checked before the name's lock and socket are
+made in it (through its descriptor, never a symlink); every accepted connection's
+credentials (``SO_PEERCRED``) must be the service's uid, root or a ``service_group``
+member, else it is closed unread and the refusal logged with the peer's uid and pid.
+
 Blocking: the main thread blocks in ``poll()`` on the listening socket, the attached
 engine's link and a signal pipe; an attach blocks it until the workers have taken the
 session (bounded by ``worker_start_timeout_s``).
