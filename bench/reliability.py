@@ -32,6 +32,11 @@ skipped with the reason):
 * ``full_completion_pipe``  the engine stops reading its completion pipe past
                        io_timeout_s, then again during a crash storm: nobody blocks,
                        no healthy worker is shot, no report dropped or doubled
+* ``impostor``         a second uid squats the engine's fallback run folder and listens
+                       as its service, and listens in a group-writable run folder the
+                       engine trusts; the engine must refuse both (its attach fails naming
+                       the cause), use the real service through two restarts, and leak
+                       nothing to the impostor
 
 Columns: *jobs run* (reported, or for a killed engine: completed before the kill);
 *jobs lost* (submitted, never reported); *wrong bytes* (loads that reported success
@@ -865,6 +870,107 @@ def full_completion_pipe(row: Row, root: str, jobs: int = 1500) -> None:
         buf.unlink()
 
 
+def impostor(row: Row, root: str, restarts: int = 2) -> None:
+    from support.hostile import HOSTILE_GID, Impostor, public_folder
+
+    from mptier import MptierError, rundir
+
+    need_root("a second uid (4242) for the impostor")
+    pub = public_folder("mptier-rel-pub-")
+    system = os.path.join(pub, "run-mptier")      # stands for /run/mptier (root's, 0755)
+    fallback = os.path.join(pub, f"mptier-{os.geteuid()}")  # for /tmp/mptier-<uid>
+    saved = (rundir.SYSTEM_RUN_DIR, rundir.fallback_dir, os.environ.pop("MPTIER_RUN_DIR",
+                                                                       None))
+    rundir.SYSTEM_RUN_DIR, rundir.fallback_dir = system, lambda: fallback
+    old_reconnect = link.RECONNECT_S
+    link.RECONNECT_S = 0.2
+    impostors: list[Impostor] = []
+    services: list[Service] = []
+    buf = SharedKVBuffer.create(32, BLOCK)
+    tier = None
+    try:
+        # 1. the squatted fallback: searched by nobody, so the attach fails naming it
+        impostors.append(Impostor(fallback, "rel-imp"))
+        try:
+            FileSystemTier(buf, service="rel-imp", status_socket="",
+                           worker_start_timeout_s=1.0).shutdown()
+            row.notes.append("ATTACHED with only the impostor listening")
+        except MptierError as exc:
+            cause = "skipped run folder" in str(exc) and "owned by uid 4242" in str(exc)
+            row.notes.append("with only the impostor listening, the attach failed " +
+                             ("naming the squatted folder and its owner (uid 4242)" if cause
+                              else f"WITHOUT naming the cause: {exc}"))
+        # 2. the real service beside it, restarted: the engine uses it and only it
+        os.mkdir(system, 0o755)
+        services.append(Service("rel-imp", root, system))
+        tier = FileSystemTier(buf, service="rel-imp", status_socket="")
+        calls = EngineCalls(tier)
+        book = JobBook(calls, buf)
+        keys = keys_for(16, b"impostor")
+        book.wait([book.store(keys, list(range(16)))])
+        work = Traffic(book, calls, keys).step
+        for _ in range(restarts):
+            work(20)
+            services[-1].proc.send_signal(signal.SIGKILL)
+            wait_until(lambda: calls.stats()["unavailable"], 15, "noticed", work)
+            services[-1].stop()
+            services.append(Service("rel-imp", root, system))
+            wait_until(lambda: not calls.stats()["unavailable"], 20, "attached", work)
+        work(20)
+        book.drain(30)
+        row.from_book(book, calls)
+        row.notes.append(f"the real service restarted {restarts} times: the engine "
+                         f"attached again {tier.stats()['service']['reattaches']} times, "
+                         "to it alone")
+        tier.shutdown()
+        tier = None
+        # 3. a run folder the engine trusts (root's, writable by service_group 4242) with
+        # the impostor listening in it: the engine connects, reads SO_PEERCRED, sends nothing
+        shared = os.path.join(pub, "shared-run")
+        os.mkdir(shared)
+        os.chown(shared, 0, HOSTILE_GID)
+        os.chmod(shared, 0o770)
+        impostors.append(Impostor(shared, "rel-imp"))
+        os.environ["MPTIER_RUN_DIR"] = shared
+        try:
+            FileSystemTier(buf, service="rel-imp", status_socket="",
+                           service_group=str(HOSTILE_GID), worker_start_timeout_s=1.0
+                           ).shutdown()
+            row.notes.append("ATTACHED to a listener of uid 4242 in a trusted folder")
+        except MptierError as exc:
+            named = "served by uid 4242" in str(exc)
+            row.notes.append("a listener of uid 4242 in a trusted folder was refused " +
+                             ("naming its uid and pid" if named else f"but: {exc}"))
+        finally:
+            del os.environ["MPTIER_RUN_DIR"]
+    finally:
+        got = {"connections": 0, "message_bytes": 0, "fds": 0, "mapped_bytes": 0}
+        for fake in impostors:
+            for key, value in fake.stop().items():
+                got[key] += value
+        leaked = got["message_bytes"] + got["mapped_bytes"]
+        row.notes.append(f"bytes leaked to the impostor: {leaked} ({got['connections']} "
+                         f"connection(s) to it, {got['message_bytes']} B of messages, "
+                         f"{got['fds']} descriptors, {got['mapped_bytes']} B of buffer "
+                         "mapped)")
+        if leaked or got["fds"]:
+            row.status = "error"
+        link.RECONNECT_S = old_reconnect
+        if tier is not None:
+            tier.shutdown()
+        for service in services:
+            pids = service.children()
+            service.stop(signal.SIGTERM)
+            with contextlib.suppress(AssertionError):
+                wait_until(lambda p=pids: all(gone(x) for x in p), 10, "workers gone")
+        buf.close()
+        buf.unlink()
+        rundir.SYSTEM_RUN_DIR, rundir.fallback_dir = saved[0], saved[1]
+        if saved[2] is not None:
+            os.environ["MPTIER_RUN_DIR"] = saved[2]
+        shutil.rmtree(pub, ignore_errors=True)
+
+
 SCENARIOS: dict[str, Callable[[Row, str], None]] = {
     "crash_storm": crash_storm,
     "sigstop_storm": sigstop_storm,
@@ -876,6 +982,7 @@ SCENARIOS: dict[str, Callable[[Row, str], None]] = {
     "hostile_entries": hostile_entries,
     "hostile_client": hostile_client,
     "full_completion_pipe": full_completion_pipe,
+    "impostor": impostor,
 }
 
 

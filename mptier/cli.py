@@ -73,6 +73,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.set = [*(args.set or []), f"root_dir={json.dumps(args.root)}"]
     if args.metrics_port is not None:
         args.set = [*(args.set or []), f"metrics_port={args.metrics_port}"]
+    if args.group:
+        args.set = [*(args.set or []), f"service_group={json.dumps(args.group)}"]
     return serve(args.name, _config(args))
 
 
@@ -125,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="serve Prometheus metrics on this port (metrics_addr, "
                             "default 127.0.0.1)")
+    serve.add_argument("--group", metavar="GROUP",
+                       help="members of this group may attach and read status, besides "
+                            "this user and root (service_group; docs/security.md)")
     serve.set_defaults(func=_cmd_serve)
     for p in (run, serve):
         p.add_argument("--config", help="TOML file with TierConfig fields")
@@ -168,6 +173,8 @@ def _add_monitoring(sub: argparse._SubParsersAction) -> None:
 
     run_dir_help = "folder of the status sockets (default: $MPTIER_RUN_DIR, else " \
                    "/run/mptier and /tmp/mptier-<uid>)"
+    user_help = "also believe endpoints served by this user (name or uid) and run " \
+                "folders it owns; default: only yours and root's (docs/security.md)"
     status = sub.add_parser("status", help="figures of running tiers and services")
     status.add_argument("--name", help="one endpoint (e.g. engine-1234, a service name, "
                                        "or a socket path); default: every live one")
@@ -177,6 +184,7 @@ def _add_monitoring(sub: argparse._SubParsersAction) -> None:
                         help="seconds the rates and CPU %% cover (asks twice; 0: once, "
                              "rates since the previous asker; default 1)")
     status.add_argument("--run-dir", help=run_dir_help)
+    status.add_argument("--user", help=user_help)
     status.set_defaults(func=lazy("cmd_status"))
 
     monitor = sub.add_parser("monitor", help="live view of tiers and services (q quits)")
@@ -184,6 +192,7 @@ def _add_monitoring(sub: argparse._SubParsersAction) -> None:
     monitor.add_argument("--refresh", type=float, default=1.0,
                          help="seconds between redraws (default 1)")
     monitor.add_argument("--run-dir", help=run_dir_help)
+    monitor.add_argument("--user", help=user_help)
     monitor.set_defaults(func=lazy("cmd_monitor"))
 
     config = sub.add_parser("config", help="configuration files")

@@ -106,6 +106,14 @@ class TierConfig:
     # Attach to the worker service of this name (`mptier serve --name NAME`) instead of
     # starting workers in this process ("" = start them here).
     service: str = ""
+    # Who besides this process's own uid and root may connect to its sockets (attach to
+    # a `mptier serve`, read a status socket): members of this group, a name or gid
+    # ("" = nobody else). A run folder writable by this group is accepted too.
+    service_group: str = ""
+    # The user (name or uid) a service this engine attaches to runs as, when that is
+    # neither this process's uid nor root: its run folder and listening socket are then
+    # believed too ("" = only our own uid and root). See docs/security.md.
+    service_user: str = ""
     # Status socket (see mptier.monitor): "auto" = <run dir>/engine-<pid>.status.sock,
     # "" = none, or a name of your own.
     status_socket: str = "auto"
@@ -249,6 +257,12 @@ class TierConfig:
                 check_name(self.service)
             except ConfigError as exc:
                 raise ConfigError(f"TierConfig.service: {exc}") from None
+        for name in ("service_group", "service_user"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, name, str(value))
+            _want(isinstance(getattr(self, name), str), name, value,
+                  "a name or a number, or \"\" for none")
         from mptier.rundir import MAX_NAME, NAME_RE
 
         _want(isinstance(self.status_socket, str) and (

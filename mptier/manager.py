@@ -160,7 +160,8 @@ class FileSystemTier:
             # Several roots: each key lives on the one RootRouter names.
             self.mappers = [FileMapper(r, **cfg.layout_kwargs()) for r in self._io.root_dirs]
             self._router = RootRouter(self._io.root_dirs)
-            self._seen_counts = self._pool.control.counters_snapshot()
+            self._seen_control = self._pool.control
+            self._seen_counts = self._seen_control.counters_snapshot()
             # Status socket / metrics (config status_socket, metrics_port): threads that
             # sleep until an operator asks; see mptier.monitor.
             self._monitoring = attach_tier(self)
@@ -192,9 +193,11 @@ class FileSystemTier:
                                   f"can map, but this one cannot be shared "
                                   f"({buffer.unshareable_reason}); use SharedKVBuffer or "
                                   "a file-backed shared mapping")
+            from mptier.rundir import Trust
             from mptier.service import ServiceLink
 
-            return ServiceLink(cfg.service, wait_s=cfg.worker_start_timeout_s)
+            return ServiceLink(cfg.service, wait_s=cfg.worker_start_timeout_s,
+                               trust=Trust.of(cfg.service_group, cfg.service_user))
         memory = None
         if not buffer.shareable:
             memory = memoryview(buffer.view).cast("B")
@@ -277,7 +280,8 @@ class FileSystemTier:
             raise TierClosedError("the tier was shut down")
         if type(key) is not bytes or not _MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
             key = check_key(key)
-        if self._pool.control.counters_snapshot() != self._seen_counts:
+        if self._pool.control is not self._seen_control or \
+                self._pool.control.counters_snapshot() != self._seen_counts:
             self._poll()
         answer = self._lookups.lookup(key, req_id)
         if answer is LookupResult.RETRY and not self._pool.control.pool_serving():
@@ -347,9 +351,12 @@ class FileSystemTier:
         """Read the completion pipe only if a message counter moved (no system call when
         nothing happened); push overflowed tasks on, or fail them if nobody can run
         them."""
-        counts = self._pool.control.counters_snapshot()
-        if counts != self._seen_counts:
-            self._seen_counts = counts
+        control = self._pool.control
+        counts = control.counters_snapshot()
+        # A service link that attached again hands over a new control block whose
+        # counters may by chance equal the old one's last snapshot: a new block is news.
+        if counts != self._seen_counts or control is not self._seen_control:
+            self._seen_control, self._seen_counts = control, counts
             self._pump()
         elif self._overflow_a or self._overflow_b or self._overflow_c:
             self._flush_overflow()

@@ -29,12 +29,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     from mptier.monitor.endpoint import client_dirs, discover, query
 
     directory = args.run_dir
+    trust = _trust(args)
     if args.name:
         targets = [args.name]
     else:
-        targets = [e.path for e in discover(directory)]
+        targets = [e.path for e in discover(directory, trust=trust)]
         if not targets:
-            where = directory or ", ".join(client_dirs()) or "no run directory exists yet"
+            where = directory or ", ".join(client_dirs(trust)) or \
+                "no run directory exists yet"
             if args.json:
                 print("[]")
             else:
@@ -43,7 +45,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.interval > 0:
         for target in targets:  # prime: the next reply's rates start here
             try:
-                query(target, directory=directory)
+                query(target, directory=directory, trust=trust)
             except MptierError:
                 if args.name:
                     raise
@@ -51,7 +53,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     replies, errors = [], []
     for target in targets:
         try:
-            replies.append(query(target, directory=directory))
+            replies.append(query(target, directory=directory, trust=trust))
         except MptierError as exc:
             if args.name:
                 raise
@@ -76,7 +78,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_monitor(args: argparse.Namespace) -> int:
     from mptier.monitor.view import run_monitor
 
-    return run_monitor(args.name, directory=args.run_dir, refresh_s=args.refresh)
+    return run_monitor(args.name, directory=args.run_dir, refresh_s=args.refresh,
+                       trust=_trust(args))
+
+
+def _trust(args: argparse.Namespace) -> Any:
+    """Whose endpoints and run folders to believe: ours, root's, and ``--user``'s."""
+    from mptier.rundir import Trust
+
+    return Trust.of(user=getattr(args, "user", None) or "")
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:

@@ -10,25 +10,29 @@ counters restart from zero, which Prometheus' ``rate()`` treats as a reset).
 configs/grafana-mptier.json charts them.
 
 :class:`MetricsServer` serves ``/metrics`` over HTTP from its own thread, which sleeps in
-``poll()`` until a scrape comes (no periodic wake-up taking the GIL from the engine).
+``epoll`` until a scrape comes (no periodic wake-up taking the GIL from the engine). It
+is a small HTTP/1.0-style server of its own around ``prometheus_client.generate_latest``
+(one request per connection) on :class:`~mptier.monitor.bounded.ClientLoop`: one thread,
+at most ``MAX_CLIENTS`` connections, each closed after ``CLIENT_TIMEOUT_S``, and none
+accepted when descriptors run low -- idle connections can neither add threads nor take
+the descriptors the engine's pool needs to replace a worker.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import select
 import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import make_wsgi_app
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
+
+from mptier.monitor.bounded import ClientLoop
 
 
 @dataclass(frozen=True)
@@ -251,18 +255,16 @@ def _fill(fam: dict[str, Metric], f: dict[str, Any]) -> None:
 
 # -- the HTTP server ----------------------------------------------------------------------
 
-class _Handler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # a scrape every few seconds is not news
-
-
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-    allow_reuse_address = True
+# A request is a request line and a few headers; anything longer is not a scraper.
+MAX_REQUEST_BYTES = 8192
+# Connections the kernel queues before the server's thread accepts them.
+LISTEN_BACKLOG = 16
+# The paths that answer with the metrics (Prometheus asks for /metrics).
+METRICS_PATHS = ("/metrics", "/")
 
 
 class MetricsServer:
-    """``/metrics`` on ``addr:port``, served from a thread that sleeps in ``poll()``.
+    """``/metrics`` on ``addr:port``, served from one thread (see module docstring).
 
     Construction binds (raises ``OSError`` naming nothing but the errno when the port is
     taken: callers add the address) and starts the thread; :meth:`close` stops it and
@@ -271,18 +273,26 @@ class MetricsServer:
 
     def __init__(self, source: Callable[[], Any], port: int, addr: str = "127.0.0.1"
                  ) -> None:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(TierCollector(source))
-        server_class = type("MptierMetricsServer", (_ThreadingServer,), {
-            "address_family": socket.AF_INET6 if ":" in addr else socket.AF_INET})
-        self._httpd = make_server(addr, port, make_wsgi_app(registry), server_class,
-                                  handler_class=_Handler)
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(TierCollector(source))
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind((addr, port))
+            self._listener.listen(LISTEN_BACKLOG)
+            self._listener.setblocking(False)
+        except BaseException:
+            self._listener.close()
+            raise
         self.addr = addr
-        self.port = self._httpd.server_address[1]
+        self.port = self._listener.getsockname()[1]
+        self.loop = ClientLoop(self._listener, self._respond,
+                               name=f"metrics server :{self.port}")
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=f"mptier-metrics-{port}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self.loop.serve, args=(self._stop_r,),
+                                        name=f"mptier-metrics-{port}", daemon=True)
         self._thread.start()
 
     @property
@@ -290,16 +300,22 @@ class MetricsServer:
         host = f"[{self.addr}]" if ":" in self.addr else self.addr
         return f"http://{host}:{self.port}/metrics"
 
-    def _serve(self) -> None:
-        poller = select.poll()
-        poller.register(self._httpd.fileno(), select.POLLIN)
-        poller.register(self._stop_r, select.POLLIN)
-        while True:
-            events = dict(poller.poll())
-            if self._stop_r in events:
-                return
-            with contextlib.suppress(OSError):
-                self._httpd.handle_request()  # readable: accepts at once, then a thread
+    def _respond(self, request: bytes) -> bytes | None:
+        """The HTTP reply to ``request``, or None until its headers are complete."""
+        if b"\r\n\r\n" not in request and b"\n\n" not in request:
+            if len(request) < MAX_REQUEST_BYTES:
+                return None
+            return _http(431, b"request headers too large\n")
+        parts = request.split(b"\n", 1)[0].decode("latin-1").split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return _http(400, b"not an HTTP request\n")
+        method, target = parts[0], parts[1].split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            return _http(405, b"only GET\n", extra="Allow: GET, HEAD\r\n")
+        if target not in METRICS_PATHS:
+            return _http(404, b"metrics are at /metrics\n")
+        body = generate_latest(self._registry)
+        return _http(200, body, CONTENT_TYPE_LATEST, head=method == "HEAD")
 
     def close(self, timeout: float = 5.0) -> None:
         if self._closed:
@@ -308,7 +324,7 @@ class MetricsServer:
         with contextlib.suppress(OSError):
             os.write(self._stop_w, b"x")
         self._thread.join(timeout)
-        self._httpd.server_close()
+        self._listener.close()
         for fd in (self._stop_r, self._stop_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -317,6 +333,17 @@ class MetricsServer:
         if not getattr(self, "_closed", True):
             with contextlib.suppress(Exception):
                 self.close(timeout=0)
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large"}
+
+
+def _http(status: int, body: bytes, content_type: str = "text/plain; charset=utf-8", *,
+          head: bool = False, extra: str = "") -> bytes:
+    header = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
+              f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n")
+    return header.encode("latin-1") + (b"" if head else body)
 
 
 def start_metrics_server(monitors: Any, port: int, addr: str = "127.0.0.1"

@@ -119,8 +119,11 @@ def attach_tier(tier: Any) -> TierMonitoring:
     endpoint = None
     if cfg.status_socket:
         try:
+            from mptier.rundir import Trust
+
             endpoint = start_endpoint(None if cfg.status_socket == "auto"
-                                      else cfg.status_socket, monitor.figures)
+                                      else cfg.status_socket, monitor.figures,
+                                      trust=Trust.of(group=cfg.service_group))
             monitor.name = endpoint.name
         except (MptierError, OSError) as exc:
             log.warning("mptier: no status socket for this tier (%s); set "

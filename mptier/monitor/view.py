@@ -182,14 +182,15 @@ def render_all(replies: list[dict[str, Any]], errors: list[str]) -> RenderableTy
     return Group(*parts)
 
 
-def collect(name: str | None, directory: str | None = None
+def collect(name: str | None, directory: str | None = None, trust: Any = None
             ) -> tuple[list[dict[str, Any]], list[str]]:
-    """Query ``name`` (or every discovered endpoint): replies, and errors as text."""
-    targets = [name] if name else [e.path for e in discover(directory)]
+    """Query ``name`` (or every discovered endpoint): replies, and errors as text.
+    ``trust`` (:class:`mptier.rundir.Trust`): whose endpoints are believed."""
+    targets = [name] if name else [e.path for e in discover(directory, trust=trust)]
     replies, errors = [], []
     for target in targets:
         try:
-            replies.append(query(target, directory=directory))
+            replies.append(query(target, directory=directory, trust=trust))
         except MptierError as exc:
             errors.append(str(exc))
     return replies, errors
@@ -198,7 +199,7 @@ def collect(name: str | None, directory: str | None = None
 def run_monitor(name: str | None, *, directory: str | None = None,
                 refresh_s: float = REFRESH_S, console: Console | None = None,
                 stdin_fd: int | None = None,
-                clock: Callable[[], float] = time.monotonic) -> int:
+                clock: Callable[[], float] = time.monotonic, trust: Any = None) -> int:
     """The live view: redraw every ``refresh_s`` until ``q`` (or Ctrl-C); returns 0.
 
     Blocks the calling thread. When stdin is a terminal it is put in cbreak mode (keys
@@ -217,7 +218,7 @@ def run_monitor(name: str | None, *, directory: str | None = None,
         with Live(console=console, screen=True, auto_refresh=False,
                   redirect_stdout=False, redirect_stderr=False) as live:
             while True:
-                live.update(render_all(*collect(name, directory)), refresh=True)
+                live.update(render_all(*collect(name, directory, trust)), refresh=True)
                 deadline = clock() + refresh_s
                 while (left := deadline - clock()) > 0:
                     ready, _, _ = select.select(keys, [], [], left)

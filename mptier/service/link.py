@@ -14,7 +14,13 @@ goes (end of file). Then, without touching the engine's state, it marks the pool
 the scheduler thread, at its next call, fails every job in flight with an error naming
 the service (:meth:`take_lost`), answers lookups MISS and fails new jobs at once. When
 the engine has done so (:meth:`allow_reattach`), the thread tries to attach again every
-:data:`RECONNECT_S` and the tier serves again by itself when the service is back.
+:data:`RECONNECT_S` and the tier serves again by itself when the service is back; the
+control block of the lost attachment is closed :data:`RETIRE_AFTER_S` later, so restarts
+cost nothing that stays.
+
+Trust (docs/security.md): the socket is looked for only in checked run folders, and after
+``connect()`` the listener's credentials (``SO_PEERCRED``) must be our uid's, root's or
+``service_user``'s before a byte or a descriptor is sent.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from typing import Any
 from mptier import messages
 from mptier.errors import MptierError
 from mptier.jobs import TaskKind
-from mptier.service.names import find_socket
+from mptier.rundir import RUN_DIR_ENV, Trust, UntrustedError, peer_of, warn_once
+from mptier.service.names import locate
 from mptier.service.server import ATTACH, DETACH, DETACHED, PROTOCOL_VERSION, STATUS
 from mptier.workers import ControlBlock, IoSettings, PoolState, Session
 
@@ -52,6 +59,10 @@ RECONNECT_S = 1.0
 ATTACH_TIMEOUT_S = 120.0
 # errno on jobs failed because the service went away.
 ERR_SERVICE_GONE = errno.ECONNRESET
+# A control block replaced by a re-attach is closed this long after (its descriptors and
+# mapping released): a call on the scheduler thread or a stats() reader that picked up
+# the old block before the swap uses it for microseconds, far less than this.
+RETIRE_AFTER_S = 2.0
 
 
 class ServiceLink:
@@ -59,12 +70,15 @@ class ServiceLink:
 
     mode = "service"
 
-    def __init__(self, name: str, wait_s: float) -> None:
+    def __init__(self, name: str, wait_s: float, trust: Trust | None = None) -> None:
         self.name = name
         self._wait_s = wait_s  # how long the constructor waits for a service to appear
+        # Whose run folders and listeners are believed (own uid, root, service_user).
+        self._trust = trust or Trust.of()
         self.control: ControlBlock | None = None
         self.io: IoSettings | None = None
-        self._retired: list[ControlBlock] = []  # replaced ones: the engine may be mid-read
+        # (closed after, block) replaced by a re-attach: the engine may be mid-read
+        self._retired: list[tuple[float, ControlBlock]] = []
         self._session: Session | None = None  # our copy, to attach again
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
@@ -99,15 +113,22 @@ class ServiceLink:
                 # Not there yet, or gone while it attached us (a restart): wait for it.
                 if time.monotonic() >= deadline:
                     self._session.close()
+                    path, refused = locate(self.name, self._trust)
+                    skipped = "".join(f"; {r}" for r in refused)
                     raise MptierError(
-                        f"no mptier service named {self.name!r} at {find_socket(self.name)}"
-                        f" ({exc.strerror}); start it with `mptier serve --name "
-                        f"{self.name}`, or set MPTIER_RUN_DIR to where it runs") from None
+                        f"no mptier service named {self.name!r} at "
+                        f"{path or 'any usable run folder'} ({exc.strerror}){skipped}; "
+                        f"start it with `mptier serve --name {self.name}`, or set "
+                        f"{RUN_DIR_ENV} to where it runs") from None
                 time.sleep(0.2)
+            except UntrustedError as exc:
+                self._session.close()
+                raise MptierError(f"refused to attach to mptier service {self.name!r}: "
+                                  f"{exc}") from None
             except OSError as exc:
                 self._session.close()
                 raise MptierError(f"could not attach to mptier service {self.name!r} at "
-                                  f"{find_socket(self.name)}: {exc}") from exc
+                                  f"{locate(self.name, self._trust)[0]}: {exc}") from exc
             except BaseException:
                 self._session.close()
                 raise
@@ -118,11 +139,21 @@ class ServiceLink:
 
     def _attach_once(self) -> tuple[socket.socket, ControlBlock, IoSettings, dict]:
         assert self._session is not None
-        path = find_socket(self.name)
+        path, _ = locate(self.name, self._trust)  # in checked run folders only
+        if not path:
+            raise FileNotFoundError(errno.ENOENT, "no run folder to look in")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(ATTACH_TIMEOUT_S)
             sock.connect(path)
+            # Before anything of ours crosses: is the listener the service's user?
+            peer = peer_of(sock)
+            problem = self._trust.listener_problem(peer)
+            if problem:
+                warn_once(f"refused service socket {path}: {problem}")
+                raise UntrustedError(
+                    f"the socket {path} is not trusted: {problem}; nothing was sent. "
+                    "Remove it, or set service_user if the service runs as that user")
             s = self._session
             fds = [*(s.queues[k] for k in TaskKind), s.completion, s.lifeline, *s.doorbell,
                    *(seg.fd for seg in s.segments)]
@@ -212,9 +243,11 @@ class ServiceLink:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        for control in (*self._retired, self.control):
-            if control is not None:
-                control.close()
+        for _, control in self._retired:
+            control.close()
+        self._retired.clear()
+        if self.control is not None:
+            self.control.close()
         if self._session is not None:
             self._session.close()
         for fd in (self._wake_r, self._wake_w):
@@ -232,6 +265,7 @@ class ServiceLink:
         next_status = 0.0
         while not self._stopping:
             try:
+                self._release_retired()
                 if self._sock is None:
                     self._reattach()
                     continue
@@ -256,6 +290,14 @@ class ServiceLink:
                 log.exception("mptier link to service %r: unexpected error (continuing)",
                               self.name)
                 time.sleep(0.1)
+
+    def _release_retired(self, now: float | None = None) -> None:
+        """Close the control blocks re-attaches replaced, once nobody can be reading
+        them (:data:`RETIRE_AFTER_S`): every re-attach gives back what the last held."""
+        now = time.monotonic() if now is None else now
+        while self._retired and self._retired[0][0] <= now:
+            _, control = self._retired.pop(0)
+            control.close()
 
     def _read(self) -> None:
         assert self._sock is not None
@@ -306,7 +348,7 @@ class ServiceLink:
             return
         old = self.control
         if old is not None:
-            self._retired.append(old)
+            self._retired.append((time.monotonic() + RETIRE_AFTER_S, old))
         self.control, self.io, self._sock = control, io, sock
         self._lost = None
         self._detached.clear()

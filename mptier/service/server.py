@@ -17,6 +17,11 @@ comes from each engine. The service creates nothing in /dev/shm (its control blo
 memfd; the buffer is the engine's). SIGTERM or SIGINT: in-flight copies finish, workers
 leave, the socket is removed, exit 0.
 
+Trust (docs/security.md): the run folder is checked before the name's lock and socket are
+made in it (through its descriptor, never a symlink); every accepted connection's
+credentials (``SO_PEERCRED``) must be the service's uid, root or a ``service_group``
+member, else it is closed unread and the refusal logged with the peer's uid and pid.
+
 Blocking: the main thread blocks in ``poll()`` on the listening socket, the attached
 engine's link and a signal pipe; an attach blocks it until the workers have taken the
 session (bounded by ``worker_start_timeout_s``).
@@ -38,8 +43,16 @@ from typing import Any
 from mptier import messages
 from mptier.config import TierConfig
 from mptier.errors import MptierError
+from mptier.rundir import (
+    Trust,
+    UntrustedError,
+    open_folder,
+    open_lock,
+    peer_of,
+    remove_own_socket,
+)
 from mptier.service import validate
-from mptier.service.names import lock_path, socket_path
+from mptier.service.names import LOCK_SUFFIX, SOCKET_SUFFIX, socket_path
 from mptier.workers import PoolSettings, WorkerPool
 
 log = logging.getLogger("mptier.service")
@@ -66,7 +79,10 @@ class Service:
                               "root_dir=/mnt/kv): the folder the block files go into")
         self.name = name
         self.config = config
-        self.path = socket_path(name, create=True)
+        # Who may attach and ask for status: our uid, root, and service_group's members.
+        self.trust = Trust.of(group=config.service_group)
+        self.path = socket_path(name, create=True, trust=self.trust)
+        self._folder_fd = -1  # the checked run folder: every entry is reached through it
         self._lock_fd = -1
         self._listener: socket.socket | None = None
         self._pool: WorkerPool | None = None
@@ -104,7 +120,8 @@ class Service:
         from mptier.monitor import Monitor, start_endpoint, start_metrics_server
 
         monitor = Monitor(self.figures, name=self.name, kind="service")
-        stack.callback(start_endpoint(self.name, monitor.figures, kind="service").close)
+        stack.callback(start_endpoint(self.name, monitor.figures, kind="service",
+                                      trust=self.trust).close)
         if self.config.metrics_port:
             server = start_metrics_server(monitor, self.config.metrics_port,
                                           self.config.metrics_addr)
@@ -121,24 +138,38 @@ class Service:
 
     def _claim_name(self) -> None:
         """One service per name: hold the name's lock for life; a socket left by a
-        service that died is removed only once its lock is ours."""
-        fd = os.open(lock_path(self.name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        service that died is removed only once its lock is ours, and only if it is a
+        socket of our uid (anything else there is refused, naming it). Every entry is
+        reached through the checked folder's descriptor, never through a symlink."""
+        folder = os.path.dirname(self.path)
+        self._folder_fd = open_folder(folder, self.trust)
+        lock = self.name + LOCK_SUFFIX
+        try:
+            fd = open_lock(self._folder_fd, lock)
+        except UntrustedError as exc:
+            raise UntrustedError(f"mptier service {self.name!r}: {exc} (in {folder})"
+                                 ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise MptierError(f"another mptier service named {self.name!r} is running "
-                              f"(it holds {lock_path(self.name)}); pick another --name"
-                              ) from None
+                              f"(it holds {os.path.join(folder, lock)}); pick another "
+                              "--name") from None
         self._lock_fd = fd
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        remove_own_socket(self._folder_fd, self.name + SOCKET_SUFFIX)
 
     def _listen(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            listener.bind(self.path)
-            os.chmod(self.path, 0o660)
+            listener.bind(self.path)  # in the checked folder, which nobody else writes
+            sock_name = self.name + SOCKET_SUFFIX
+            if self.trust.gid is not None:  # the group's members may connect
+                os.chown(sock_name, -1, self.trust.gid, dir_fd=self._folder_fd,
+                         follow_symlinks=False)
+                os.chmod(sock_name, 0o660, dir_fd=self._folder_fd)
+            else:
+                os.chmod(sock_name, 0o600, dir_fd=self._folder_fd)
             listener.listen(LISTEN_BACKLOG)
         except BaseException:
             listener.close()
@@ -150,7 +181,7 @@ class Service:
         if self._listener is not None:
             self._listener.close()
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+                os.unlink(self.name + SOCKET_SUFFIX, dir_fd=self._folder_fd)
             self._listener = None
         if self._pool is not None:
             if self._link is not None:
@@ -162,9 +193,12 @@ class Service:
             self._pool = None
         if self._lock_fd >= 0:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock_path(self.name))
+                os.unlink(self.name + LOCK_SUFFIX, dir_fd=self._folder_fd)
             os.close(self._lock_fd)
             self._lock_fd = -1
+        if self._folder_fd >= 0:
+            os.close(self._folder_fd)
+            self._folder_fd = -1
         for fd in (self._stop_r, self._stop_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -194,6 +228,14 @@ class Service:
         try:
             conn, _ = self._listener.accept()
         except OSError:
+            return
+        peer = peer_of(conn)
+        if not self.trust.admits(peer):  # before reading a byte of what it sends
+            log.warning("mptier service %r refused a connection from %s: only uid %d, "
+                        "root%s may attach or ask for status", self.name, peer,
+                        os.geteuid(), "" if self.trust.gid is None
+                        else f" and group {self.trust.gid} (service_group)")
+            conn.close()
             return
         conn.settimeout(FIRST_MESSAGE_S)
         try:
@@ -347,7 +389,7 @@ _SERVICE_FIELDS = frozenset({
     "n_store_workers", "io_timeout_s", "max_task_retries",
     "use_o_direct", "checksum_blocks", "native", "worker_nice", "worker_cpus", "prefault",
     "worker_start_timeout_s", "max_stuck_workers", "heartbeat_s", "max_worker_rss_bytes",
-    "metrics_port", "metrics_addr"})
+    "metrics_port", "metrics_addr", "service_group"})
 
 
 def serve(name: str, config: TierConfig) -> int:
