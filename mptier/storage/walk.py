@@ -341,7 +341,8 @@ class Walker:
         if level == _BASE:
             if name in (N.CONFIG_JSON, N.MPTIER_JSON):
                 return self._typed(de, Kind.CONFIG, frame.folder)
-            if name.startswith(N.CONFIG_JSON + ".tmp."):  # FileMapper.write_config's temp
+            if name.startswith((N.CONFIG_JSON + ".tmp.", N.MPTIER_JSON + ".tmp.")):
+                # FileMapper's temporaries (layout._publish)
                 return self._typed(de, Kind.TEMP, frame.folder)
             return self._entry(de, Kind.FOREIGN, frame.folder)
         if level == _META:

@@ -1,0 +1,117 @@
+"""A root is shared, so what is in it is input: hostile files at the names mptier reads,
+folders and inodes the byte budget must see, a root that turns read-only. Real files,
+FIFOs, devices, tmpfs mounts and worker processes throughout."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+
+from mptier import FileSystemTier
+from mptier.errors import RootFileError
+from mptier.layout import FileMapper
+from mptier.rootfile import ROOT_FILE_LIMIT_BYTES, read_root_file
+from mptier.storage import tools
+
+KB = 1 << 10
+BLOCK = 64 * KB
+MODEL = "hostile/model"
+
+
+def _symlink_to_zero(path: str) -> None:
+    os.symlink("/dev/zero", path)
+
+
+def _fifo(path: str) -> None:
+    os.mkfifo(path)
+
+
+def _huge(path: str) -> None:
+    with open(path, "wb") as f:  # sparse: large to read, nothing on disk
+        f.truncate(ROOT_FILE_LIMIT_BYTES * 64)
+
+
+def _folder(path: str) -> None:
+    os.mkdir(path)
+
+
+def _char_device(path: str) -> None:
+    os.mknod(path, stat.S_IFCHR | 0o644, os.makedev(1, 5))  # /dev/zero's numbers
+
+
+# (what is planted, what the error must say it found)
+HOSTILE = [(_symlink_to_zero, "a symlink"), (_fifo, "a FIFO"),
+           (_huge, f"larger than {ROOT_FILE_LIMIT_BYTES} bytes"), (_folder, "a folder"),
+           (_char_device, "a character device")]
+HOSTILE_IDS = ["symlink-to-dev-zero", "fifo", "huge", "folder", "char-device"]
+
+
+@pytest.mark.parametrize(("plant", "found"), HOSTILE, ids=HOSTILE_IDS)
+def test_read_root_file_refuses_what_is_not_a_small_regular_file(tmp_path, plant, found):
+    path = str(tmp_path / "mptier.json")
+    plant(path)
+    with pytest.raises(RootFileError) as info:
+        read_root_file(path)
+    assert path in str(info.value) and found in str(info.value)
+    assert "remove" in str(info.value), "the error says what to do"
+    assert info.value.errno in (errno.ELOOP, errno.EFBIG, getattr(errno, "EMEDIUMTYPE", 0))
+
+
+def test_read_root_file_reads_a_regular_file_and_misses_a_missing_one(tmp_path):
+    path = tmp_path / "config.json"
+    assert read_root_file(str(path)) is None
+    path.write_bytes(b"x" * ROOT_FILE_LIMIT_BYTES)  # exactly the limit is fine
+    assert read_root_file(str(path)) == b"x" * ROOT_FILE_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("name", ["mptier.json", "config.json"])
+@pytest.mark.parametrize(("plant", "found"), HOSTILE, ids=HOSTILE_IDS)
+def test_a_tier_refuses_to_start_on_a_hostile_record_naming_it(make_buffer, make_tier, root,
+                                                                name, plant, found):
+    """The start fails at once with the path and what was found -- no 2.6 GiB read from
+    /dev/zero, no wait on a FIFO until io_timeout_s blames the file system."""
+    mapper = FileMapper(root, MODEL)
+    os.makedirs(mapper.base_path)
+    os.makedirs(mapper.blocks_dir)
+    path = f"{mapper.base_path}/{name}"
+    plant(path)
+    buf = make_buffer(4, BLOCK)
+    with pytest.raises(RootFileError) as info:
+        make_tier(buf, model_name=MODEL, io_timeout_s=600.0)
+    text = str(info.value)
+    assert path in text and found in text
+    assert "not responding" not in text and "io_timeout_s" not in text
+    # Removing it, as the error says, is all it takes.
+    (os.rmdir if os.path.isdir(path) and not os.path.islink(path) else os.unlink)(path)
+    tier = make_tier(buf, model_name=MODEL)
+    assert tier.stats()["roots"][0]["in_rotation"]
+    assert read_root_file(mapper.record_path) == b'{"block_bytes": %d}' % BLOCK
+
+
+def test_a_record_is_never_written_through_a_planted_temporary_name(make_buffer, root,
+                                                                    tmp_path, backend):
+    """The record's temporary file is created new (O_EXCL, O_NOFOLLOW): a symlink
+    planted at the name an older tier used is not followed."""
+    mapper = FileMapper(root, MODEL)
+    os.makedirs(mapper.base_path)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    for pid in range(os.getpid() - 5, os.getpid() + 5):
+        os.symlink(victim, f"{mapper.record_path}.tmp.{pid}")
+    mapper.prepare(BLOCK)
+    assert victim.read_bytes() == b"keep me"
+    assert mapper.recorded_block_bytes() == BLOCK
+
+
+@pytest.mark.parametrize(("plant", "found"), HOSTILE, ids=HOSTILE_IDS)
+def test_du_reports_a_hostile_record_as_unknown_without_reading_it(root, plant, found):
+    mapper = FileMapper(root, MODEL)
+    mapper.prepare(BLOCK)
+    os.unlink(mapper.record_path)
+    plant(mapper.record_path)
+    report = tools.du(root)  # returns at once: nothing read from /dev/zero or a FIFO
+    [folder] = report["folders"]
+    assert folder["model"] == MODEL and folder["block_bytes"] is None
