@@ -10,7 +10,6 @@ import stat
 
 import pytest
 
-from mptier import FileSystemTier
 from mptier.errors import RootFileError
 from mptier.layout import FileMapper
 from mptier.rootfile import ROOT_FILE_LIMIT_BYTES, read_root_file
@@ -67,32 +66,50 @@ def test_read_root_file_reads_a_regular_file_and_misses_a_missing_one(tmp_path):
     assert read_root_file(str(path)) == b"x" * ROOT_FILE_LIMIT_BYTES
 
 
-@pytest.mark.parametrize("name", ["mptier.json", "config.json"])
-@pytest.mark.parametrize(("plant", "found"), HOSTILE, ids=HOSTILE_IDS)
-def test_a_tier_refuses_to_start_on_a_hostile_record_naming_it(make_buffer, make_tier, root,
-                                                                name, plant, found):
-    """The start fails at once with the path and what was found -- no 2.6 GiB read from
-    /dev/zero, no wait on a FIFO until io_timeout_s blames the file system."""
+# The record a start reads, and how it was replaced (the I/O backend plays no part).
+STARTS = [("mptier.json", *case) for case in HOSTILE] + \
+    [("config.json", *HOSTILE[0]), ("config.json", *HOSTILE[1])]
+START_IDS = [f"mptier.json-{i}" for i in HOSTILE_IDS] + \
+    ["config.json-symlink-to-dev-zero", "config.json-fifo"]
+
+
+def _plant_record(root: str, name: str, plant) -> str:
     mapper = FileMapper(root, MODEL)
     os.makedirs(mapper.base_path)
     os.makedirs(mapper.blocks_dir)
     path = f"{mapper.base_path}/{name}"
     plant(path)
-    buf = make_buffer(4, BLOCK)
+    return path
+
+
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+@pytest.mark.parametrize(("name", "plant", "found"), STARTS, ids=START_IDS)
+def test_a_tier_refuses_to_start_on_a_hostile_record_naming_it(make_buffer, make_tier, root,
+                                                                name, plant, found):
+    """The start fails at once with the path and what was found -- no 2.6 GiB read from
+    /dev/zero, no wait on a FIFO until io_timeout_s blames the file system."""
+    path = _plant_record(root, name, plant)
     with pytest.raises(RootFileError) as info:
-        make_tier(buf, model_name=MODEL, io_timeout_s=600.0)
+        make_tier(make_buffer(4, BLOCK), model_name=MODEL, io_timeout_s=600.0)
     text = str(info.value)
     assert path in text and found in text
     assert "not responding" not in text and "io_timeout_s" not in text
-    # Removing it, as the error says, is all it takes.
-    (os.rmdir if os.path.isdir(path) and not os.path.islink(path) else os.unlink)(path)
+
+
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_removing_the_hostile_record_as_told_lets_the_tier_start(make_buffer, make_tier,
+                                                                 root):
+    path = _plant_record(root, "mptier.json", _fifo)
+    buf = make_buffer(4, BLOCK)
+    with pytest.raises(RootFileError, match="remove"):
+        make_tier(buf, model_name=MODEL)
+    os.unlink(path)
     tier = make_tier(buf, model_name=MODEL)
     assert tier.stats()["roots"][0]["in_rotation"]
-    assert read_root_file(mapper.record_path) == b'{"block_bytes": %d}' % BLOCK
+    assert read_root_file(path) == b'{"block_bytes": %d}' % BLOCK
 
 
-def test_a_record_is_never_written_through_a_planted_temporary_name(make_buffer, root,
-                                                                    tmp_path, backend):
+def test_a_record_is_never_written_through_a_planted_temporary_name(root, tmp_path):
     """The record's temporary file is created new (O_EXCL, O_NOFOLLOW): a symlink
     planted at the name an older tier used is not followed."""
     mapper = FileMapper(root, MODEL)
