@@ -7,9 +7,15 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
 
 import pytest
+from conftest import wait_for
+from reliability_kit import tiny_tmpfs
+from support import mounts
+from test_capacity import Driver, keys_for
 
+from mptier import LookupResult
 from mptier.errors import RootFileError
 from mptier.layout import FileMapper
 from mptier.rootfile import ROOT_FILE_LIMIT_BYTES, read_root_file
@@ -132,3 +138,76 @@ def test_du_reports_a_hostile_record_as_unknown_without_reading_it(root, plant, 
     report = tools.du(root)  # returns at once: nothing read from /dev/zero or a FIFO
     [folder] = report["folders"]
     assert folder["model"] == MODEL and folder["block_bytes"] is None
+
+
+# -- a read-only root ---------------------------------------------------------------------
+
+def _remount(point: str, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", point], check=True,
+                   capture_output=True, timeout=30)
+
+
+def _lookup(tier, key: bytes) -> LookupResult:
+    """Ask until the answer is not RETRY (lookups run in batches off the thread)."""
+    answer = [LookupResult.RETRY]
+
+    def settled() -> bool:
+        answer[0] = tier.lookup(key, "req")
+        tier.on_schedule_end()
+        return answer[0] is not LookupResult.RETRY
+
+    wait_for(settled, 20, f"a lookup answer for {key.hex()}")
+    tier.on_request_finished("req")
+    return answer[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting tmpfs needs root")
+def test_a_read_only_root_serves_loads_and_fails_stores_fast(make_buffer, make_tier):
+    """EROFS stores never take a readable root out of rotation: its blocks still load
+    and look up as hits, stores fail at once with EROFS (counted, no I/O), and once it
+    is writable again stores resume after root_retry_s."""
+    # A file system with a file open for writing cannot be remounted read-only, and
+    # every writer holds its lease open (<root>/.mptier/leases): the leases live on a
+    # file system of their own, bound in, as a root's blocks are the part that goes
+    # read-only when a disk fails under ext4's errors=remount-ro.
+    with tiny_tmpfs(16 << 20) as point, tiny_tmpfs(1 << 20) as meta:
+        os.makedirs(f"{point}/kv/.mptier")
+        subprocess.run(["mount", "--bind", meta, f"{point}/kv/.mptier"], check=True,
+                       capture_output=True, timeout=30)
+        try:
+            buf = make_buffer(8, BLOCK)
+            tier = make_tier(buf, root_dir=f"{point}/kv", task_bytes=BLOCK,
+                             root_retry_s=4.0, root_failures_to_fail=2)
+            try:
+                _read_only_then_writable(tier, buf, point)
+            finally:
+                tier.shutdown()  # before the unmount: workers hold the root open
+        finally:
+            mounts.unmount(f"{point}/kv/.mptier")
+
+
+def _read_only_then_writable(tier, buf, point: str) -> None:
+    run = Driver(tier, buf)
+    kept, new = keys_for(b"kept", 4), keys_for(b"new", 4)
+    assert run.store(kept).success
+    _remount(point, "ro")
+    try:
+        results = [run.store([key]) for key in new[:3]]  # past root_failures_to_fail
+        assert all(not r.success and r.errno == errno.EROFS for r in results), results
+        assert "read-only" in results[-1].error and "without I/O" in results[-1].error
+        stats = tier.stats()["roots"][0]
+        assert stats["in_rotation"] and stats["read_only"]
+        assert stats["errno"] == errno.EROFS and stats["read_only_stores"] >= 1
+        assert stats["times_out"] == 0
+        for key in kept:  # every block still there, read back and checked
+            assert run.load([key]).success
+            assert _lookup(tier, key) is LookupResult.HIT
+        assert run.load(kept).success
+        assert _lookup(tier, new[0]) is LookupResult.MISS
+        assert tier.stats()["roots"][0]["read_only"], "a load does not end read-only"
+    finally:
+        _remount(point, "rw")
+    wait_for(lambda: run.store(new).success, 30, "stores resuming on the root")
+    stats = tier.stats()["roots"][0]
+    assert stats["in_rotation"] and not stats["read_only"] and stats["errno"] == 0
+    assert run.load(new).success

@@ -25,6 +25,7 @@ attaches. Three parts::
         +SLOT_STORES_AT per root: blocks this worker created (sorted against the walk's
                       position, see RootMaintainer.record_other_stores) and the bytes it
                       waits to find room for -- read by the root's caretaker
+        +SLOT_READ_ONLY_AT per root: stores failed at once, the root being read-only
         +RECORD_OFFSET  the task record being worked on (all zero when idle)
 
 A worker reads each task record from its queue *straight into its slot* (``readv`` into
@@ -73,6 +74,8 @@ SLOT_ROOT_AT = 960
 SLOT_WAITS_AT = 968
 SLOT_STORES_AT = 1024
 _SLOT_STORES = struct.Struct("<IIQQQQQ")
+# Per root: stores this worker failed at once because the root is read-only (u64 each).
+SLOT_READ_ONLY_AT = SLOT_STORES_AT + MAX_ROOTS * _SLOT_STORES.size
 _SLOT_HEADER = struct.Struct("<QQQQQQII")
 _POOL_HEADER = struct.Struct(f"<4sIIiQ{REASON_BYTES}s")
 _STATE_OFFSET = 8  # the state word's place in the pool header (after magic, version)
@@ -100,6 +103,8 @@ ROLES = ("load", "store")
 class RootState(enum.IntEnum):
     IN = 0  # in rotation
     OUT = 1  # out of rotation: its keys are misses; probed again from retry_at_ns
+    READ_ONLY = 2  # in rotation for loads and lookups; stores fail fast (EROFS) until a
+    #                store from retry_at_ns on finds it writable again
 
 
 ROOT_COMPLETE = 1  # flags: the usage is a whole walk's total (else a lower bound)
@@ -291,6 +296,12 @@ class ControlBlock:
         """``(stores that waited for room, ns they waited)`` of the worker in ``slot``."""
         return struct.unpack_from("<QQ", self.memory, self._slot_at(slot) + SLOT_WAITS_AT)
 
+    def read_only_stores(self, root: int) -> int:
+        """Stores of root ``root`` that every worker failed at once as read-only."""
+        return sum(struct.unpack_from("<Q", self.memory, self._slot_at(slot)
+                                      + SLOT_READ_ONLY_AT + 8 * root)[0]
+                   for slot in range(self.n_slots))
+
     def slot_root(self, slot: int) -> int | None:
         """The root the task in ``slot`` was working on, if it said."""
         value = struct.unpack_from("<I", self.memory, self._slot_at(slot) + SLOT_ROOT_AT)[0]
@@ -405,6 +416,11 @@ class SlotWriter:
         waits, total = struct.unpack_from("<QQ", self._mem, SLOT_WAITS_AT)
         struct.pack_into("<QQ", self._mem, SLOT_WAITS_AT, waits + 1, total + ns)
 
+    def count_read_only(self, root: int) -> None:
+        """Count a store of ``root`` failed at once: the root is read-only."""
+        at = SLOT_READ_ONLY_AT + 8 * root
+        struct.pack_into("<Q", self._mem, at, struct.unpack_from("<Q", self._mem, at)[0] + 1)
+
     def set_root(self, root: int | None) -> None:
         """Say which root the task in hand works on now (None: none)."""
         struct.pack_into("<I", self._mem, SLOT_ROOT_AT, 0 if root is None else root + 1)
@@ -434,4 +450,4 @@ class SlotWriter:
 
 assert _POOL_HEADER.size <= ROOTS_AT and ROOTS_AT + MAX_ROOTS * ROOT_BYTES <= PAGE_BYTES
 assert _ROOT_HEALTH.size + _ROOT_USAGE.size == ROOT_BYTES
-assert SLOT_STORES_AT + MAX_ROOTS * _SLOT_STORES.size <= RECORD_OFFSET
+assert SLOT_READ_ONLY_AT + MAX_ROOTS * 8 <= RECORD_OFFSET

@@ -238,12 +238,14 @@ def root_figures(control: ControlBlock, io: IoSettings) -> list[dict[str, Any]]:
     for index, path in enumerate(io.root_dirs):
         rec = control.root(index)
         out.append({
-            "path": path, "in_rotation": rec.state is RootState.IN,
+            "path": path, "in_rotation": rec.state is not RootState.OUT,
+            "read_only": rec.state is RootState.READ_ONLY,
+            "read_only_stores": control.read_only_stores(index),
             "o_direct": io.roots[index].use_o_direct, "io_uring": io.roots[index].uring,
             "bounce_loads": io.roots[index].bounce,
             "errno": rec.err, "failures": rec.failures, "times_out": rec.outs,
             "probe_in_s": max(0.0, (rec.retry_at_ns - now) / 1e9)
-            if rec.state is RootState.OUT else None,
+            if rec.state is not RootState.IN else None,
             "usage_bytes": rec.usage_bytes, "blocks": rec.usage_blocks,
             "capacity_bytes": io.capacity_bytes,
             "usage_complete": bool(rec.flags & ROOT_COMPLETE),
