@@ -8,9 +8,11 @@ import errno
 import os
 import stat
 import subprocess
+import sys
 
 import pytest
 from conftest import wait_for
+from native_support import aligned, child_env, io_fixture  # noqa: F401  (fixture)
 from reliability_kit import tiny_tmpfs
 from support import mounts
 from test_capacity import Driver, keys_for
@@ -211,3 +213,50 @@ def _read_only_then_writable(tier, buf, point: str) -> None:
     stats = tier.stats()["roots"][0]
     assert stats["in_rotation"] and not stats["read_only"] and stats["errno"] == 0
     assert run.load(new).success
+
+
+# -- folders ------------------------------------------------------------------------------
+
+REMOVER = """
+import os, sys
+root, count = sys.argv[1], 0
+leaf, top = os.path.join(root, "abc", "de_g0"), os.path.join(root, "abc")
+print("ready", flush=True)
+while not os.path.exists(os.path.join(root, "stop")):
+    for folder in (leaf, top):
+        try:
+            os.rmdir(folder)
+            count += 1
+        except OSError:
+            pass
+print(count, flush=True)
+"""
+
+
+def test_stores_survive_empty_folders_removed_under_them(io, tmp_path):
+    """A caretaker removes empty block folders while writers store: a writer that finds
+    its folder, or the folder's parent, gone between making and using it makes it again
+    (the retry in mpt_store_one / _store_one) -- no store fails."""
+    rounds = 300
+    buf = aligned(BLOCK, seed=3)
+    paths = [f"abc/de_g0/abcde{i:059x}.bin" for i in range(rounds)]
+    remover = subprocess.Popen([sys.executable, "-c", REMOVER, str(tmp_path)],
+                               env=child_env(), text=True, stdout=subprocess.PIPE)
+    failures = []
+    try:
+        assert remover.stdout.readline().strip() == "ready"
+        for path in paths:
+            try:
+                io.batch_store(tmp_path, [path], buf, [0], BLOCK)
+            except OSError as exc:
+                failures.append((path, exc))
+                continue
+            assert (tmp_path / path).read_bytes() == bytes(buf)
+            os.unlink(tmp_path / path)  # the folder is empty again: fair game
+    finally:
+        (tmp_path / "stop").touch()
+        removed = int(remover.stdout.readline())
+        remover.wait(timeout=30)
+        remover.stdout.close()
+    assert failures == []
+    assert removed > 0, "the remover never removed a folder: the race was not run"

@@ -34,7 +34,7 @@ from mptier.storage.usage import (
     check_watermarks,
     evict,
 )
-from mptier.storage.walk import Entry, Kind
+from mptier.storage.walk import Entry, Kind, remove_empty_folder
 
 # Candidates kept per pass cover this many times the band between the watermarks, so
 # that one pass's candidates outlast some blocks becoming recently used (refused)...
@@ -57,6 +57,7 @@ class StepReport:
     removed_bytes: int = 0
     refused: int = 0                    # candidates in use again or replaced: kept
     temps_removed: int = 0
+    folders_removed: int = 0            # empty block sub-folders the walk removed
     pass_completed: bool = False
     usage_bytes: int = 0
     # With hand_out: blocks to evict, oldest first, for the caller to remove (evict())
@@ -106,6 +107,7 @@ class RootMaintainer:
         self.hand_out = hand_out
         self.handed_bytes = 0   # handed out, not yet reported back
         self.refused = 0
+        self.folders_removed = 0
 
     def evicted(self, entry: Entry, removed: bool) -> bytes | None:
         """A block handed out by :meth:`step` was removed (``removed``) or kept (used
@@ -238,6 +240,10 @@ class RootMaintainer:
             if entry.kind is Kind.BLOCK:
                 if self._next is not None:
                     self._next.offer(entry)
+            elif entry.kind is Kind.EMPTY_FOLDER:
+                if remove_empty_folder(entry.path):
+                    report.folders_removed += 1
+                    self.folders_removed += 1
             elif self.sweeper is not None and self.sweeper.offer(entry) \
                     and entry.kind is Kind.TEMP:
                 report.temps_removed += 1
