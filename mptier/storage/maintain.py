@@ -5,7 +5,9 @@
         ├─ UsageTracker    usage rebuilt pass by pass, own stores/evictions as deltas
         ├─ TempSweeper     stale temporary files and dead writers' leases removed
         ├─ OldestBlocks    the oldest blocks of this pass, for the next eviction
-        └─ evict           past the high watermark: oldest first, down to the low one
+        ├─ evict           past the high watermark: oldest first, down to the low one
+        │                  (or ``free_bytes`` more: the caretaker's inode watch)
+        └─ empty folders   <h3> and <h2>_g<group> folders the walk finds empty: removed
       report.removed       -> "removed" events;  maintainer.usage_bytes -> stats()
 
 Eviction uses the candidates of the last complete pass, so it follows LRU over the whole
@@ -218,7 +220,7 @@ class RootMaintainer:
         self.tracker.record_unplaced(folder, nbytes, nblocks)
 
     def step(self, budget: int, want_free: int = 0, walk: bool = True,
-             evict_s: float | None = None) -> StepReport:
+             evict_s: float | None = None, free_bytes: int = 0) -> StepReport:
         """Walk at most ``budget`` entries (sweeping and collecting as it goes), then, if
         past the high watermark, evict at most ``budget`` blocks. Work per call is
         bounded by ``budget`` metadata calls of each kind; a few hundred to a few
@@ -228,7 +230,9 @@ class RootMaintainer:
         what takes usage to ``capacity - want_free`` (when that is below the low
         watermark). ``walk=False`` only evicts (a pause between passes). ``evict_s``
         bounds the time spent evicting in this step (an unlink can take milliseconds on
-        a busy disk); the rest waits for the next step."""
+        a busy disk); the rest waits for the next step. ``free_bytes``: evict at least
+        this much whatever the byte watermarks say (the file system is short of inodes
+        or space the budget does not see)."""
         report = StepReport()
         passes = self.tracker.passes
         if self.sweeper is not None and not self._pass_begun:
@@ -254,19 +258,19 @@ class RootMaintainer:
             self._next = self._new_candidates()
         if self.capacity_bytes:
             self._evict(budget, report, want_free,
-                        None if evict_s is None else time.monotonic() + evict_s)
+                        None if evict_s is None else time.monotonic() + evict_s, free_bytes)
         report.usage_bytes = self.usage_bytes
         return report
 
     def _evict(self, budget: int, report: StepReport, want_free: int = 0,
-               deadline: float | None = None) -> None:
-        need = max(self.bytes_to_free(),
+               deadline: float | None = None, free_bytes: int = 0) -> None:
+        need = max(self.bytes_to_free(), free_bytes,
                    self.usage_bytes + want_free - self.capacity_bytes if want_free else 0)
         need -= self.handed_bytes  # already on their way out
         if need <= 0:
             return
         if not self._ready and not self.complete and self._next is not None \
-                and self.usage_bytes + want_free > self.capacity_bytes:
+                and (self.usage_bytes + want_free > self.capacity_bytes or free_bytes):
             # The first pass is still running and what it has counted so far is already
             # past the capacity: stores would fail. Evict the oldest seen so far rather
             # than wait for the whole walk (LRU is then approximate, once).

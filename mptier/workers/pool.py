@@ -35,6 +35,7 @@ from mptier.workers.bounce import needs_bounce
 from mptier.workers.control import (
     ROOT_COMPLETE,
     ROOT_EVICTING,
+    ROOT_INODES_LOW,
     ControlBlock,
     RootState,
     SlotState,
@@ -252,8 +253,16 @@ def root_figures(control: ControlBlock, io: IoSettings) -> list[dict[str, Any]]:
             "evicting": bool(rec.flags & ROOT_EVICTING),
             "evicted_blocks": rec.evicted_blocks, "evicted_bytes": rec.evicted_bytes,
             "temps_removed": rec.temps_removed, "walk_passes": rec.pass_id,
+            **_inode_figures(control, index),
             "caretaker_pid": rec.caretaker_pid or None})
     return out
+
+
+def _inode_figures(control: ControlBlock, index: int) -> dict[str, Any]:
+    total, free, folders, flags = control.root_extra(index)
+    return {"inodes_total": total or None, "inodes_free": free if total else None,
+            "inodes_low": bool(flags & ROOT_INODES_LOW), "folders_removed": folders,
+            "no_space_stores": control.no_space_stores(index)}
 
 
 def _room_waits(control: ControlBlock, slot: int) -> dict[str, Any]:

@@ -528,6 +528,8 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
                 "was written")
     rc, n_done, index, temp_err = ctx.backend.store(fd, paths, ctx.memory, offsets,
                                                     block_bytes, root.flags, ctx.tag)
+    if rc in (-errno.ENOSPC, -errno.EDQUOT):  # out of blocks, inodes or quota: the
+        ctx.slot_writer.count_no_space(root.index)  # caretaker evicts on the rise
     if temp_err:
         log.warning("mptier: a temporary file in %s could not be removed (%s); the sweeper "
                     "removes it once this writer's lease is free",
