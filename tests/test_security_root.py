@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import wait_for
@@ -300,3 +301,48 @@ def test_evicted_blocks_take_their_folders_with_them(make_buffer, make_tier, roo
     stats = root_stats(tier)
     assert stats["folders_removed"] >= 4 and stats["evicted_blocks"] >= 96 - 16
     assert run.load(keys[-4:]).success
+
+
+# -- inodes -------------------------------------------------------------------------------
+
+def _store_until(run, key: bytes, timeout: float) -> tuple[bool, int]:
+    """Store ``key`` until it succeeds or ``timeout`` passes: (stored, failures)."""
+    failures = 0
+    deadline = time.monotonic() + timeout
+    while True:
+        result = run.store([key])
+        if result.success:
+            return True, failures
+        assert result.errno == errno.ENOSPC, result
+        failures += 1
+        if time.monotonic() > deadline:
+            return False, failures
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting tmpfs needs root")
+def test_a_root_out_of_inodes_evicts_while_bytes_are_free(make_buffer, make_tier):
+    """A tmpfs of 64 MiB but 100 inodes holds ~30 blocks (a file and two folders each)
+    with the byte budget (16 MiB) far away: the caretaker sees the inodes pass the high
+    watermark (and stores refused for space) and evicts, so stores go on."""
+    inodes = 100
+    with tiny_tmpfs(64 << 20, f"nr_inodes={inodes}") as point:
+        buf = make_buffer(4, BLOCK)
+        tier = make_tier(buf, root_dir=f"{point}/kv", model_name=MODEL,
+                         capacity_bytes=256 * BLOCK, task_bytes=BLOCK)
+        try:
+            run = Driver(tier, buf)
+            keys = keys_for(b"inodes", 70)
+            stored = [_store_until(run, key, 20.0) for key in keys]
+            assert all(ok for ok, _ in stored), stored
+            stats = root_stats(tier)
+            assert stats["evicted_blocks"] > 0
+            assert stats["usage_bytes"] < 0.5 * stats["capacity_bytes"]  # bytes were free
+            wait_for(lambda: root_stats(tier)["inodes_total"] == inodes, 10, "inodes")
+            assert 0 <= root_stats(tier)["inodes_free"] < inodes
+            if any(failures for _, failures in stored):
+                assert stats["no_space_stores"] > 0
+            # The newest blocks are kept (LRU is approximate in a first pass: not all).
+            assert run.load([keys[-1]]).success
+        finally:
+            tier.shutdown()  # before the unmount: workers hold the root open

@@ -60,6 +60,7 @@ class StepReport:
     refused: int = 0                    # candidates in use again or replaced: kept
     temps_removed: int = 0
     folders_removed: int = 0            # empty block sub-folders the walk removed
+    sweep_error: OSError | None = None  # the first error judging a temporary or lease
     pass_completed: bool = False
     usage_bytes: int = 0
     # With hand_out: blocks to evict, oldest first, for the caller to remove (evict())
@@ -248,9 +249,16 @@ class RootMaintainer:
                 if remove_empty_folder(entry.path):
                     report.folders_removed += 1
                     self.folders_removed += 1
-            elif self.sweeper is not None and self.sweeper.offer(entry) \
-                    and entry.kind is Kind.TEMP:
-                report.temps_removed += 1
+            elif self.sweeper is not None:
+                try:
+                    if self.sweeper.offer(entry) and entry.kind is Kind.TEMP:
+                        report.temps_removed += 1
+                except OSError as exc:
+                    # The sweep's own files (its lock probe) can fail where the root is
+                    # out of inodes or space: the entry is kept for a later pass, and
+                    # the walk and eviction -- what gives the space back -- go on.
+                    if report.sweep_error is None:
+                        report.sweep_error = exc
         if self.tracker.passes != passes:
             report.pass_completed = True
             self._pass_begun = False

@@ -321,6 +321,12 @@ class Caretaker:
             return
         finally:
             writer.set_root(None)
+        if report.sweep_error is not None:
+            exc = report.sweep_error
+            text = f"sweeping root {kept.path}: {exc}"
+            log.warning("mptier: %s", text)
+            if exc.errno is not None and is_fault(exc.errno):
+                ctx.report_root(kept.index, False, exc.errno, text)
         if kept.evictor is not None:
             for entry in report.to_evict:
                 kept.evictor.put(entry)
