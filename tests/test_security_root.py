@@ -266,6 +266,52 @@ def test_stores_survive_empty_folders_removed_under_them(io, tmp_path):
     assert removed > 0, "no folder was ever removed: the race was not run"
 
 
+def _folders(top: str) -> tuple[int, int, int]:
+    """(block sub-folders, empty ones, bytes on disk of everything under ``top``:
+    st_blocks * 512 of files and folders alike)."""
+    folders = empty = disk = 0
+    for path, dirs, files in os.walk(top):
+        disk += os.lstat(path).st_blocks * 512
+        disk += sum(os.lstat(os.path.join(path, f)).st_blocks * 512 for f in files)
+        if path != top:
+            folders += 1
+            empty += not dirs and not files
+    return folders, empty, disk
+
+
+def test_evicted_blocks_take_their_folders_with_them(make_buffer, make_tier, root):
+    """With a 1 MiB budget, storing 6 MiB of blocks (each in a folder pair of its own,
+    4 KiB each on ext4) leaves no empty folder behind: what the cache takes on disk,
+    folders included, stays near the budget."""
+    cap = 16 * BLOCK
+    buf = make_buffer(4, BLOCK)
+    tier = make_tier(buf, model_name=MODEL, capacity_bytes=cap, task_bytes=BLOCK)
+    run = Driver(tier, buf)
+    keys = keys_for(b"folders", 96)
+    for key in keys:
+        assert run.store([key]).success
+    blocks_dir = tier.mappers[0].blocks_dir
+    # An older tier's leftovers: empty folders the walk finds and removes.
+    an_hour_ago = time.time() - 3600
+    for name in ("fff/ff_g0", "ffe/00_g3", "ffd"):
+        os.makedirs(f"{blocks_dir}/{name}")
+        for folder in (name, os.path.dirname(name)):
+            if folder:
+                os.utime(f"{blocks_dir}/{folder}", (an_hour_ago, an_hour_ago))
+    fresh = f"{blocks_dir}/ffc/00_g0"  # just made: a writer may be about to use it
+    os.makedirs(fresh)
+    wait_for(lambda: _folders(blocks_dir)[1] == 1 and not root_stats(tier)["evicting"],
+             30, "no empty folder left but the fresh one")
+    assert os.path.isdir(fresh), "a folder made now is kept (FOLDER_GRACE_NS)"
+    os.rmdir(fresh)
+    os.rmdir(os.path.dirname(fresh))
+    folders, _, disk = _folders(blocks_dir)
+    n_blocks, _, _ = blocks_on_disk(blocks_dir)
+    assert 0 < n_blocks * BLOCK <= cap
+    assert folders <= 2 * n_blocks
+    assert disk <= cap + 2 * n_blocks * 4096 + 4096  # blocks and the folders they need
+    stats = root_stats(tier)
+    assert stats["folders_removed"] >= 4 and stats["evicted_blocks"] >= 96 - 16
 # -- inodes -------------------------------------------------------------------------------
 
 def _store_until(run, key: bytes, timeout: float) -> tuple[bool, int]:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from mptier.storage.leases import DEFAULT_STALE_TEMP_S, TempSweeper
-from mptier.storage.names import key_of_block_path
+from mptier.storage.names import LEAF_RE, key_of_block_path
 from mptier.storage.usage import (
     DEFAULT_MAX_CANDIDATES,
     OldestBlocks,
@@ -46,6 +46,11 @@ CANDIDATE_SLACK = 2.0
 # Candidates used since the pass are refused by evict(), so a longer list costs memory
 # only (bounded by max_candidates).
 CANDIDATE_MIN_FRACTION = 0.25
+# The walk removes an empty block folder only once it has been unchanged this long: a
+# writer that just made it (and writes an O_TMPFILE block in it, which leaves it empty
+# until the link) is not made to retry. Any older leftover goes; a clock skewed by more
+# (a network file system's server) only brings back the writer's retry.
+FOLDER_GRACE_NS = 10 * 10**9
 
 
 @dataclass
@@ -123,6 +128,15 @@ class RootMaintainer:
         self.evicted_blocks += 1
         self.evicted_bytes += entry.size
         return key_of_block_path(entry.path)
+
+    def _remove_folder(self, path: str, report: StepReport) -> None:
+        """An empty block folder the walk found: removed, and for a <h2>_g<group>
+        folder its <h3> folder too if that is now empty (its mtime is ours)."""
+        removed = remove_empty_folder(path)
+        if removed and LEAF_RE.match(os.path.basename(path)):
+            removed += remove_empty_folder(os.path.dirname(path))
+        report.folders_removed += removed
+        self.folders_removed += removed
 
     def _new_candidates(self) -> OldestBlocks | None:
         if not self.capacity_bytes:
@@ -246,9 +260,8 @@ class RootMaintainer:
                 if self._next is not None:
                     self._next.offer(entry)
             elif entry.kind is Kind.EMPTY_FOLDER:
-                if remove_empty_folder(entry.path):
-                    report.folders_removed += 1
-                    self.folders_removed += 1
+                if time.time_ns() - entry.mtime_ns > FOLDER_GRACE_NS:
+                    self._remove_folder(entry.path, report)
             elif self.sweeper is not None:
                 try:
                     if self.sweeper.offer(entry) and entry.kind is Kind.TEMP:
