@@ -312,6 +312,9 @@ def test_evicted_blocks_take_their_folders_with_them(make_buffer, make_tier, roo
     assert disk <= cap + 2 * n_blocks * 4096 + 4096  # blocks and the folders they need
     stats = root_stats(tier)
     assert stats["folders_removed"] >= 4 and stats["evicted_blocks"] >= 96 - 16
+    assert run.load(keys[-4:]).success
+
+
 # -- inodes -------------------------------------------------------------------------------
 
 def _store_until(run, key: bytes, timeout: float) -> tuple[bool, int]:
