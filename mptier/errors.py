@@ -25,6 +25,14 @@ class TierClosedError(MptierError, RuntimeError):
     """The tier was shut down; no further work can be submitted."""
 
 
+class RootFileError(MptierError, OSError):
+    """A small file mptier reads from a root (``mptier.json``, ``config.json``) is not a
+    regular file of a sane size: a symlink, FIFO, device or folder, or too large. The
+    message names the path, what was found and what to do; ``errno`` is ELOOP (a
+    symlink), EMEDIUMTYPE (not a regular file) or EFBIG (too large) -- the file's fault,
+    never the file system's."""
+
+
 class BatchIOError(MptierError, OSError):
     """A batch store/load stopped at its first failing block.
 

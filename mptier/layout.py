@@ -14,9 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 from typing import Any
 
 from mptier.keys import NAME_MAX, key_block_hash, key_group_idx
+from mptier.rootfile import read_root_file
 
 CONFIG_FILENAME = "config.json"
 # mptier's own record beside config.json (vLLM reads only config.json and block files):
@@ -160,7 +162,8 @@ class FileMapper:
         other blocks: sharing it would serve truncated blocks or delete the other's as
         short, so this raises ``ConfigError`` naming both sizes. A folder without the
         record (new, or written by vLLM's tier) gets one. Raises ``OSError`` naming the
-        path when the root cannot be used.
+        path when the root cannot be used, and ``RootFileError`` when a record is a
+        symlink, FIFO, device or too large (see :mod:`mptier.rootfile`).
         """
         from mptier.errors import ConfigError
 
@@ -176,36 +179,43 @@ class FileMapper:
                 " model_name for this buffer, or remove that folder")
 
     def recorded_block_bytes(self) -> int | None:
-        """The block size in the folder's record, or None if it has none (or it is
-        unreadable: a record half-written by a crashed tier is rewritten)."""
+        """The block size in the folder's record, or None if it has none (or it is not
+        JSON naming one: a record half-written by a crashed tier is rewritten). Raises
+        ``RootFileError`` when the record is not a regular file of a sane size, and
+        ``OSError`` when it cannot be read."""
+        data = read_root_file(self.record_path)
         try:
-            with open(self.record_path, encoding="utf-8") as f:
-                value = json.load(f).get("block_bytes")
-        except (OSError, ValueError, AttributeError):
+            value = json.loads(data).get("block_bytes") if data is not None else None
+        except (ValueError, AttributeError):
             return None
-        return value if isinstance(value, int) and value > 0 else None
+        return value if isinstance(value, int) and not isinstance(value, bool) \
+            and value > 0 else None
 
     def write_config(self) -> None:
         """Create the cache folders and write ``config.json`` unless it exists.
 
         Published with a temporary file and a rename, so a reader never sees half of
-        it; an existing file is left as it is. Raises ``OSError`` naming the path when
-        the root cannot be used.
+        it; an existing regular file is left as it is (vLLM reads it: a symlink, FIFO or
+        oversized file there raises ``RootFileError``). Raises ``OSError`` naming the
+        path when the root cannot be used.
         """
         for directory in (self.base_path, self.blocks_dir):
             _make_dirs(directory)
-        if os.path.exists(self.config_path):
+        if read_root_file(self.config_path) is not None:
             return
         _publish(self.config_path, self.config_text())
 
 
 def _publish(path: str, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename, so a reader
-    never sees half of it."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+    never sees half of it. The temporary name is new (``O_EXCL``, never a symlink): a
+    file planted at a guessable name is never written through."""
+    tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
     try:
+        with open(fd, "w", encoding="utf-8", closefd=True) as f:
+            f.write(text)
         os.replace(tmp, path)
     except OSError:
         os.unlink(tmp)

@@ -314,13 +314,15 @@ def temp_files(root: str | os.PathLike) -> list[str]:
 
 
 @contextlib.contextmanager
-def tiny_tmpfs(size_bytes: int) -> Iterator[str]:
+def tiny_tmpfs(size_bytes: int, options: str = "") -> Iterator[str]:
     """A tmpfs of ``size_bytes`` (root only) mounted under this test run's mount folder,
-    so the leak check knows it; unmounted and removed afterwards."""
+    so the leak check knows it; unmounted and removed afterwards. ``options`` adds mount
+    options (e.g. ``"nr_inodes=64"``)."""
     from support import mounts
 
     point = mounts.new_mount_dir("tmpfs-")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0755",
+    extra = f",{options}" if options else ""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0755{extra}",
                     "mptier-test", str(point)], check=True, capture_output=True, timeout=30)
     try:
         yield str(point)

@@ -345,6 +345,9 @@ def _store_one(b: _Batch, rel: bytes, chunk: memoryview, direct: bool) -> int:
     rc = 0
     for _ in range(MKDIR_TRIES + 1):
         dirfd = _walk(b.root, folder, True)
+        if dirfd == -errno.ENOENT:
+            rc = dirfd  # a caretaker removed an empty parent while we made its child
+            continue
         if dirfd < 0:
             return dirfd
         try:

@@ -439,6 +439,10 @@ int mpt_store_one(struct mpt_batch *b, const char *rel, char *src, size_t len, i
 
     for (tries = 0; tries <= MPT_MKDIR_TRIES; tries++) {
         int dirfd = mpt_open_parent(b->root, rel, b->flags, 1);
+        if (dirfd == -ENOENT) {
+            rc = dirfd; /* a caretaker removed an empty parent while we made its child */
+            continue;
+        }
         if (dirfd < 0)
             return dirfd;
         rc = mpt_store_in(b, dirfd, leaf, src, len, direct);

@@ -5,7 +5,9 @@
         ├─ UsageTracker    usage rebuilt pass by pass, own stores/evictions as deltas
         ├─ TempSweeper     stale temporary files and dead writers' leases removed
         ├─ OldestBlocks    the oldest blocks of this pass, for the next eviction
-        └─ evict           past the high watermark: oldest first, down to the low one
+        ├─ evict           past the high watermark: oldest first, down to the low one
+        │                  (or ``free_bytes`` more: the caretaker's inode watch)
+        └─ empty folders   <h3> and <h2>_g<group> folders the walk finds empty: removed
       report.removed       -> "removed" events;  maintainer.usage_bytes -> stats()
 
 Eviction uses the candidates of the last complete pass, so it follows LRU over the whole
@@ -25,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from mptier.storage.leases import DEFAULT_STALE_TEMP_S, TempSweeper
-from mptier.storage.names import key_of_block_path
+from mptier.storage.names import LEAF_RE, key_of_block_path
 from mptier.storage.usage import (
     DEFAULT_MAX_CANDIDATES,
     OldestBlocks,
@@ -34,7 +36,7 @@ from mptier.storage.usage import (
     check_watermarks,
     evict,
 )
-from mptier.storage.walk import Entry, Kind
+from mptier.storage.walk import Entry, Kind, remove_empty_folder
 
 # Candidates kept per pass cover this many times the band between the watermarks, so
 # that one pass's candidates outlast some blocks becoming recently used (refused)...
@@ -44,6 +46,11 @@ CANDIDATE_SLACK = 2.0
 # Candidates used since the pass are refused by evict(), so a longer list costs memory
 # only (bounded by max_candidates).
 CANDIDATE_MIN_FRACTION = 0.25
+# The walk removes an empty block folder only once it has been unchanged this long: a
+# writer that just made it (and writes an O_TMPFILE block in it, which leaves it empty
+# until the link) is not made to retry. Any older leftover goes; a clock skewed by more
+# (a network file system's server) only brings back the writer's retry.
+FOLDER_GRACE_NS = 10 * 10**9
 
 
 @dataclass
@@ -57,6 +64,8 @@ class StepReport:
     removed_bytes: int = 0
     refused: int = 0                    # candidates in use again or replaced: kept
     temps_removed: int = 0
+    folders_removed: int = 0            # empty block sub-folders the walk removed
+    sweep_error: OSError | None = None  # the first error judging a temporary or lease
     pass_completed: bool = False
     usage_bytes: int = 0
     # With hand_out: blocks to evict, oldest first, for the caller to remove (evict())
@@ -106,6 +115,7 @@ class RootMaintainer:
         self.hand_out = hand_out
         self.handed_bytes = 0   # handed out, not yet reported back
         self.refused = 0
+        self.folders_removed = 0
 
     def evicted(self, entry: Entry, removed: bool) -> bytes | None:
         """A block handed out by :meth:`step` was removed (``removed``) or kept (used
@@ -118,6 +128,15 @@ class RootMaintainer:
         self.evicted_blocks += 1
         self.evicted_bytes += entry.size
         return key_of_block_path(entry.path)
+
+    def _remove_folder(self, path: str, report: StepReport) -> None:
+        """An empty block folder the walk found: removed, and for a <h2>_g<group>
+        folder its <h3> folder too if that is now empty (its mtime is ours)."""
+        removed = remove_empty_folder(path)
+        if removed and LEAF_RE.match(os.path.basename(path)):
+            removed += remove_empty_folder(os.path.dirname(path))
+        report.folders_removed += removed
+        self.folders_removed += removed
 
     def _new_candidates(self) -> OldestBlocks | None:
         if not self.capacity_bytes:
@@ -216,7 +235,7 @@ class RootMaintainer:
         self.tracker.record_unplaced(folder, nbytes, nblocks)
 
     def step(self, budget: int, want_free: int = 0, walk: bool = True,
-             evict_s: float | None = None) -> StepReport:
+             evict_s: float | None = None, free_bytes: int = 0) -> StepReport:
         """Walk at most ``budget`` entries (sweeping and collecting as it goes), then, if
         past the high watermark, evict at most ``budget`` blocks. Work per call is
         bounded by ``budget`` metadata calls of each kind; a few hundred to a few
@@ -226,7 +245,9 @@ class RootMaintainer:
         what takes usage to ``capacity - want_free`` (when that is below the low
         watermark). ``walk=False`` only evicts (a pause between passes). ``evict_s``
         bounds the time spent evicting in this step (an unlink can take milliseconds on
-        a busy disk); the rest waits for the next step."""
+        a busy disk); the rest waits for the next step. ``free_bytes``: evict at least
+        this much whatever the byte watermarks say (the file system is short of inodes
+        or space the budget does not see)."""
         report = StepReport()
         passes = self.tracker.passes
         if self.sweeper is not None and not self._pass_begun:
@@ -238,9 +259,19 @@ class RootMaintainer:
             if entry.kind is Kind.BLOCK:
                 if self._next is not None:
                     self._next.offer(entry)
-            elif self.sweeper is not None and self.sweeper.offer(entry) \
-                    and entry.kind is Kind.TEMP:
-                report.temps_removed += 1
+            elif entry.kind is Kind.EMPTY_FOLDER:
+                if time.time_ns() - entry.mtime_ns > FOLDER_GRACE_NS:
+                    self._remove_folder(entry.path, report)
+            elif self.sweeper is not None:
+                try:
+                    if self.sweeper.offer(entry) and entry.kind is Kind.TEMP:
+                        report.temps_removed += 1
+                except OSError as exc:
+                    # The sweep's own files (its lock probe) can fail where the root is
+                    # out of inodes or space: the entry is kept for a later pass, and
+                    # the walk and eviction -- what gives the space back -- go on.
+                    if report.sweep_error is None:
+                        report.sweep_error = exc
         if self.tracker.passes != passes:
             report.pass_completed = True
             self._pass_begun = False
@@ -248,19 +279,19 @@ class RootMaintainer:
             self._next = self._new_candidates()
         if self.capacity_bytes:
             self._evict(budget, report, want_free,
-                        None if evict_s is None else time.monotonic() + evict_s)
+                        None if evict_s is None else time.monotonic() + evict_s, free_bytes)
         report.usage_bytes = self.usage_bytes
         return report
 
     def _evict(self, budget: int, report: StepReport, want_free: int = 0,
-               deadline: float | None = None) -> None:
-        need = max(self.bytes_to_free(),
+               deadline: float | None = None, free_bytes: int = 0) -> None:
+        need = max(self.bytes_to_free(), free_bytes,
                    self.usage_bytes + want_free - self.capacity_bytes if want_free else 0)
         need -= self.handed_bytes  # already on their way out
         if need <= 0:
             return
         if not self._ready and not self.complete and self._next is not None \
-                and self.usage_bytes + want_free > self.capacity_bytes:
+                and (self.usage_bytes + want_free > self.capacity_bytes or free_bytes):
             # The first pass is still running and what it has counted so far is already
             # past the capacity: stores would fail. Evict the oldest seen so far rather
             # than wait for the whole walk (LRU is then approximate, once).

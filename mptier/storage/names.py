@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 
 from mptier.keys import GROUP_IDX_BYTES
+from mptier.rootfile import read_root_file
 
 MPTIER_JSON = "mptier.json"
 CONFIG_JSON = "config.json"
@@ -101,26 +101,16 @@ def base_of_blocks_dir(name: str) -> tuple[str, int] | None:
     return (match.group("base"), int(match.group("rank"))) if match else None
 
 
-def read_small_json(path: str, limit: int = 1 << 20) -> dict | None:
-    """A small JSON object file read without following a symlink; ``None`` when it is
-    missing, not a regular file, too big, or not a JSON object. Never raises ``OSError``."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+def read_small_json(path: str) -> dict | None:
+    """A small JSON object file, read by :func:`mptier.rootfile.read_root_file`;
+    ``None`` when it is missing, not a regular file, too big, unreadable or not a JSON
+    object (the offline tools report such a folder as unknown). Never raises
+    ``OSError``."""
     try:
-        try:  # reading a small file must not make it look recently used
-            fd = os.open(path, flags | os.O_NOATIME)
-        except PermissionError:  # O_NOATIME needs ownership of the file
-            fd = os.open(path, flags)
-    except OSError:
+        data = read_root_file(path)
+    except OSError:  # RootFileError included
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = os.read(fd, limit + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if len(data) > limit:
+    if data is None:
         return None
     try:
         value = json.loads(data)

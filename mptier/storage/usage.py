@@ -33,7 +33,7 @@ import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from mptier.storage.walk import Entry, Kind, Walker
+from mptier.storage.walk import Entry, Kind, Walker, remove_empty_parents
 
 # Default bound on eviction candidates kept in memory (about 150-250 bytes each, path
 # included, so ~10 MB). One pass can then plan at most this many evictions; more waits
@@ -278,4 +278,5 @@ def evict(entry: Entry) -> bool:
         os.unlink(entry.path)
     except FileNotFoundError:
         return False
+    remove_empty_parents(entry.path)  # an empty folder still takes an inode and a block
     return True

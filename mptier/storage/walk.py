@@ -64,6 +64,7 @@ class Kind(enum.Enum):
     BAD_SIZE = "bad_size"        # a regular file at a block path, not the block size
     BAD_NOT_DIR = "bad_not_dir"  # something other than a folder at a layout folder name
     FOREIGN = "foreign"          # a name the layout does not use (not descended)
+    EMPTY_FOLDER = "empty_folder"  # an <h3> or <h2>_g<group> folder that listed empty
 
     @property
     def is_bad(self) -> bool:
@@ -291,11 +292,16 @@ class Walker:
     # -- classification -----------------------------------------------------------------
 
     def _descend(self, de: os.DirEntry, level: int, folder: str,
-                 block_bytes: int | None = None, prefix: str = "") -> None:
+                 block_bytes: int | None = None, prefix: str = "") -> Entry | None:
+        """Enter folder ``de``; an empty block sub-folder is returned as EMPTY_FOLDER
+        (its inode and blocks are disk a caretaker gives back: remove_empty_folder)."""
         entries = self._list(de.path)
         if entries:
             rel = (*self._stack[-1].rel, de.name)
             self._stack.append(_Frame(rel, level, entries, folder, block_bytes, prefix))
+        elif entries is not None and level in (_TOP, _LEAF):
+            return self._entry(de, Kind.EMPTY_FOLDER, folder)
+        return None
 
     def _entry(self, de: os.DirEntry, kind: Kind, folder: str,
                tag: str | None = None) -> Entry | None:
@@ -314,8 +320,7 @@ class Walker:
                        block_bytes: int | None = None, prefix: str = "") -> Entry | None:
         """A name the layout uses for a folder: enter it when it is one."""
         if de.is_dir(follow_symlinks=False):
-            self._descend(de, level, folder, block_bytes, prefix)
-            return None
+            return self._descend(de, level, folder, block_bytes, prefix)
         if de.is_symlink():
             return self._entry(de, Kind.BAD_SYMLINK, folder)
         return self._entry(de, Kind.BAD_NOT_DIR, folder)
@@ -341,7 +346,8 @@ class Walker:
         if level == _BASE:
             if name in (N.CONFIG_JSON, N.MPTIER_JSON):
                 return self._typed(de, Kind.CONFIG, frame.folder)
-            if name.startswith(N.CONFIG_JSON + ".tmp."):  # FileMapper.write_config's temp
+            if name.startswith((N.CONFIG_JSON + ".tmp.", N.MPTIER_JSON + ".tmp.")):
+                # FileMapper's temporaries (layout._publish)
                 return self._typed(de, Kind.TEMP, frame.folder)
             return self._entry(de, Kind.FOREIGN, frame.folder)
         if level == _META:
@@ -415,6 +421,31 @@ class Walker:
 def _mode_of(de: os.DirEntry) -> int:
     # Cached by DirEntry after the lstat in _entry, so no second system call.
     return de.stat(follow_symlinks=False).st_mode
+
+
+def remove_empty_folder(path: str) -> bool:
+    """Remove the block sub-folder ``path`` if it is empty (``rmdir``: the kernel
+    checks, so a file a writer just made in it keeps it). Returns whether it removed.
+
+    Safe beside writers: a store that finds its folder gone, or its parent gone while it
+    made the folder, makes it again and retries (``MPT_MKDIR_TRIES`` in the native core,
+    ``MKDIR_TRIES`` in the pure twin); a writer without that retry (another program) sees
+    one store fail, never a wrong block."""
+    try:
+        os.rmdir(path)
+    except OSError:  # not empty, gone already, or the file system refuses: keep it
+        return False
+    return True
+
+
+def remove_empty_parents(block_path: str) -> int:
+    """After a block was removed: remove its ``<h2>_g<group>`` folder and then its
+    ``<h3>`` folder where they are now empty (never the block folder). Returns how many
+    were removed."""
+    leaf = os.path.dirname(block_path)
+    if not remove_empty_folder(leaf):
+        return 0
+    return 1 + remove_empty_folder(os.path.dirname(leaf))
 
 
 def unlink_if_unchanged(entry: Entry) -> bool:

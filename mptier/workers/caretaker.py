@@ -19,12 +19,20 @@ evicted from the engine's own block folder as REMOVED messages on the completion
 Other workers' new blocks reach the usage through counters in their slots (sorted
 against the published walk position: see ``RootMaintainer.record_other_stores``); other
 nodes' stores through the walk only.
+
+Bytes are not all a root can run out of. The caretaker also watches its file system's
+inodes (``statvfs`` f_files / f_favail, every INODE_CHECK_S): past the tier's high
+watermark of inodes in use it evicts as many blocks (one inode each) as bring them to
+the low one. And a store the file system refused for space (ENOSPC while the budget has
+room, or EDQUOT: counted in the worker's slot) starts eviction at once: one watermark
+band of the usage. Both need ``capacity_bytes`` (without it nothing is ever evicted).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import queue
 import threading
@@ -35,7 +43,13 @@ from typing import TYPE_CHECKING
 from mptier.jobs import MessageType, encode_message, pack_keys
 from mptier.storage import Entry, RootMaintainer, evict
 from mptier.storage.walk import TOP_PASSED
-from mptier.workers.control import ROOT_COMPLETE, ROOT_EVICTING, ROOT_LISTED, RootState
+from mptier.workers.control import (
+    ROOT_COMPLETE,
+    ROOT_EVICTING,
+    ROOT_INODES_LOW,
+    ROOT_LISTED,
+    RootState,
+)
 from mptier.workers.health import is_fault
 
 if TYPE_CHECKING:
@@ -82,6 +96,10 @@ EVICTOR_STOP_S = 2.0
 # How often a resting or unhealthy root is looked at.
 REST_CHECK_S = 0.1
 ERROR_BACKOFF_S = 1.0
+# How often the root's free inodes are looked at (one statvfs: a round trip on a network
+# mount). A file system running out of inodes does so over many stores; once a second
+# sees it long before the last one, and a refused store triggers a look at once.
+INODE_CHECK_S = 1.0
 
 
 def _near_high(m: RootMaintainer, usage: int) -> bool:
@@ -155,6 +173,12 @@ class _Kept:
         default_factory=dict)
     evictor: _Evictor | None = None
     listing: bytes | None = None  # the listing last published
+    folders_base: int = 0
+    inodes: tuple[int, int] = (0, 0)  # statvfs (f_files, f_favail); 0 files: unknown
+    inodes_low: bool = False  # past the high watermark of inodes, not back under low
+    inodes_at: float = 0.0  # when the inodes are looked at next
+    no_space_seen: int = 0  # the slots' count of stores refused for space, last seen
+    usage_target: int | None = None  # evicting for inodes or space: down to this usage
 
 
 class Caretaker:
@@ -189,7 +213,8 @@ class Caretaker:
                          evicted_base=(rec.evicted_blocks, rec.evicted_bytes),
                          temps_base=rec.temps_removed,
                          evictor=_Evictor(path, EVICTOR_THREADS) if io.capacity_bytes
-                         else None)
+                         else None, folders_base=control.root_extra(index)[2],
+                         no_space_seen=control.no_space_stores(index))
             # What workers counted before now is on disk already: this walk finds it.
             for slot in range(control.n_slots):
                 st = control.slot_stores(slot, index)
@@ -243,6 +268,9 @@ class Caretaker:
         if m.evicting or _near_high(m, self.ctx.slot_writer.control.usage_bytes(kept.index)):
             return True
         control = self.ctx.slot_writer.control
+        if kept.usage_target is not None or \
+                control.no_space_stores(kept.index) > kept.no_space_seen:
+            return True
         return any(control.slot_stores(slot, kept.index).want_free
                    for slot in range(control.n_slots))
 
@@ -274,7 +302,8 @@ class Caretaker:
             kept.next_at = now + REST_CHECK_S  # an operation will probe it, not us
             return
         want = max(want_free, self._collect(kept))
-        freeing = m.evicting or bool(want)
+        free = self._watch_space(kept, now)
+        freeing = m.evicting or bool(want) or bool(free)
         urgent = freeing or _near_high(m, m.usage_bytes)
         walking = now >= kept.rest_until or (freeing and not m.candidates_left)
         if walking and kept.pass_began is None:
@@ -282,7 +311,7 @@ class Caretaker:
         writer.set_root(kept.index)  # a hang here is blamed on this root
         try:
             report = m.step(URGENT_BUDGET if urgent else MAINT_BUDGET, want_free=want,
-                            walk=walking)
+                            walk=walking, free_bytes=free)
         except OSError as exc:
             text = f"walking root {kept.path}: {exc}"
             log.warning("mptier: %s", text)
@@ -292,6 +321,12 @@ class Caretaker:
             return
         finally:
             writer.set_root(None)
+        if report.sweep_error is not None:
+            exc = report.sweep_error
+            text = f"sweeping root {kept.path}: {exc}"
+            log.warning("mptier: %s", text)
+            if exc.errno is not None and is_fault(exc.errno):
+                ctx.report_root(kept.index, False, exc.errno, text)
         if kept.evictor is not None:
             for entry in report.to_evict:
                 kept.evictor.put(entry)
@@ -306,12 +341,60 @@ class Caretaker:
             log.info("mptier: removed %d stale temporary file(s) under %s",
                      report.temps_removed, kept.path)
         self._publish(kept)
-        freeing = m.evicting or bool(want)
+        freeing = m.evicting or bool(want) or kept.usage_target is not None
         kept.next_at = now + (EVICT_GAP_S if freeing else IDLE_GAP_S if walking or urgent
                               else REST_CHECK_S)
         own = [key for folder, key in report.removed if folder == self.folder]
         if own:
             self._send_removed(own)
+
+    def _watch_space(self, kept: _Kept, now: float) -> int:
+        """Bytes to evict now for what the byte budget does not see (module docstring):
+        the file system's inodes past the high watermark, or a store refused for space.
+        Blocks on one statvfs at most."""
+        control = self.ctx.slot_writer.control
+        m = kept.maintainer
+        io = self.ctx.io
+        block = self.ctx.block_bytes
+        refused = control.no_space_stores(kept.index)
+        grew = refused > kept.no_space_seen  # (a replaced worker's slot starts at 0)
+        kept.no_space_seen = refused
+        targets = [] if kept.usage_target is None else [kept.usage_target]
+        if grew or now >= kept.inodes_at:
+            kept.inodes_at = now + INODE_CHECK_S
+            try:
+                st = os.statvfs(kept.path)
+            except OSError:
+                st = None
+            if st is not None and st.f_files:
+                kept.inodes = (st.f_files, st.f_favail)
+                used = st.f_files - st.f_favail
+                if used > io.high_watermark * st.f_files and not kept.inodes_low:
+                    log.warning("mptier: %s has %d of %d inodes free, under the low-inode "
+                                "watermark; evicting blocks for inodes", kept.path,
+                                st.f_favail, st.f_files)
+                    kept.inodes_low = True
+                elif used <= io.low_watermark * st.f_files:
+                    kept.inodes_low = False
+                if kept.inodes_low:
+                    spare = used - math.floor(io.low_watermark * st.f_files)
+                    targets.append(m.usage_bytes - spare * block)
+        if grew:
+            band = max(block, math.ceil((io.high_watermark - io.low_watermark)
+                                        * m.usage_bytes))
+            log.warning("mptier: the file system under %s refused a store for space "
+                        "(ENOSPC or EDQUOT) with usage at %d bytes of capacity_bytes=%d; "
+                        "evicting %d bytes", kept.path, m.usage_bytes, io.capacity_bytes,
+                        band)
+            targets.append(m.usage_bytes - band)
+        if not targets or not io.capacity_bytes:
+            kept.usage_target = None
+            return 0
+        kept.usage_target = max(0, min(targets))
+        if m.usage_bytes <= kept.usage_target:
+            kept.usage_target = None
+            return 0
+        return m.usage_bytes - kept.usage_target
 
     def _take_evicted(self, kept: _Kept) -> None:
         """Account what the evictor removed (or kept) since; report own keys removed."""
@@ -371,6 +454,10 @@ class Caretaker:
             temps_removed=kept.temps_base + kept.temps_removed,
             pass_id=kept.pass_base + m.pass_id, top_position=position,
             flags=flags, caretaker_pid=os.getpid())
+        control.set_root_extra(kept.index, inodes_total=kept.inodes[0],
+                               inodes_free=kept.inodes[1],
+                               folders_removed=kept.folders_base + m.folders_removed,
+                               flags=ROOT_INODES_LOW if kept.inodes_low else 0)
 
     def _send_removed(self, keys: list[bytes]) -> None:
         ctx = self.ctx

@@ -18,6 +18,8 @@ attaches. Three parts::
     listings      per root, 4096 bits: which <h3> folders the walk pass in progress
                   listed in the engine's block folder (written by the caretaker; a
                   worker's new block in a folder the pass did not list is "behind" it)
+    extras        per root (ROOT_EXTRA_BYTES): its file system's inodes (total, free),
+                  empty folders removed, flags (written by the caretaker)
     counters_end  one slot per worker (SLOT_BYTES each):
         +0            header: state, started_ns, tasks_done, bytes_done, busy_ns,
                       tasks_failed (u64 each), pid, role (u32 each)
@@ -25,6 +27,9 @@ attaches. Three parts::
         +SLOT_STORES_AT per root: blocks this worker created (sorted against the walk's
                       position, see RootMaintainer.record_other_stores) and the bytes it
                       waits to find room for -- read by the root's caretaker
+        +SLOT_READ_ONLY_AT per root: stores failed at once, the root being read-only
+        +SLOT_NO_SPACE_AT  per root: stores the file system refused for space (ENOSPC,
+                      EDQUOT) -- the caretaker evicts on a rise
         +RECORD_OFFSET  the task record being worked on (all zero when idle)
 
 A worker reads each task record from its queue *straight into its slot* (``readv`` into
@@ -73,6 +78,10 @@ SLOT_ROOT_AT = 960
 SLOT_WAITS_AT = 968
 SLOT_STORES_AT = 1024
 _SLOT_STORES = struct.Struct("<IIQQQQQ")
+# Per root: stores this worker failed at once because the root is read-only (u64 each).
+SLOT_READ_ONLY_AT = SLOT_STORES_AT + MAX_ROOTS * _SLOT_STORES.size
+# Per root: stores the file system refused for space, ENOSPC or EDQUOT (u64 each).
+SLOT_NO_SPACE_AT = SLOT_READ_ONLY_AT + MAX_ROOTS * 8
 _SLOT_HEADER = struct.Struct("<QQQQQQII")
 _POOL_HEADER = struct.Struct(f"<4sIIiQ{REASON_BYTES}s")
 _STATE_OFFSET = 8  # the state word's place in the pool header (after magic, version)
@@ -102,6 +111,8 @@ ROLES = ("load", "store")
 class RootState(enum.IntEnum):
     IN = 0  # in rotation
     OUT = 1  # out of rotation: its keys are misses; probed again from retry_at_ns
+    READ_ONLY = 2  # in rotation for loads and lookups; stores fail fast (EROFS) until a
+    #                store from retry_at_ns on finds it writable again
 
 
 ROOT_COMPLETE = 1  # flags: the usage is a whole walk's total (else a lower bound)
@@ -110,6 +121,12 @@ ROOT_LISTED = 4  # flags: the pass listed the block folder; its listing is publi
 # The listing of one block folder: a bit per <h3> folder name (000-fff).
 LISTING_BYTES = 4096 // 8
 LISTINGS_BYTES = MAX_ROOTS * LISTING_BYTES
+# extras: inodes total, inodes free (statvfs f_files, f_favail), empty folders removed
+# (u64), flags (u32, pad)
+_ROOT_EXTRA = struct.Struct("<QQQII")
+ROOT_EXTRA_BYTES = _ROOT_EXTRA.size
+EXTRAS_BYTES = MAX_ROOTS * ROOT_EXTRA_BYTES
+ROOT_INODES_LOW = 1  # extras flags: free inodes under the low-inode watermark
 
 
 @dataclass
@@ -177,7 +194,8 @@ class ControlBlock:
         self.n_slots = n_slots
         self._counters_at = PAGE_BYTES
         self._listings_at = PAGE_BYTES + counters_bytes(n_slots)
-        self._slots_at = self._listings_at + LISTINGS_BYTES
+        self._extras_at = self._listings_at + LISTINGS_BYTES
+        self._slots_at = self._extras_at + EXTRAS_BYTES
         size = self._slots_at + n_slots * SLOT_BYTES
         created = fd is None
         if fd is None:
@@ -196,7 +214,8 @@ class ControlBlock:
 
     @classmethod
     def size_for(cls, n_slots: int) -> int:
-        return PAGE_BYTES + counters_bytes(n_slots) + LISTINGS_BYTES + n_slots * SLOT_BYTES
+        return (PAGE_BYTES + counters_bytes(n_slots) + LISTINGS_BYTES + EXTRAS_BYTES
+                + n_slots * SLOT_BYTES)
 
     # -- pool header ---------------------------------------------------------------------
 
@@ -292,6 +311,33 @@ class ControlBlock:
     def slot_waits(self, slot: int) -> tuple[int, int]:
         """``(stores that waited for room, ns they waited)`` of the worker in ``slot``."""
         return struct.unpack_from("<QQ", self.memory, self._slot_at(slot) + SLOT_WAITS_AT)
+
+    def set_root_extra(self, index: int, *, inodes_total: int, inodes_free: int,
+                       folders_removed: int, flags: int) -> None:
+        """(The root's caretaker.)"""
+        self._root_at(index)  # range check
+        _ROOT_EXTRA.pack_into(self.memory, self._extras_at + index * ROOT_EXTRA_BYTES,
+                              max(0, inodes_total), max(0, inodes_free), folders_removed,
+                              flags, 0)
+
+    def root_extra(self, index: int) -> tuple[int, int, int, int]:
+        """``(inodes total, inodes free, folders removed, flags)`` of root ``index``
+        (0 inodes total: not known yet, or a file system without an inode count)."""
+        self._root_at(index)
+        return _ROOT_EXTRA.unpack_from(self.memory,
+                                       self._extras_at + index * ROOT_EXTRA_BYTES)[:4]
+
+    def no_space_stores(self, root: int) -> int:
+        """Stores of root ``root`` the file system refused for space (every worker)."""
+        return sum(struct.unpack_from("<Q", self.memory, self._slot_at(slot)
+                                      + SLOT_NO_SPACE_AT + 8 * root)[0]
+                   for slot in range(self.n_slots))
+
+    def read_only_stores(self, root: int) -> int:
+        """Stores of root ``root`` that every worker failed at once as read-only."""
+        return sum(struct.unpack_from("<Q", self.memory, self._slot_at(slot)
+                                      + SLOT_READ_ONLY_AT + 8 * root)[0]
+                   for slot in range(self.n_slots))
 
     def slot_root(self, slot: int) -> int | None:
         """The root the task in ``slot`` was working on, if it said."""
@@ -414,6 +460,17 @@ class SlotWriter:
         waits, total = struct.unpack_from("<QQ", self._mem, SLOT_WAITS_AT)
         struct.pack_into("<QQ", self._mem, SLOT_WAITS_AT, waits + 1, total + ns)
 
+    def count_read_only(self, root: int) -> None:
+        """Count a store of ``root`` failed at once: the root is read-only."""
+        self._bump(SLOT_READ_ONLY_AT + 8 * root)
+
+    def count_no_space(self, root: int) -> None:
+        """Count a store of ``root`` the file system refused for space."""
+        self._bump(SLOT_NO_SPACE_AT + 8 * root)
+
+    def _bump(self, at: int) -> None:
+        struct.pack_into("<Q", self._mem, at, struct.unpack_from("<Q", self._mem, at)[0] + 1)
+
     def set_root(self, root: int | None) -> None:
         """Say which root the task in hand works on now (None: none)."""
         struct.pack_into("<I", self._mem, SLOT_ROOT_AT, 0 if root is None else root + 1)
@@ -443,4 +500,4 @@ class SlotWriter:
 
 assert _POOL_HEADER.size <= ROOTS_AT and ROOTS_AT + MAX_ROOTS * ROOT_BYTES <= PAGE_BYTES
 assert _ROOT_HEALTH.size + _ROOT_USAGE.size == ROOT_BYTES
-assert SLOT_STORES_AT + MAX_ROOTS * _SLOT_STORES.size <= RECORD_OFFSET
+assert SLOT_NO_SPACE_AT + MAX_ROOTS * 8 <= RECORD_OFFSET

@@ -35,6 +35,7 @@ from mptier.workers.bounce import needs_bounce
 from mptier.workers.control import (
     ROOT_COMPLETE,
     ROOT_EVICTING,
+    ROOT_INODES_LOW,
     ControlBlock,
     RootState,
     SlotState,
@@ -238,20 +239,30 @@ def root_figures(control: ControlBlock, io: IoSettings) -> list[dict[str, Any]]:
     for index, path in enumerate(io.root_dirs):
         rec = control.root(index)
         out.append({
-            "path": path, "in_rotation": rec.state is RootState.IN,
+            "path": path, "in_rotation": rec.state is not RootState.OUT,
+            "read_only": rec.state is RootState.READ_ONLY,
+            "read_only_stores": control.read_only_stores(index),
             "o_direct": io.roots[index].use_o_direct, "io_uring": io.roots[index].uring,
             "bounce_loads": io.roots[index].bounce,
             "errno": rec.err, "failures": rec.failures, "times_out": rec.outs,
             "probe_in_s": max(0.0, (rec.retry_at_ns - now) / 1e9)
-            if rec.state is RootState.OUT else None,
+            if rec.state is not RootState.IN else None,
             "usage_bytes": rec.usage_bytes, "blocks": rec.usage_blocks,
             "capacity_bytes": io.capacity_bytes,
             "usage_complete": bool(rec.flags & ROOT_COMPLETE),
             "evicting": bool(rec.flags & ROOT_EVICTING),
             "evicted_blocks": rec.evicted_blocks, "evicted_bytes": rec.evicted_bytes,
             "temps_removed": rec.temps_removed, "walk_passes": rec.pass_id,
+            **_inode_figures(control, index),
             "caretaker_pid": rec.caretaker_pid or None})
     return out
+
+
+def _inode_figures(control: ControlBlock, index: int) -> dict[str, Any]:
+    total, free, folders, flags = control.root_extra(index)
+    return {"inodes_total": total or None, "inodes_free": free if total else None,
+            "inodes_low": bool(flags & ROOT_INODES_LOW), "folders_removed": folders,
+            "no_space_stores": control.no_space_stores(index)}
 
 
 def _room_waits(control: ControlBlock, slot: int) -> dict[str, Any]:

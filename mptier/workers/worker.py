@@ -70,7 +70,7 @@ from mptier.storage.roots import RootRouter
 from mptier.workers import protocol
 from mptier.workers.bounce import Bounce
 from mptier.workers.control import ControlBlock, RootState, SlotState, SlotWriter
-from mptier.workers.health import is_fault, out_of_rotation_text
+from mptier.workers.health import is_fault, out_of_rotation_text, read_only_text
 from mptier.workers.session import QUEUE_ORDER, IoSettings, WorkerSession
 
 # Idle wake-up: a backstop for the lifeline's end-of-file event; nothing depends on it.
@@ -467,11 +467,20 @@ def _transfer(ctx: WorkerContext, store: bool, keys: list[bytes], offsets: list[
     return 0, n_done, ""
 
 
-def _gate(ctx: WorkerContext, root: RootHandle) -> tuple[int, str] | None:
-    """None when ``root`` may be used now (in rotation, or out and due for a probe that
-    just succeeded); else ``(errno, text)`` to fail its keys with at once."""
+def _gate(ctx: WorkerContext, root: RootHandle, store: bool) -> tuple[int, str] | None:
+    """None when ``root`` may be used now (in rotation; read-only, for a load, or for a
+    store once a retry is due; out and due for a probe that just succeeded); else
+    ``(errno, text)`` to fail its keys with at once."""
     state, err, failures, retry_at = ctx.slot_writer.control.root_health(root.index)
     if state == RootState.IN:
+        return None
+    if state == RootState.READ_ONLY:
+        if not store:
+            return None
+        if time.monotonic_ns() < retry_at:
+            ctx.slot_writer.count_read_only(root.index)
+            return errno.EROFS, read_only_text(root.path, retry_at)
+        ctx.report_probe(root.index)  # this store tries it; the others still fail fast
         return None
     if time.monotonic_ns() < retry_at:
         return err or errno.EIO, out_of_rotation_text(root.path, err, failures, retry_at)
@@ -516,21 +525,25 @@ def _open_root(ctx: WorkerContext, root: RootHandle, create: bool) -> int:
     return root.fd
 
 
-def _health_after(ctx: WorkerContext, root: RootHandle, err: int, text: str) -> None:
+def _health_after(ctx: WorkerContext, root: RootHandle, store: bool, err: int,
+                  text: str) -> None:
     """Tell the health owner what a run on ``root`` proved: a fault counts against it;
-    anything else clears earlier failures (only then: no message on the hot path)."""
+    anything else clears earlier failures (only then: no message on the hot path). A
+    load proves nothing about a read-only root's writes."""
     if err and is_fault(err):
         root.close()  # a later use opens it afresh (a remounted file system)
         ctx.report_root(root.index, False, err, text)
         return
     state, _, failures, _ = ctx.slot_writer.control.root_health(root.index)
+    if state == RootState.READ_ONLY and not store:
+        return
     if failures or state != RootState.IN:
         ctx.report_root(root.index, True, 0, "")
 
 
 def _run_on_root(ctx: WorkerContext, store: bool, root: RootHandle, keys: list[bytes],
                  offsets: list[int]) -> tuple[int, int, str]:
-    gate = _gate(ctx, root)
+    gate = _gate(ctx, root, store)
     if gate is not None:
         return gate[0], 0, gate[1]
     ctx.slot_writer.set_root(root.index)  # a timeout now is blamed on this root
@@ -553,7 +566,7 @@ def _run_on_root(ctx: WorkerContext, store: bool, root: RootHandle, keys: list[b
     if err and not text:
         text = str(native.batch_error("store" if store else "load", err, n_done, index,
                                       f"{root.mapper.blocks_dir}/{paths[index].decode()}"))
-    _health_after(ctx, root, err, text)
+    _health_after(ctx, root, store, err, text)
     return err, n_done, text
 
 
@@ -604,6 +617,8 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
                 "was written")
     rc, n_done, index, temp_err = ctx.backend.store(fd, paths, ctx.memory, offsets,
                                                     block_bytes, root.flags, ctx.tag)
+    if rc in (-errno.ENOSPC, -errno.EDQUOT):  # out of blocks, inodes or quota: the
+        ctx.slot_writer.count_no_space(root.index)  # caretaker evicts on the rise
     if temp_err:
         log.warning("mptier: a temporary file in %s could not be removed (%s); the sweeper "
                     "removes it once this writer's lease is free",
@@ -676,7 +691,7 @@ def _lookup(ctx: WorkerContext, keys: list[bytes]) -> bytes:
 
 
 def _lookup_on(ctx: WorkerContext, root: RootHandle, keys: list[bytes]) -> bytes:
-    if _gate(ctx, root) is not None:
+    if _gate(ctx, root, store=False) is not None:
         return bytes(len(keys))  # LOOKUP_ABSENT: a miss
     ctx.slot_writer.set_root(root.index)
     relative = root.mapper.relative_path_for
@@ -685,7 +700,7 @@ def _lookup_on(ctx: WorkerContext, root: RootHandle, keys: list[bytes]) -> bytes
         fd = _open_root(ctx, root, create=False)
     except OSError as exc:
         if exc.errno is not None and is_fault(exc.errno):
-            _health_after(ctx, root, exc.errno, f"root {root.path}: {exc}")
+            _health_after(ctx, root, False, exc.errno, f"root {root.path}: {exc}")
         return bytes(len(keys))
     return ctx.backend.lookup(fd, paths, ctx.block_bytes, root.flags)
 
