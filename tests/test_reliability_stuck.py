@@ -29,7 +29,7 @@ from reliability_kit import (
 )
 from support import mounts
 
-from mptier import LookupResult, make_key
+from mptier import LookupResult, make_key, native
 from mptier.workers import supervisor
 from mptier.workers.worker import STALL_ENV
 
@@ -257,19 +257,25 @@ def test_a_blocked_open_stat_or_write_parks_its_worker_until_the_connection_is_a
 @pytest.mark.parametrize("backend", ["native", "python"], indirect=True)
 @pytest.mark.parametrize("direct_io,o_direct", [(False, True), (True, False)],
                          ids=["o_direct-read", "direct_io-mount"])
+@pytest.mark.parametrize("beside", [0, 2], ids=["one-block", "reads-in-flight"])
 def test_a_read_that_outlives_its_worker_never_lands_in_a_reused_slot(
-        make_fuse_fs, make_buffer, make_tier, direct_io, o_direct):
+        make_fuse_fs, make_buffer, make_tier, direct_io, o_direct, beside, backend):
     """A direct read stuck in the kernel keeps the slot's pages as its target; when the
     server answers after the load was reported failed and the engine reused the slot,
-    those bytes must not land there (mptier.workers.bounce)."""
+    those bytes must not land there (mptier.workers.bounce). ``reads-in-flight``: the
+    hung block is the first of three, so the native core's io_uring path runs, with the
+    other reads in flight into the bounce buffer meanwhile."""
     fs, buf, tier = fuse_tier(make_fuse_fs, make_buffer, make_tier, direct_io=direct_io,
                               use_o_direct=o_direct)
+    assert [r["bounce_loads"] for r in tier.stats()["roots"]] == [True]
+    if beside and backend == "native":  # the ring runs wherever this process has it
+        assert [r["io_uring"] for r in tier.stats()["roots"]] == [native.uring_available()]
     calls = EngineCalls(tier)
     book = JobBook(calls, buf)
-    stale, fresh = keys_for(2, b"late-read")
-    book.wait([book.store([stale, fresh], [0, 1])])
+    stale, fresh, *others = keys_for(2 + beside, b"late-read")
+    book.wait([book.store([stale, fresh, *others], list(range(2 + beside)))])
     rule = fs.block("read", name_of(tier, stale))
-    job = book.load([stale], [5])
+    job = book.load([stale, *others], [5, *range(6, 6 + beside)])
     fs.wait_blocked(rule)
     pid = busy_worker(tier)["pid"]
     assert_failed_in_time(book, job, IO_TIMEOUT_S) if book.wait(

@@ -392,6 +392,30 @@ def load(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
                   paths, buffer, offsets, block_bytes, flags)
 
 
+def load_via(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
+             block_bytes: int, flags: int, bounce) -> tuple[int, int, int]:
+    """Twin of ``mpt_batch_load_via``: each block read into the first block of
+    ``bounce``, then copied to its slot once the read returned."""
+    n = len(paths)
+    if n == 0:
+        return 0, 0, 0
+    via, via_base = _flat(bounce)
+    if via.nbytes < block_bytes:
+        via.release()
+        return -errno.EINVAL, 0, 0
+    view, _ = _flat(buffer)
+    with view, via, via[:block_bytes] as chunk:
+        direct = _direct_ok(flags, via_base, block_bytes)
+        for i in range(n):
+            rc = _load_one(root_fd, paths[i], chunk, direct, flags)
+            if rc == -errno.EINVAL and direct:
+                rc = _load_one(root_fd, paths[i], chunk, False, flags)
+            if rc:
+                return rc, i, i
+            view[offsets[i]:offsets[i] + block_bytes] = chunk  # only after the read
+    return 0, n, n
+
+
 def _lookup_one(root: int, rel: bytes, block_bytes: int) -> int:
     fd = _open_beneath(root, rel, os.O_PATH)
     if fd < 0:

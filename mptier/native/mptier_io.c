@@ -463,14 +463,17 @@ static int mpt_batch(mpt_block_fn one, struct mpt_batch *b, const char *paths_bl
     *fail_index = n;
     for (i = 0; i < n; i++) {
         char *p = base + offsets[i];
-        int direct = mpt_direct_ok(b->flags, p, block_bytes);
-        int rc = one(b, path, p, block_bytes, direct);
+        char *io = b->bounce != NULL ? b->bounce : p; /* a bounced load reads there */
+        int direct = mpt_direct_ok(b->flags, io, block_bytes);
+        int rc = one(b, path, io, block_bytes, direct);
         if (rc == -EINVAL && direct)
-            rc = one(b, path, p, block_bytes, 0); /* never fail a block over O_DIRECT */
+            rc = one(b, path, io, block_bytes, 0); /* never fail a block over O_DIRECT */
         if (rc != 0) {
             *fail_index = i;
             return rc;
         }
+        if (io != p)
+            memcpy(p, io, block_bytes); /* only after the read returned */
         *n_done = i + 1;
         path += strlen(path) + 1;
     }
@@ -512,6 +515,28 @@ int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base,
     struct mpt_batch b = {root, flags, NULL, 0, mpt_memory_fs(root, flags)};
     int rc = MPT_NO_URING;
 
+    if (flags & MPT_URING)
+        rc = mpt_uring_batch(0, &b, paths_blob, n, base, offsets, block_bytes, n_done,
+                             fail_index);
+    if (rc == MPT_NO_URING)
+        rc = mpt_batch(mpt_load_one, &b, paths_blob, n, base, offsets, block_bytes, n_done,
+                       fail_index);
+    return rc;
+}
+
+int mpt_batch_load_via(int root, const char *paths_blob, size_t n, char *base,
+                       const uint64_t *offsets, size_t block_bytes, int flags, char *bounce,
+                       size_t bounce_blocks, size_t *n_done, size_t *fail_index)
+{
+    struct mpt_batch b = {root, flags, NULL, 0, mpt_memory_fs(root, flags), bounce,
+                          bounce_blocks};
+    int rc = MPT_NO_URING;
+
+    if (bounce == NULL || bounce_blocks == 0) {
+        *n_done = 0;
+        *fail_index = 0;
+        return -EINVAL;
+    }
     if (flags & MPT_URING)
         rc = mpt_uring_batch(0, &b, paths_blob, n, base, offsets, block_bytes, n_done,
                              fail_index);

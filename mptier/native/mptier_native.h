@@ -81,6 +81,14 @@ int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
 int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base,
                    const uint64_t *offsets, size_t block_bytes, int flags, size_t *n_done,
                    size_t *fail_index);
+/* Load as mpt_batch_load does, but read each block into one of bounce_blocks slots of
+ * block_bytes at bounce (the caller's private memory, page-aligned for O_DIRECT) and copy
+ * it to base + offsets[i] only after its read returned (mptier.workers.bounce): no read
+ * in flight ever targets base. With MPT_URING up to bounce_blocks reads stay in flight
+ * while earlier blocks are copied. A failed block's slot in base is never written. */
+int mpt_batch_load_via(int root, const char *paths_blob, size_t n, char *base,
+                       const uint64_t *offsets, size_t block_bytes, int flags, char *bounce,
+                       size_t bounce_blocks, size_t *n_done, size_t *fail_index);
 int mpt_batch_lookup(int root, const char *paths_blob, size_t n, size_t block_bytes,
                      int flags, uint8_t *out);
 int mpt_probe_o_direct(const char *dir);
@@ -140,6 +148,8 @@ struct mpt_batch {
     const char *tag;
     int tmp_errno; /* first failure to remove a temporary file (errno), 0 if none */
     int memory_fs; /* the root keeps data in memory: even O_DIRECT I/O is a CPU copy */
+    char *bounce;  /* load: read into these slots, then copy (mpt_batch_load_via); or NULL */
+    size_t bounce_blocks;
 };
 
 /* openat2(2)'s argument, kernel ABI (include/uapi/linux/openat2.h). */
