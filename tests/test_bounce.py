@@ -147,3 +147,37 @@ def test_each_root_reports_what_it_got(make_buffer, make_tier, tmp_path):
             tier.shutdown()
     finally:
         shutil.rmtree(shm)
+
+
+@pytest.mark.parametrize("backend_name", ["native", "python"])
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+def test_checksummed_blocks_through_a_small_bounce_buffer(backend_name, o_direct, tmp_path):
+    """Blocks of an odd size (not a power of two), more of them than the bounce buffer
+    holds, checksummed, a corrupt one last: every block before it lands whole, the
+    corrupt one is refused and removed, and its slot is left alone."""
+    backend = native.get_backend(backend_name)
+    block = (1 << 20) + (8 << 10)
+    n = 5
+    source = np.random.default_rng(3).integers(0, 256, n * block, dtype=np.uint8)
+    paths = [f"big{i}".encode() for i in range(n)]
+    flags = native.CHECKSUM | native.URING | (native.O_DIRECT if o_direct else 0)
+    fd = native.open_root(str(tmp_path))
+    bounce = Bounce(block, nbytes=2 * block)
+    try:
+        rc, n_done, _, _ = backend.store(fd, paths, memoryview(source),
+                                         [i * block for i in range(n)], block,
+                                         native.CHECKSUM, native.new_tag().encode())
+        assert (rc, n_done) == (0, n)
+        with open(tmp_path / "big4", "r+b") as f:  # one byte off: the CRC says no
+            f.seek(block // 2)
+            f.write(bytes([source[4 * block + block // 2] ^ 1]))
+        target = np.full(n * block, 0xCD, dtype=np.uint8)
+        rc, n_done, index = bounce.load(backend, fd, paths, memoryview(target),
+                                        [i * block for i in range(n)], flags)
+    finally:
+        bounce.close()
+        os.close(fd)
+    assert (rc, n_done, index) == (-errno.EBADMSG, 4, 4)
+    assert np.array_equal(target[:4 * block], source[:4 * block])
+    assert (target[4 * block:] == 0xCD).all()
+    assert not (tmp_path / "big4").exists()  # a corrupt block is removed
