@@ -302,9 +302,10 @@ def _store_tmpfile(b: _Batch, dirfd: int, leaf: bytes, chunk: memoryview,
     return rc
 
 
-def _store_in(b: _Batch, dirfd: int, leaf: bytes, chunk: memoryview, direct: bool) -> int:
-    try:
-        st = os.stat(leaf, dir_fd=dirfd, follow_symlinks=False)
+def _store_in(b: _Batch, dirfd: int, leaf: bytes, chunk: memoryview, direct: bool,
+              fresh: bool = False) -> int:
+    try:  # a folder this store just made (fresh) holds nothing to check: mpt_store_in
+        st = None if fresh else os.stat(leaf, dir_fd=dirfd, follow_symlinks=False)
     except FileNotFoundError:
         st = None
     except OSError as e:
@@ -343,11 +344,12 @@ def _store_one(b: _Batch, rel: bytes, chunk: memoryview, direct: bool) -> int:
     folder, leaf = _split(rel)
     rc = 0
     for _ in range(MKDIR_TRIES + 1):
-        dirfd = _walk(b.root, folder, True)
+        made = [False]
+        dirfd = _walk(b.root, folder, True, made)
         if dirfd < 0:
             return dirfd
         try:
-            rc = _store_in(b, dirfd, leaf, chunk, direct)
+            rc = _store_in(b, dirfd, leaf, chunk, direct, made[0])
         finally:
             _close_dir(dirfd, b.root)
         if rc != -errno.ENOENT:

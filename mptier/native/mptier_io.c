@@ -390,12 +390,16 @@ static int mpt_store_tmpfile(struct mpt_batch *b, int dirfd, const char *leaf,
 }
 
 static int mpt_store_in(struct mpt_batch *b, int dirfd, const char *leaf, const char *src,
-                        size_t len, int direct)
+                        size_t len, int direct, int fresh)
 {
     struct stat st;
     int rc;
 
-    if (fstatat(dirfd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+    if (fresh) {
+        /* this store made the folder a moment ago: no block can be there but another
+         * writer's copy of this one, which publishing keeps (EEXIST) or replaces with
+         * the same bytes -- as if that writer had finished just after a check */
+    } else if (fstatat(dirfd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0) {
         if (S_ISREG(st.st_mode) && (uint64_t)st.st_size == len) {
             if (b->flags & MPT_TOUCH)
                 mpt_touch_at(dirfd, leaf);
@@ -436,10 +440,11 @@ int mpt_store_one(struct mpt_batch *b, const char *rel, char *src, size_t len, i
     int tries, rc = 0;
 
     for (tries = 0; tries <= MPT_MKDIR_TRIES; tries++) {
-        int dirfd = mpt_open_parent(b->root, rel, b->flags, 1);
+        int made = 0;
+        int dirfd = mpt_open_parent_made(b->root, rel, b->flags, 1, &made);
         if (dirfd < 0)
             return dirfd;
-        rc = mpt_store_in(b, dirfd, leaf, src, len, direct);
+        rc = mpt_store_in(b, dirfd, leaf, src, len, direct, made);
         mpt_close_dir(dirfd, b->root);
         if (rc != -ENOENT)
             break; /* ENOENT: the folder was removed under us; make it again */

@@ -168,6 +168,8 @@ MPT_INTERNAL void mpt_close_dir(int dirfd, int root);
 MPT_INTERNAL const char *mpt_leaf(const char *rel);
 MPT_INTERNAL int mpt_unlink_symlink(int dirfd, const char *name);
 MPT_INTERNAL int mpt_open_parent(int root, const char *rel, int flags, int create);
+MPT_INTERNAL int mpt_open_parent_made(int root, const char *rel, int flags, int create,
+                                      int *made);
 MPT_INTERNAL int mpt_open_beneath(int root, const char *rel, int oflags, int flags);
 MPT_INTERNAL void mpt_remove_if_same(int root, const char *rel, int flags, dev_t dev,
                                      ino_t ino);

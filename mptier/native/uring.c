@@ -106,6 +106,7 @@ enum mpt_state {
 
 struct mpt_job {
     uint8_t state, direct, tmpfile, named, remove, crc_done, slow_direct;
+    uint8_t made; /* store: the last MKDIRAT made its folder (new: no name to check) */
     int present; /* load: the block has a checksum record (want) */
     int fd;       /* the block's file (load), the temporary file (store) */
     int dirfd;    /* store: the block's folder (or the root) */
@@ -640,6 +641,7 @@ static void mpt_advance(struct mpt_ubatch *u, size_t i, int res)
         }
         return;
     case MPT_S_MKDIR:
+        j->made = res == 0;
         if (res == 0 || res == -EEXIST)
             mpt_queue_openat(u, j, i, MPT_S_WALK, j->cur, j->name,
                              O_PATH | O_DIRECTORY | O_NOFOLLOW, 0);
@@ -665,7 +667,10 @@ static void mpt_advance(struct mpt_ubatch *u, size_t i, int res)
         }
         j->dirfd = j->cur;
         j->cur = -1;
-        mpt_queue_stat(u, j, i);
+        if (j->made)
+            mpt_queue_temp(u, j, i); /* its folder is new: nothing to find (the loop's rule) */
+        else
+            mpt_queue_stat(u, j, i);
         return;
     case MPT_S_STAT:
         if (res == -ENOENT) {
