@@ -1,11 +1,12 @@
 """What the bounce buffer costs a load (mptier.workers.bounce), measured side by side.
 
 Stores N blocks under ROOT once, then in interleaved rounds (odd ones in reverse order)
-loads them into a shared mapping four ways with the native batch call: straight into
+loads them into a shared mapping five ways with the native batch call: straight into
 the slots; through a bounce buffer of BOUNCE_BYTES (``load_via``: a task per call, each
 block copied while later reads are in flight); through a one-block bounce buffer (one
 read in flight); and "copy-after", the design before 2026-12-01 (a chunk read by one
-call, then copied in Python while nothing is in flight). O_DIRECT where the root
+call, then copied in Python while nothing is in flight); and "buffered": no O_DIRECT,
+straight into the slots through the page cache, evicted before every round. O_DIRECT where the root
 takes it, so every round reads the disk. Prints GB/s per round and the medians' ratios to direct.
 
     python bench/experiments/bounce_cost.py --root /var/tmp --block-bytes 2M --blocks 256
@@ -24,6 +25,16 @@ import time
 from mptier import native
 from mptier.config import parse_bytes
 from mptier.workers.bounce import BOUNCE_BYTES, Bounce
+
+
+def _drop_cache(folder: str, paths: list[bytes]) -> None:
+    """Evict the blocks from the page cache (a buffered round fills it)."""
+    for p in paths:
+        fd = os.open(os.path.join(folder, p.decode()), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 class _CopyAfter:
@@ -85,7 +96,7 @@ def main() -> None:
         assert rc == 0, rc
         designs = {"direct": None, "bounce": Bounce(size),
                    "bounce-1-block": Bounce(size, nbytes=size),
-                   "copy-after": _CopyAfter(size)}
+                   "copy-after": _CopyAfter(size), "buffered": None}
         results: dict[str, list[float]] = {name: [] for name in designs}
         step = args.task_blocks
         for r in range(args.rounds):
@@ -93,10 +104,14 @@ def main() -> None:
             if r % 2:  # odd rounds in reverse: a drift of the disk hits every design alike
                 order.reverse()
             for name, bounce in order:
+                _drop_cache(folder, paths)  # every design reads the disk
                 t0 = time.perf_counter()
                 for i in range(0, n, step):
                     p, o = paths[i:i + step], offsets[i:i + step]
-                    if bounce is None:
+                    if name == "buffered":  # through the page cache, into the slots
+                        rc, *_ = backend.load(fd, p, memory, o, size,
+                                              flags & ~native.O_DIRECT)
+                    elif bounce is None:
                         rc, *_ = backend.load(fd, p, memory, o, size, flags)
                     else:
                         rc, *_ = bounce.load(backend, fd, p, memory, o, flags)

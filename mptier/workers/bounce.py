@@ -15,16 +15,21 @@ killable and it copies nothing after SIGKILL.
 The fix. Where a load may read directly, the worker reads each block into a private,
 page-aligned buffer of its own and copies it into the slot only after the read returned.
 A worker killed while stuck dies on its way back from the system call, before the
-copy: the late bytes land in memory that dies with it.
+copy: the late bytes land in memory that dies with it. (With io_uring the killed worker
+is gone at once and the kernel finishes the hung request later -- into the private
+pages it still pins, never the slot.) The copy is made in C, in the same native call
+as the reads (``Backend.load_via``): block by block in batch order, each as soon as its
+read returned, while the task's later reads are still in flight.
 
 Where it is used (``TierConfig.bounce_loads = "auto"``): O_DIRECT loads from a file
 system with a device behind it, and any load from a file system not known to read
 through the page cache (:data:`PAGE_CACHE_FS_TYPES`: local disks and memory file
 systems); never in memory (tmpfs: an O_DIRECT read there is a copy the worker makes
 itself). ``bounce_loads = false`` turns it off for roots the operator trusts never to
-stall past ``io_timeout_s``. The cost is one memory copy per block, small beside a
-network or direct read; blocks go through in chunks of :data:`BOUNCE_BYTES`, so a task
-stays one native call.
+stall past ``io_timeout_s``. The cost is one memory copy per block (a CPU's work the
+worker must get: on a busy machine the worker's low priority shows here); a task stays
+one native call whatever its size. The rule per file system and its measurements:
+docs/storage.md, "Loads and the late read".
 """
 
 from __future__ import annotations
@@ -82,12 +87,12 @@ def needs_bounce(root_dir: str, use_o_direct: bool, setting: bool | str = "auto"
     return setting is True or use_o_direct or kind not in PAGE_CACHE_FS_TYPES
 
 
-# A bounce buffer holds this many bytes of blocks (at least one block): a default 8 MiB
-# task goes through in one native call, so the batch path keeps its blocks in flight
-# (io_uring) and pays one call per task, not one per block; a worker's private memory
-# stays bounded. Measured on this VM's ext4 with O_DIRECT, 2 MiB blocks: block by block,
-# loads ran at 0.40-0.49 of unbounced ones (io_uring, 4 blocks per call); in 16 MiB
-# chunks, into pages touched first, at 0.9-1.0 (bench/experiments/bounce_cost.py).
+# A bounce buffer holds this many bytes of blocks (at least one block): the reads in
+# flight of one task (io_uring keeps one per bounce slot, at most 32), so a default 8 MiB
+# task keeps all its blocks in flight; a worker's private memory stays bounded. Measured
+# on this VM's ext4 with O_DIRECT, 2 MiB blocks, 4 per call: one slot (one read in
+# flight) ran at 0.32-0.50 of unbounced loads, 16 MiB at 0.70-0.79
+# (bench/experiments/bounce_cost.py).
 BOUNCE_BYTES = 16 << 20
 
 
