@@ -25,6 +25,10 @@ skipped with the reason):
 * ``pidns_buffer``     an engine in another PID namespace sharing /dev/shm, while tiers
                        start (and clean up stale objects) outside
 * ``hostile_entries``  symlinks, folders, FIFOs and wrong-size files at block paths
+* ``hostile_client``   a client of ``mptier serve`` sending malformed datagrams, spoiled
+                       attaches (a layout leaving the root, descriptors of the wrong
+                       kind, a buffer larger than its file) and task records past its
+                       buffer; then a well-behaved engine's traffic
 
 Columns: *jobs run* (reported, or for a killed engine: completed before the kill);
 *jobs lost* (submitted, never reported); *wrong bytes* (loads that reported success
@@ -454,7 +458,6 @@ ENGINE_STORING = textwrap.dedent("""
 
 def engine_sigkill_mid_store(row: Row, root: str, kills: int = 5) -> None:
     from mptier.layout import FileMapper
-    from mptier.shm import STALE_GRACE_S
 
     rng = random.Random(3)
     row.jobs_run = 0
@@ -488,9 +491,8 @@ def engine_sigkill_mid_store(row: Row, root: str, kills: int = 5) -> None:
     leftover = temp_files(root)
     row.notes.append(f"{kills} engines killed mid-store; {len(leftover)} temporary files "
                      "left by them")
-    # A new engine on the same root (after the grace during which a new object's creator
-    # may not hold its lock yet): its start removes what nobody holds any more.
-    time.sleep(STALE_GRACE_S)
+    # A new engine on the same root, at once (objects are locked before they are
+    # named, so no grace is needed): its start removes what nobody holds any more.
     buf = SharedKVBuffer.create(8, BLOCK)
     tier = FileSystemTier(buf, root_dir=root, n_load_workers=1, n_store_workers=1,
                           prefault=False)
@@ -604,7 +606,7 @@ def pidns_buffer(row: Row, root: str) -> None:
         row.owners.add(ns.ns_pid)
         ns.run(INSIDE.format(tests=str(TESTS), root=os.path.join(root, "inside")))
         name = ns.eval("buf.name")
-        removed = cleanup_stale(min_age_s=0)  # what a start here does, without its grace
+        removed = cleanup_stale()  # what a start here does
         outside_buf = SharedKVBuffer.create(8, BLOCK)
         outside = FileSystemTier(outside_buf, root_dir=os.path.join(root, "outside"),
                                  n_load_workers=1, n_store_workers=1, prefault=False)
@@ -706,6 +708,95 @@ def hostile_entries(row: Row, root: str) -> None:
         buf.unlink()
 
 
+def hostile_client(row: Row, root: str) -> None:
+    """A client of ``mptier serve`` that speaks the wire protocol by hand
+    (tests/hostile_client.py): the malformed first datagrams, the spoiled attaches
+    (traversal in the layout, wrong types, descriptors of the wrong kind, a buffer larger
+    than its file), garbage on an attached link, task records with block ids past the
+    buffer; then a well-behaved engine's traffic, verified byte for byte."""
+    import hostile_client as hc
+
+    run_dir = tempfile.mkdtemp(prefix="mptier-rel-run-")
+    os.environ["MPTIER_RUN_DIR"] = run_dir
+    outside = os.path.join(root, "outside")
+    os.makedirs(outside)
+    kv = os.path.join(root, "kv")
+    services = [Service("hostile", kv, run_dir, heartbeat_s=1)]
+    path = os.path.join(run_dir, "hostile.sock")
+    sent = exits = wrong = 0
+    broken: list[str] = []
+
+    def after(name: str) -> None:
+        nonlocal sent, exits
+        sent += 1
+        if services[-1].proc.poll() is not None:  # it died of it: count, start anew
+            exits += 1
+            broken.append(name)
+            services.append(Service("hostile", kv, run_dir, heartbeat_s=1))
+
+    try:
+        for name, (data, make) in hc.FIRST_DATAGRAMS.items():
+            with contextlib.suppress(OSError):
+                hc.send_datagram(path, data, make())
+            after(name)
+        spoiled = {**hc.attaches(outside), **hc.wrong_values()}
+        for name, attack in spoiled.items():
+            with contextlib.suppress(OSError):
+                reply = hc.send_attach(path, attack).reply
+                wrong += bool(reply and reply.get("ok"))  # accepted: served a lie
+            after(name)
+        for name, (data, n_fds) in hc.LINK_GARBAGE.items():
+            with contextlib.suppress(OSError, AssertionError):
+                if hc.garbage_on_link(path, data, n_fds):
+                    row.notes.append(f"link garbage {name!r} did not end that session")
+            after(f"link: {name}")
+        try:
+            wrong += hc.task_attacks(path).wrong
+        except (OSError, AssertionError) as exc:
+            row.notes.append(f"the task-record attack could not run: {exc}")
+        sent += len(hc.PAST) * 2 + len(hc.GARBAGE_RECORDS) - 1  # after() counts one
+        after("task records past the buffer, garbage records")
+        workers = sorted(services[-1].children())
+        with contextlib.suppress(OSError, AssertionError):
+            if hc.blocking_after_attach(path, wait_s=3.0) != {1: 0}:
+                row.notes.append("a store after the engine cleared O_NONBLOCK never finished")
+        if sorted(services[-1].children()) != workers:
+            row.notes.append("workers were replaced after the engine cleared O_NONBLOCK")
+        after("O_NONBLOCK cleared after attach")
+        engine = hc.EngineCheck("hostile")
+        try:
+            engine.attach()
+            assert engine.book is not None and engine.calls is not None
+            keys = keys_for(4, b"hostile-client")  # Traffic: slots 0-3 and 4-7
+            engine.book.wait([engine.book.store(keys, list(range(4)))])
+            Traffic(engine.book, engine.calls, keys).step(20)
+            engine.book.drain(30)
+            row.from_book(engine.book, engine.calls)
+        finally:
+            engine.close()
+        escaped = hc.files_under(outside)
+        row.wrong_bytes = (row.wrong_bytes or 0) + wrong
+        row.objects_leaked = (row.objects_leaked or 0) + len(escaped)
+        row.notes.append(f"{sent} attacks sent ({len(hc.FIRST_DATAGRAMS)} malformed first "
+                         f"datagrams, {len(spoiled)} spoiled attaches, "
+                         f"{len(hc.LINK_GARBAGE)} garbage messages on an attached link, "
+                         f"{len(hc.PAST) * 2} task records past the buffer, "
+                         f"{len(hc.GARBAGE_RECORDS)} garbage task records, O_NONBLOCK "
+                         "cleared on the pipes after attach); service exits "
+                         f"{exits}{f' (after {broken})' if broken else ''}; wrong bytes "
+                         f"{wrong}; files outside the root {len(escaped)}")
+        if exits:
+            row.status = "error"
+    finally:
+        for service in services:
+            pids = service.children()
+            service.stop(signal.SIGTERM)
+            with contextlib.suppress(AssertionError):
+                wait_until(lambda p=pids: all(gone(x) for x in p), 10, "workers gone")
+        del os.environ["MPTIER_RUN_DIR"]
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 SCENARIOS: dict[str, Callable[[Row, str], None]] = {
     "crash_storm": crash_storm,
     "sigstop_storm": sigstop_storm,
@@ -715,6 +806,7 @@ SCENARIOS: dict[str, Callable[[Row, str], None]] = {
     "service_restarts": service_restarts,
     "pidns_buffer": pidns_buffer,
     "hostile_entries": hostile_entries,
+    "hostile_client": hostile_client,
 }
 
 

@@ -184,11 +184,23 @@ class TierConfig:
 
     def layout_kwargs(self) -> dict[str, Any]:
         """Arguments for :class:`mptier.layout.FileMapper` (without ``root_dir``)."""
-        names = ("model_name", "tokens_per_hash", "blocks_per_file", "tp_size", "pp_size",
-                 "pcp_size", "dcp_size", "rank", "dtype", "kv_cache_groups",
-                 "inference_engine", "parallel_agnostic", "replicated_layout",
-                 "canonical_format")
-        return {name: getattr(self, name) for name in names}
+        return {name: getattr(self, name) for name in LAYOUT_FIELDS}
+
+    @classmethod
+    def layout_from(cls, values: Any) -> dict[str, Any]:
+        """Layout fields from elsewhere (an engine attaching to a service), checked by
+        the rules of a local configuration: the same :meth:`validate`, so there is one
+        rule. Returns the :meth:`layout_kwargs` they make (missing ones take the
+        defaults). Raises ``ConfigError`` naming a field that is not a layout field or
+        a bad value."""
+        if not isinstance(values, dict):
+            raise ConfigError(f"layout = {values!r:.80} is invalid: expected a table of "
+                              f"layout fields ({', '.join(LAYOUT_FIELDS)})")
+        other = sorted(str(k) for k in set(values) - set(LAYOUT_FIELDS))
+        if other:
+            raise ConfigError(f"layout field(s) {', '.join(map(repr, other))} are not "
+                              f"layout fields; a layout has only {', '.join(LAYOUT_FIELDS)}")
+        return cls.from_dict(values).layout_kwargs()
 
     # -- validation ---------------------------------------------------------------------
 
@@ -261,6 +273,12 @@ class TierConfig:
               self.inference_engine, "a string")
         _want(self.canonical_format is None or isinstance(self.canonical_format, str),
               "canonical_format", self.canonical_format, "a string, or absent")
+        from mptier.layout import FileMapper
+
+        try:  # the folder names they make: the rule every layout path obeys
+            FileMapper("", **self.layout_kwargs())
+        except ConfigError as exc:
+            raise ConfigError(f"TierConfig.{exc}") from None
 
 
     def _validate_storage(self) -> None:
@@ -297,6 +315,14 @@ class TierConfig:
             _want(isinstance(value, (int, float)) and not isinstance(value, bool)
                   and value > 0, name, value, "a positive number of seconds")
         _want_int(self, "root_failures_to_fail", low=1, high=1_000_000)
+
+
+# The fields that name the cache folder (vLLM's FileMapper): an engine's own even when it
+# attaches to a service.
+LAYOUT_FIELDS = ("model_name", "tokens_per_hash", "blocks_per_file", "tp_size", "pp_size",
+                 "pcp_size", "dcp_size", "rank", "dtype", "kv_cache_groups",
+                 "inference_engine", "parallel_agnostic", "replicated_layout",
+                 "canonical_format")
 
 
 def _want(ok: bool, name: str, value: Any, accepted: str) -> None:

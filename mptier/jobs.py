@@ -60,6 +60,7 @@ class TaskKind(enum.IntEnum):
 
 
 _LOOKUP = int(TaskKind.LOOKUP)
+_KINDS = frozenset(int(k) for k in TaskKind)
 
 
 class MessageType(enum.IntEnum):
@@ -252,17 +253,23 @@ _c_encode = _native_encoder()
 def peek_task(record: bytes | memoryview) -> tuple[TaskKind, int, int] | None:
     """``(kind, task_id, attempt)`` of a record, or ``None`` for an empty/invalid one."""
     magic, version, kind, attempt, _, _, task_id = _TASK_HEADER.unpack_from(record, 0)
-    if magic != _TASK_MAGIC or version != WIRE_VERSION or task_id == 0:
+    if magic != _TASK_MAGIC or version != WIRE_VERSION or task_id == 0 or \
+            kind not in _KINDS:
         return None
     return TaskKind(kind), task_id, attempt
 
 
 def decode_task(record: bytes | memoryview) -> Task:
+    """The task in ``record``. Raises ``ValueError`` for a record no encoder here writes
+    (wrong magic, version or kind, more items or key bytes than a record holds)."""
     magic, version, kind, attempt, _, n, task_id = _TASK_HEADER.unpack_from(record, 0)
     if magic != _TASK_MAGIC or version != WIRE_VERSION:
         raise ValueError(f"not an mptier v{WIRE_VERSION} task record: {bytes(record[:8])!r}")
     kind = TaskKind(kind)
     pos = TASK_HEADER_BYTES
+    item = LOOKUP_ITEM_OVERHEAD if kind == TaskKind.LOOKUP else TASK_ITEM_OVERHEAD
+    if pos + n * item > TASK_RECORD_BYTES:
+        raise ValueError(f"a task record cannot hold {n} items")
     block_ids: list[int] = []
     if kind != TaskKind.LOOKUP:
         ids = array.array("Q")
@@ -272,6 +279,8 @@ def decode_task(record: bytes | memoryview) -> Task:
     lengths = array.array("H")
     lengths.frombytes(record[pos:pos + 2 * n])
     pos += 2 * n
+    if pos + sum(lengths) > TASK_RECORD_BYTES:
+        raise ValueError(f"the keys of a task record end past its {TASK_RECORD_BYTES} bytes")
     raw = bytes(record[pos:pos + sum(lengths)])
     keys = []
     start = 0

@@ -16,13 +16,53 @@ import json
 import os
 from typing import Any
 
-from mptier.keys import key_block_hash, key_group_idx
+from mptier.keys import NAME_MAX, key_block_hash, key_group_idx
 
 CONFIG_FILENAME = "config.json"
 # mptier's own record beside config.json (vLLM reads only config.json and block files):
 # the block size, so two tiers with different block sizes never share a folder.
 RECORD_FILENAME = "mptier.json"
 BASE_HASH_HEX_DIGITS = 12
+
+
+def _folder_part(model_name: Any) -> str:
+    if not isinstance(model_name, str) or not model_name:
+        from mptier.errors import ConfigError
+
+        raise ConfigError(f"model_name = {model_name!r} is invalid: expected a non-empty "
+                          "string (it names the cache folder)")
+    return model_name.replace("/", "_")
+
+
+def _rank_part(rank: Any) -> str:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        from mptier.errors import ConfigError
+
+        raise ConfigError(f"rank = {rank!r} is invalid: expected a whole number >= 0 (it "
+                          "names the blocks folder, <base>_r<rank>)")
+    return str(rank)
+
+
+def check_folder_name(name: str, model_name: Any, rank: Any) -> None:
+    """Raise ``ConfigError`` unless ``name``, a cache folder's name made from
+    ``model_name`` and ``rank``, is one plain name beneath the root: no separator, no NUL,
+    not "." or "..", at most NAME_MAX bytes. Every path of the layout is built by
+    :class:`FileMapper`, from a local configuration or from an engine attaching to a
+    service alike: this is the one rule for both."""
+    from mptier.errors import ConfigError
+
+    try:
+        size = len(os.fsencode(name))
+    except UnicodeEncodeError:
+        size = -1
+    if size < 0 or "/" in name or "\0" in name or name in (".", ".."):
+        raise ConfigError(f"model_name = {model_name!r} and rank = {rank!r} make the cache "
+                          f"folder name {name!r}, which is not one plain file name (no "
+                          "'/', no NUL byte, no lone surrogate); use a plain model_name")
+    if size > NAME_MAX:
+        raise ConfigError(f"model_name = {model_name!r:.80} makes the cache folder name "
+                          f"{size} bytes long, past the file system's {NAME_MAX}-byte limit; "
+                          "use a shorter model_name")
 
 
 class FileMapper:
@@ -79,8 +119,12 @@ class FileMapper:
         digest = hashlib.sha256(
             json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")
         ).hexdigest()[:BASE_HASH_HEX_DIGITS]
-        self.base_path = f"{self.root_dir}/{model_name.replace('/', '_')}_{digest}"
-        self.blocks_dir = f"{self.base_path}_r{rank}"
+        base_name = f"{_folder_part(model_name)}_{digest}"
+        blocks_name = f"{base_name}_r{_rank_part(rank)}"
+        for name in (base_name, blocks_name):
+            check_folder_name(name, model_name, rank)
+        self.base_path = f"{self.root_dir}/{base_name}"
+        self.blocks_dir = f"{self.root_dir}/{blocks_name}"
 
     @property
     def fields(self) -> dict[str, Any]:

@@ -83,12 +83,42 @@ def _check(result: int | None, what: str) -> int:
     return result
 
 
+def check_segments(segments: list[Segment], nbytes: int) -> None:
+    """Raise ``ValueError`` unless ``segments`` tile the buffer's ``nbytes`` bytes exactly
+    (in order, no gap, no overlap) and each lies inside its open file (``fstat``). A
+    mapping past a file's end faults (SIGBUS) on first touch, and a gap would be
+    unmapped: then the mapping's length, which bounds every block the native layer
+    moves, would promise memory that is not there. What an engine claims about its
+    buffer is checked against what its descriptors are."""
+    if not segments:
+        raise ValueError("a buffer needs at least one segment")
+    at = 0
+    for i, seg in enumerate(segments):
+        if seg.buffer_offset != at:
+            raise ValueError(f"segment {i} starts at buffer offset {seg.buffer_offset}, "
+                             f"expected {at}: segments must cover the buffer in order, "
+                             "without gaps or overlaps")
+        if seg.length <= 0 or seg.file_offset < 0:
+            raise ValueError(f"segment {i} has length {seg.length} at file offset "
+                             f"{seg.file_offset}: expected a positive length at an offset "
+                             ">= 0")
+        size = os.fstat(seg.fd).st_size
+        if seg.file_offset + seg.length > size:
+            raise ValueError(f"segment {i} ({seg.path or f'fd {seg.fd}'}) claims bytes "
+                             f"[{seg.file_offset}, {seg.file_offset + seg.length}) of a file "
+                             f"of {size} bytes: a buffer must lie inside its files")
+        at += seg.length
+    if at != nbytes:
+        raise ValueError(f"the segments cover {at} bytes but the buffer is said to have "
+                         f"{nbytes}")
+
+
 class MappedBuffer:
-    """The primary buffer mapped from its segments; ``memory`` is a writable byte view."""
+    """The primary buffer mapped from its segments; ``memory`` is a writable byte view of
+    exactly ``nbytes``, every byte of it backed by a file (:func:`check_segments`)."""
 
     def __init__(self, segments: list[Segment], nbytes: int) -> None:
-        if not segments:
-            raise ValueError("a buffer needs at least one segment")
+        check_segments(segments, nbytes)
         # Segments may start inside a page (a view that begins mid-page): map from the
         # page boundary and remember how far into the mapping byte 0 of the buffer lies.
         first = segments[0]

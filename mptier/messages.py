@@ -34,18 +34,26 @@ def send(sock: socket.socket, op: str, fds: list[int] | tuple[int, ...] = (),
 
 def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     """One message and the descriptors that came with it (close-on-exec, the caller's
-    to close), or ``None`` at end of file. Blocks unless the socket is non-blocking (then
-    raises ``BlockingIOError`` when nothing waits) or has a timeout (``TimeoutError``)."""
-    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, MAX_MESSAGE_FDS,
-                                      socket.MSG_CMSG_CLOEXEC)
+    to close), or ``None`` at end of file. Raises ``ValueError`` (descriptors closed) for
+    a datagram that is not JSON or was cut short (too long, too many descriptors). Blocks
+    unless the socket is non-blocking (then raises ``BlockingIOError`` when nothing
+    waits) or has a timeout (``TimeoutError``)."""
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, MAX_MESSAGE_FDS,
+                                          socket.MSG_CMSG_CLOEXEC)
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        # Cut short: what arrived is not the message that was sent (the kernel dropped
+        # the rest, and any descriptors past MAX_MESSAGE_FDS).
+        close_all(fds)
+        raise ValueError(f"a message longer than {MAX_MESSAGE_BYTES} bytes or with more "
+                         f"than {MAX_MESSAGE_FDS} descriptors")
     if not data:
         close_all(fds)
         return None
     try:
         message = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         close_all(fds)
-        raise
+        raise ValueError(f"a message that is not JSON: {exc}") from None
     return message, fds
 
 

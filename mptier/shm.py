@@ -14,7 +14,11 @@
 
 Whoever creates or attaches an object holds a shared lock on it while using it, so
 :func:`cleanup_stale` can tell the objects of dead engines (nobody holds them) from live
-ones -- even those of a process in another PID namespace. Names carry the creator's pid
+ones -- even those of a process in another PID namespace. An object is locked *before*
+it gets its name (an unnamed ``O_TMPFILE`` file locked, sized, then linked in; where that
+is refused, a temporary name locked and then linked to the real one), so no process ever
+sees an unlocked live object and no grace period is needed: an engine killed a moment
+after its start leaves nothing that the next sweep keeps. Names carry the creator's pid
 and start time for the reader, not for liveness.
 """
 
@@ -40,8 +44,9 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "mptier."
-# An object younger than this is never removed as stale: covers the moment between its
-# creation and its creator taking the lock.
+# The suffix of an object's temporary name while its creator locks it (only where
+# O_TMPFILE is refused); such a name younger than STALE_GRACE_S may not be locked yet.
+CREATING_SUFFIX = ".creating"
 STALE_GRACE_S = 5.0
 
 
@@ -69,6 +74,53 @@ def hold(fd: int) -> None:
     fcntl.flock(fd, fcntl.LOCK_SH)
 
 
+def create_locked(name: str, nbytes: int, directory: str = SHM_DIR) -> int:
+    """A new object ``name`` of ``nbytes`` zero bytes in ``directory``, already held.
+
+    Returns its descriptor (close-on-exec), whose shared lock proves it alive from the
+    moment the name exists. Raises ``FileExistsError`` if the name is taken, ``OSError``
+    otherwise; nothing is left behind on failure.
+    """
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return _create_locked_by_rename(path, nbytes)
+    try:
+        hold(fd)
+        os.ftruncate(fd, nbytes)
+        # linkat(AT_SYMLINK_FOLLOW) through /proc gives the unnamed file its name (EEXIST
+        # if taken); a directory descriptor is what makes Python call linkat with it.
+        fds = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.link(str(fd), path, src_dir_fd=fds, follow_symlinks=True)
+        finally:
+            os.close(fds)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _create_locked_by_rename(path: str, nbytes: int) -> int:
+    """:func:`create_locked` where the directory refuses ``O_TMPFILE``: lock under a
+    temporary name, then link the real name to it (never replaces an existing one)."""
+    temporary = path + CREATING_SUFFIX
+    fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW
+                 | os.O_CLOEXEC, 0o600)
+    try:
+        hold(fd)
+        os.ftruncate(fd, nbytes)
+        os.link(temporary, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+    return fd
+
+
 def cleanup_stale(directory: str = SHM_DIR, min_age_s: float | None = None) -> list[str]:
     """Remove mptier objects nobody holds. Returns their names.
 
@@ -76,10 +128,12 @@ def cleanup_stale(directory: str = SHM_DIR, min_age_s: float | None = None) -> l
     creator and every attacher hold a shared ``flock`` on the object for as long as they
     use it (file locks work across PID namespaces on one kernel, so a container sharing
     ``/dev/shm`` keeps its buffers), and an object is removed only when an exclusive lock
-    can be taken. Objects younger than ``min_age_s`` are left alone: their creator may
-    not have taken its lock yet.
+    can be taken. Objects are locked before they are named (:func:`create_locked`), so
+    any age will do; ``min_age_s`` (default 0) spares younger ones, for objects made by
+    other means. A temporary name of :func:`create_locked` younger than
+    ``STALE_GRACE_S`` is always spared: its creator may be about to lock it.
     """
-    grace = STALE_GRACE_S if min_age_s is None else min_age_s
+    grace = 0.0 if min_age_s is None else min_age_s
     removed = []
     try:
         names = os.listdir(directory)
@@ -96,7 +150,8 @@ def cleanup_stale(directory: str = SHM_DIR, min_age_s: float | None = None) -> l
             continue
         try:
             held = os.fstat(fd)
-            if not stat.S_ISREG(held.st_mode) or now - held.st_ctime < grace:
+            spare = STALE_GRACE_S if name.endswith(CREATING_SUFFIX) else grace
+            if not stat.S_ISREG(held.st_mode) or now - held.st_ctime < spare:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -200,17 +255,18 @@ class SharedKVBuffer:
         name = name or unique_name("buf")
         nbytes = num_blocks * block_bytes
         try:
-            shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=nbytes)
-        except posix_ipc.ExistentialError:
+            fd = create_locked(name, nbytes)
+        except FileExistsError:
             raise MptierError(f"shared-memory object {name!r} already exists") from None
-        fd = shm.fd
+        except OSError as exc:
+            raise MptierError(f"cannot create shared-memory object {name!r} in {SHM_DIR}: "
+                              f"{exc.strerror}") from None
         try:
-            os.set_inheritable(fd, False)
-            hold(fd)
             mapping = mmap.mmap(fd, nbytes)
         except BaseException:
-            shm.close_fd()
-            posix_ipc.unlink_shared_memory("/" + name)
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, name))
             raise
         return cls._from_mmap(mapping, name, fd, owner=True, num_blocks=num_blocks,
                               block_bytes=block_bytes)

@@ -332,20 +332,27 @@ def tiny_tmpfs(size_bytes: int) -> Iterator[str]:
 
 class Service:
     """``mptier serve`` as a real subprocess (1 load + 1 store worker unless ``settings``
-    say otherwise; extra environment for its workers, e.g. fault injection)."""
+    say otherwise; extra environment for its workers, e.g. fault injection; its log
+    appended to the file ``log``, if given)."""
 
     def __init__(self, name: str, root: str, run_dir: str, env: dict[str, str] | None = None,
-                 **settings: Any) -> None:
+                 log: str | None = None, **settings: Any) -> None:
         import sys
 
         self.name, self.root, self.run_dir = name, root, run_dir
         settings = {"prefault": "false", "n_load_workers": 1, "n_store_workers": 1,
                     **settings}
         args = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mptier.cli", "serve", "--name", name, "--root", root,
-             *args], env={**os.environ, "MPTIER_RUN_DIR": run_dir, **(env or {})},
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        err = subprocess.DEVNULL if log is None else os.open(
+            log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mptier.cli", "serve", "--name", name, "--root", root,
+                 *args], env={**os.environ, "MPTIER_RUN_DIR": run_dir, **(env or {})},
+                stdout=subprocess.PIPE, stderr=err, text=True)
+        finally:
+            if log is not None:
+                os.close(err)
         line = self.proc.stdout.readline()
         if "listening on" not in line:
             self.stop(9)

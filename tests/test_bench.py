@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import shutil
+import subprocess
 
 import pytest
 
@@ -85,7 +87,7 @@ def test_every_design_reports_every_figure_with_consistent_ratios(tmp_path, fake
             assert r["verify"]["ok"] and r["verify"]["blocks_checked"] == 32
             assert r["single_verify"]["ok"]
             assert r["jobs"]["store"] == {"jobs": 8, "failed": 0, "duplicates": 0,
-                                          "bytes_ok": 2 << 20}
+                                          "bytes_ok": 2 << 20, "first_failure": ""}
     assert all(v == 1.0 for v in b["ratio_to_b"].values() if v is not None)
     assert all(v == 1.0 for v in d["ratio_to_d"].values() if v is not None)
     if importlib.util.find_spec("matplotlib") is not None:  # the vLLM env has no charts
@@ -106,6 +108,30 @@ def test_corrupted_block_fails_verification(tmp_path, fake_drop):
     assert record["verify"]["mismatched"] == 2
     assert record["jobs"]["load"]["failed"] == 0  # the loads "succeeded": only bytes tell
     assert any("differ" in p for p in doc["cases"][0]["problems"])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_failed_jobs_name_their_cause_in_the_last_lines(tmp_path, fake_drop, capsys):
+    """A run whose stores fail (a 256 KiB file system for 2 MiB of blocks) exits 1 and
+    its last lines say why: the errno and the tier's own text of the first failure."""
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(full)],
+                   check=True)
+    try:
+        out = tmp_path / "out.json"
+        design = job_designs()[0]
+        rc = cli.main(["--root", str(full), *TINY, "--json", str(out), "--designs", design])
+    finally:
+        subprocess.run(["umount", "-l", str(full)], check=True)
+    assert rc == 1
+    problems = json.loads(out.read_text())["cases"][0]["problems"]
+    assert any("store job(s) failed" in p and "Errno 28" in p for p in problems), problems
+    err = capsys.readouterr().err.strip().splitlines()
+    failed = [line for line in err if line.startswith("mptier bench: FAILED:")]
+    assert failed and err[-len(failed):] == failed, "the failures come last"
+    assert all("the first failure: job" in line for line in failed if "job(s)" in line)
+    assert any("No space left on device" in line for line in failed), failed
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")

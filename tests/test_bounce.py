@@ -100,6 +100,25 @@ def test_a_failure_reports_the_prefix_and_leaves_later_slots_untouched(stored, t
     assert (target[6 * BLOCK:] == 0xAB).all()
 
 
+@pytest.mark.parametrize("uring", [False, True], ids=["loop", "uring"])
+@pytest.mark.parametrize("outside", [N * BLOCK, N * BLOCK - 1, -BLOCK, 1 << 70])
+def test_a_slot_outside_the_buffer_fails_like_the_native_layer(stored, outside, uring):
+    backend, fd, paths, source = stored
+    whole = np.full((N + 1) * BLOCK, 0xAB, dtype=np.uint8)  # the last block: a guard
+    target = memoryview(whole)[:N * BLOCK]
+    slots = [i * BLOCK for i in range(5)] + [outside] + [6 * BLOCK]
+    bounce = Bounce(BLOCK, nbytes=4 * BLOCK)
+    flags = native.URING if uring else 0
+    try:
+        got = bounce.load(backend, fd, paths[:7], target, slots, flags)
+    finally:
+        bounce.close()
+    assert got == backend.load(fd, paths[:7], target, slots, BLOCK, flags) \
+        == (-errno.EINVAL, 5, 5)
+    assert np.array_equal(whole[:5 * BLOCK], source[:5 * BLOCK])
+    assert (whole[6 * BLOCK:] == 0xAB).all()
+
+
 def test_close_is_idempotent_and_maps_nothing_before_use():
     bounce = Bounce(BLOCK)
     assert bounce._map is None

@@ -116,3 +116,25 @@ def test_prefault_of_a_two_segment_buffer(tmp_path):
 
 def test_page_size_is_the_mapping_unit():
     assert PAGE_SIZE == mmap.PAGESIZE
+
+
+@pytest.mark.parametrize("case", ["past the file", "gap", "short of nbytes", "no segments"])
+def test_a_buffer_is_mapped_only_where_its_files_are(sparse_shm, case):
+    """What an engine claims about its buffer is checked against its descriptors (fstat)
+    before a worker maps it: a mapping past a file's end would fault on first touch, and
+    its length bounds every block the native layer moves."""
+    size = os.fstat(sparse_shm).st_size
+    segments, nbytes = {
+        "past the file": ([Segment(sparse_shm, PAGE_SIZE, size, 0)], size),
+        "gap": ([Segment(sparse_shm, 0, MIB, 0), Segment(sparse_shm, MIB, MIB, 2 * MIB)],
+                3 * MIB),
+        "short of nbytes": ([Segment(sparse_shm, 0, MIB, 0)], 2 * MIB),
+        "no segments": ([], MIB),
+    }[case]
+    with pytest.raises(ValueError, match=r"segment|buffer"):
+        MappedBuffer(segments, nbytes)
+    buf = MappedBuffer([Segment(sparse_shm, 0, size, 0)], size)  # the whole file: fine
+    try:
+        assert len(buf.memory) == size
+    finally:
+        buf.close()

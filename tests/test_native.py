@@ -473,6 +473,72 @@ def test_bad_root_type_and_lookup_paths(io, tmp_path):
 
 # --- fault injection -----------------------------------------------------------------
 
+# --- blocks outside the buffer (the errno layer: what a service's workers call) ----------
+
+N_SLOTS = 3
+# Offsets of a block that does not lie wholly inside a buffer of N_SLOTS blocks: past
+# the end, straddling it, negative, and too large for 64 bits (a block id a hostile
+# engine put in a task record, times the block size).
+OUTSIDE = {"past the end": N_SLOTS * BLOCK, "straddling the end": N_SLOTS * BLOCK - 1,
+           "far past": 1 << 40, "negative": -BLOCK, "past 64 bits": 1 << 70}
+
+
+def _guarded(seed: int):
+    """A buffer of N_SLOTS blocks that is the first part of a larger array: the bytes
+    after it (the guard) stand for the worker's other memory."""
+    whole = aligned((N_SLOTS + 2) * BLOCK, seed=seed)
+    return whole, whole[:N_SLOTS * BLOCK]
+
+
+@pytest.mark.parametrize("where", list(OUTSIDE))
+def test_store_of_a_block_outside_the_buffer_is_refused(io, tmp_path, where):
+    whole, buf = _guarded(seed=11)
+    paths = block_paths(3, "outside-store")
+    fd = native.open_root(tmp_path)
+    try:
+        got = io.store(fd, [p.encode() for p in paths], buf,
+                       [0, OUTSIDE[where], 2 * BLOCK], BLOCK, 0, b"0123456789abcdef")
+    finally:
+        os.close(fd)
+    assert got == (-errno.EINVAL, 1, 1, 0)
+    # the block before it is stored, byte for byte; nothing of it or after it anywhere
+    assert files_under(tmp_path) == {paths[0]: bytes(buf[:BLOCK])}
+    assert temp_files(tmp_path) == []
+    guard = bytes(whole[N_SLOTS * BLOCK:])
+    assert not any(guard[:64] in data for data in files_under(tmp_path).values())
+
+
+@pytest.mark.parametrize("where", list(OUTSIDE))
+def test_load_into_a_block_outside_the_buffer_is_refused(io, tmp_path, where):
+    stored = aligned(2 * BLOCK, seed=12)
+    paths = block_paths(2, "outside-load")
+    io.batch_store(tmp_path, paths, stored, offsets(range(2)), BLOCK)
+    whole, buf = _guarded(seed=13)
+    before = bytes(whole)
+    fd = native.open_root(tmp_path)
+    try:
+        got = io.load(fd, [p.encode() for p in paths], buf, [BLOCK, OUTSIDE[where]], BLOCK, 0)
+    finally:
+        os.close(fd)
+    assert got == (-errno.EINVAL, 1, 1)
+    after = bytes(whole)
+    assert after[BLOCK:2 * BLOCK] == bytes(stored[:BLOCK])  # the block before it loaded
+    assert after[:BLOCK] == before[:BLOCK] and after[2 * BLOCK:] == before[2 * BLOCK:]
+    assert sorted(files_under(tmp_path)) == sorted(paths)  # refusing removed nothing
+
+
+def test_a_block_larger_than_the_buffer_is_refused_at_once(io, tmp_path):
+    fd = native.open_root(tmp_path)
+    try:
+        small = aligned(BLOCK)
+        assert io.store(fd, [b"a.bin"], small, [0], 2 * BLOCK, 0, b"0123456789abcdef") \
+            == (-errno.EINVAL, 0, 0, 0)
+        assert io.load(fd, [b"a.bin"], small, [0], 2 * BLOCK, 0) == (-errno.EINVAL, 0, 0)
+    finally:
+        os.close(fd)
+    assert files_under(tmp_path) == {}
+
+
 def test_injected_store_fault(io, tmp_path):
     paths = block_paths(3)
     native.set_fault(f"store:1:{errno.EACCES}")

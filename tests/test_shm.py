@@ -259,3 +259,147 @@ def test_from_memoryview_needs_block_bytes_for_flat_memory():
         SharedKVBuffer.from_memoryview(bytearray(8192))
     with pytest.raises(ConfigError, match="not a multiple"):
         SharedKVBuffer.from_memoryview(bytearray(8192), block_bytes=3000)
+
+
+def _held_by_someone(path: str) -> bool:
+    """Would an exclusive lock on ``path`` be refused (someone holds the object)?"""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY)  # a new open file description: its own lock
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@pytest.mark.parametrize("how", ["tmpfile", "rename"])
+def test_a_new_buffer_is_locked_before_it_has_its_name(monkeypatch, how):
+    """The name appears (the link) only once the object is held, so a sweep at any moment
+    -- with no grace period -- never removes a live buffer. ``rename``: the path taken
+    where the folder refuses O_TMPFILE (the errno injected)."""
+    import errno
+
+    from mptier import shm
+
+    real_open, real_link = os.open, os.link
+    seen: list[tuple[str, bool]] = []
+
+    def refusing_open(path, flags, *args, **kwargs):
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, "O_TMPFILE refused (injected)")
+        return real_open(path, flags, *args, **kwargs)
+
+    def watching_link(src, dst, *args, src_dir_fd=None, **kwargs):
+        named = src if src_dir_fd is None else f"/proc/self/fd/{src}"
+        seen.append((dst, _held_by_someone(named)))
+        if src_dir_fd is not None:
+            kwargs["src_dir_fd"] = src_dir_fd
+        return real_link(src, dst, *args, **kwargs)
+
+    if how == "rename":
+        monkeypatch.setattr(shm.os, "open", refusing_open)
+    monkeypatch.setattr(shm.os, "link", watching_link)
+    buf = SharedKVBuffer.create(2, 4 * KB)
+    try:
+        path = f"/dev/shm/{buf.name}"
+        assert seen == [(path, True)], "the object must be held when its name appears"
+        assert buf.name not in cleanup_stale(), "a live buffer is never stale"
+        assert os.path.exists(path) and _held_by_someone(path)
+        assert not [n for n in os.listdir("/dev/shm") if n.endswith(shm.CREATING_SUFFIX)]
+        buf.view[1, :3] = [7, 8, 9]
+        other = SharedKVBuffer.attach(buf.name, block_bytes=4 * KB)
+        assert list(other.view[1, :3]) == [7, 8, 9]
+        other.close()
+    finally:
+        buf.close()
+        buf.unlink()
+
+
+def test_a_taken_name_is_refused_and_nothing_is_left():
+    from mptier import MptierError
+
+    with SharedKVBuffer.create(1, 4 * KB) as buf:
+        before = set(os.listdir("/dev/shm"))
+        with pytest.raises(MptierError, match="already exists"):
+            SharedKVBuffer.create(1, 4 * KB, name=buf.name)
+        assert set(os.listdir("/dev/shm")) == before
+
+
+KILLED_AT_START = """
+import sys
+from mptier import FileSystemTier, SharedKVBuffer
+buf = SharedKVBuffer.create(8, 4096)
+print(buf.name, flush=True)
+tier = FileSystemTier(buf, root_dir=sys.argv[1], n_load_workers=1, n_store_workers=1,
+                      prefault=False)
+print("started", flush=True)
+import time
+time.sleep(60)
+"""
+
+
+ENGINES_KILLED = 12  # bench/reliability.py's killed_at_start runs 30
+
+
+def test_engines_killed_within_a_second_of_start_leave_no_buffer(root):
+    """Engines SIGKILLed at a random moment of the second after they made their buffer
+    (some before their tier is up, some just after): each next engine's start frees the
+    buffers that nobody holds any more (no grace period to wait out), and a live tier's
+    periodic sweep frees the rest once their workers (which exit on their own) let go --
+    nobody calls ``cleanup_stale`` here."""
+    import random
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import RUN_DIR
+
+    from mptier.storage import names as N
+    from mptier.storage.leases import lease_state
+    from mptier.workers.supervisor import SHM_SWEEP_S
+
+    rng = random.Random(21)
+    names: list[str] = []
+    pids: list[int] = []
+    for _ in range(ENGINES_KILLED):
+        engine = subprocess.Popen([sys.executable, "-c", KILLED_AT_START, root],
+                                  stdout=subprocess.PIPE, text=True)
+        pids.append(engine.pid)
+        try:
+            names.append(engine.stdout.readline().strip())
+            time_left = rng.uniform(0.0, 1.0)
+            try:
+                engine.wait(time_left)
+            except subprocess.TimeoutExpired:
+                engine.send_signal(signal.SIGKILL)
+        finally:
+            engine.kill()
+            engine.wait()
+            engine.stdout.close()
+    names = [n for n in names if n]
+    assert len(names) == ENGINES_KILLED
+    from conftest import wait_for
+
+    from mptier import FileSystemTier
+
+    # A tier that lives on: its start and its periodic sweeps are the only cleanup.
+    with SharedKVBuffer.create(4, 4 * KB) as buf, \
+            FileSystemTier(buf, root_dir=root, n_load_workers=1, n_store_workers=1,
+                           prefault=False):
+        wait_for(lambda: not any(os.path.exists(f"/dev/shm/{n}") for n in names),
+                 timeout=3 * SHM_SWEEP_S, what="the killed engines' buffers removed")
+
+        def dead_leases() -> list[str]:
+            with contextlib.suppress(FileNotFoundError):
+                return [e for e in os.listdir(N.leases_dir(root))
+                        if lease_state(root, e.split(".")[0]) != "held"]
+            return []
+
+        # the live tier's caretaker sweeps dead writers' leases on its walk passes
+        wait_for(lambda: not dead_leases(), timeout=60, what="dead leases removed")
+        # the live tier's status endpoint removed the killed engines' sockets at start
+        left = [e for e in os.listdir(RUN_DIR) if any(f"-{pid}." in e for pid in pids)]
+        assert not left, f"the killed engines left {left} in the run directory"

@@ -17,6 +17,7 @@ import shlex
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any
 
 from mptier.bench import report as rep
@@ -359,7 +360,15 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     stamp = _code_stamp()
     try:
         for w in cases:
-            doc["cases"].append(run_case(w, specs, progress, rounds))
+            try:
+                doc["cases"].append(run_case(w, specs, progress, rounds))
+            except Exception as exc:  # outside any design: name the case and the cause last
+                progress.close()
+                traceback.print_exc()
+                print(f"mptier bench: FAILED: the case {w.root} at "
+                      f"{format_size(w.block_bytes)} blocks stopped: "
+                      f"{type(exc).__name__}: {exc}", file=sys.stderr)
+                return 1
             if _code_stamp() != stamp:
                 title = rep.case_title(doc["cases"][-1])
                 doc.setdefault("warnings", []).append(

@@ -138,7 +138,9 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
                 record["jobs"][kind] = {
                     "jobs": sum(p.jobs for p in both), "failed": sum(p.failed for p in both),
                     "duplicates": sum(p.duplicates for p in both),
-                    "bytes_ok": sum(p.ok_bytes for p in both)}
+                    "bytes_ok": sum(p.ok_bytes for p in both),
+                    "first_failure": next((p.first_failure for p in both
+                                           if p.first_failure), "")}
         record["phase_seconds"] = {name: p.elapsed_ns / 1e9 for name, p in phases.items()}
     singles = {"store": out.get("single_store_ns") or [], "load": out.get("single_load_ns")
                or []}
@@ -179,7 +181,10 @@ def merge_rounds(records: list[dict[str, Any]]) -> dict[str, Any]:
     merged["page_cache_dropped"] = all(drops) if drops else None
     if all(r.get("jobs") for r in records):
         merged["jobs"] = {
-            phase: {k: sum(r["jobs"][phase][k] for r in records) for k in j}
+            phase: {k: (next((r["jobs"][phase][k] for r in records if r["jobs"][phase][k]),
+                             "") if isinstance(v, str)
+                        else sum(r["jobs"][phase][k] for r in records))
+                    for k, v in j.items()}
             for phase, j in first["jobs"].items()}
     for which in ("warm_memory", "memory", "position"):
         merged[which] = [r.get(which) for r in records]
@@ -233,8 +238,10 @@ def problems(case: dict[str, Any]) -> list[str]:
             out.append(f"{name}: {r['error']}")
         for phase, j in (r.get("jobs") or {}).items():
             if j["failed"] or j["duplicates"]:
+                cause = j.get("first_failure") or ""
                 out.append(f"{name}: {j['failed']} {phase} job(s) failed, "
-                           f"{j['duplicates']} reported twice")
+                           f"{j['duplicates']} reported twice"
+                           + (f"; the first failure: {cause}" if cause else ""))
         for which in ("verify", "single_verify", "cold_verify"):
             v = r.get(which)
             if v and v.get("mode") == "full" and not v["ok"]:

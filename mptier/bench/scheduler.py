@@ -10,6 +10,7 @@ before its submit to the poll that returned it (so it includes up to one step).
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,8 @@ class PhaseStats:
     loop_iterations: int = 0
     loop_ns: int = 0
     duplicates: int = 0
+    # Why the first failed job failed (its errno and error text): a failed run names it.
+    first_failure: str = ""
     # The machine's page counters over the phase (MemorySnapshot.since), set by the harness.
     memory: dict[str, Any] | None = None
 
@@ -45,6 +48,18 @@ class PhaseStats:
     @property
     def loop_rate(self) -> float | None:
         return self.loop_iterations / (self.loop_ns / 1e9) if self.loop_ns else None
+
+
+def describe_failure(result: Any) -> str:
+    """``"job 7: [Errno 110] Connection timed out: <the tier's text>"`` for a failed
+    job of any design (a design's result may lack the errno or the text)."""
+    err = getattr(result, "errno", 0) or 0
+    text = getattr(result, "error", None) or ""
+    parts = [f"job {result.job_id}:"]
+    if err:
+        parts.append(f"[Errno {err}] {os.strerror(err)}" + (":" if text else ""))
+    parts.append(text or ("no cause reported" if not err else ""))
+    return " ".join(p for p in parts if p)
 
 
 def drive(design: Design, jobs: list[tuple[Any, int]], kind: str, inflight: int,
@@ -98,6 +113,8 @@ def drive(design: Design, jobs: list[tuple[Any, int]], kind: str, inflight: int,
                     stats.ok_bytes += entry[1]
                 else:
                     stats.failed += 1
+                    if not stats.first_failure:
+                        stats.first_failure = describe_failure(result)
             last = t1
         else:
             empty_ns.append(t1 - t0)

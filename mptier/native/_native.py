@@ -44,17 +44,30 @@ def _blob(paths: Sequence[bytes]) -> bytes:
     return b"\0".join(paths) + b"\0"  # one allocation for the whole batch
 
 
+# An offset no buffer can hold: what a negative or too large one becomes, so that C
+# refuses it as outside the buffer (EINVAL) as the Python twin does, instead of cffi
+# raising OverflowError.
+_OUTSIDE = (1 << 64) - 1
+
+
+def _offsets(offsets: Sequence[int]):
+    try:
+        return ffi.new("uint64_t[]", offsets)
+    except OverflowError:  # not on the hot path: only a bad task record gets here
+        return ffi.new("uint64_t[]", [o if 0 <= o < _OUTSIDE else _OUTSIDE for o in offsets])
+
+
 def store(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
           block_bytes: int, flags: int, tag: bytes) -> tuple[int, int, int, int]:
     n = len(paths)
     if n == 0:
         return 0, 0, 0, 0
-    offs = ffi.new("uint64_t[]", offsets)
+    offs = _offsets(offsets)
     out = ffi.new("size_t[2]")
     tmp_errno = ffi.new("int *")
     with ffi.from_buffer("char[]", buffer, require_writable=True) as base:
-        rc = lib.mpt_batch_store(root_fd, _blob(paths), n, base, offs, block_bytes, flags,
-                                 tag, out, out + 1, tmp_errno)
+        rc = lib.mpt_batch_store(root_fd, _blob(paths), n, base, len(base), offs,
+                                 block_bytes, flags, tag, out, out + 1, tmp_errno)
     return rc, out[0], out[1], tmp_errno[0]
 
 
@@ -63,11 +76,11 @@ def load(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
     n = len(paths)
     if n == 0:
         return 0, 0, 0
-    offs = ffi.new("uint64_t[]", offsets)
+    offs = _offsets(offsets)
     out = ffi.new("size_t[2]")
     with ffi.from_buffer("char[]", buffer, require_writable=True) as base:
-        rc = lib.mpt_batch_load(root_fd, _blob(paths), n, base, offs, block_bytes, flags,
-                                out, out + 1)
+        rc = lib.mpt_batch_load(root_fd, _blob(paths), n, base, len(base), offs,
+                                block_bytes, flags, out, out + 1)
     return rc, out[0], out[1]
 
 
@@ -76,12 +89,13 @@ def load_via(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int
     n = len(paths)
     if n == 0:
         return 0, 0, 0
-    offs = ffi.new("uint64_t[]", offsets)
+    offs = _offsets(offsets)
     out = ffi.new("size_t[2]")
     with ffi.from_buffer("char[]", buffer, require_writable=True) as base, \
             ffi.from_buffer("char[]", bounce, require_writable=True) as via:
-        rc = lib.mpt_batch_load_via(root_fd, _blob(paths), n, base, offs, block_bytes,
-                                    flags, via, len(via) // block_bytes, out, out + 1)
+        rc = lib.mpt_batch_load_via(root_fd, _blob(paths), n, base, len(base), offs,
+                                    block_bytes, flags, via, len(via) // block_bytes, out,
+                                    out + 1)
     return rc, out[0], out[1]
 
 

@@ -6,8 +6,9 @@ tmp_unlink_errno)``, ``load`` ``(rc, n_done, fail_index)`` with ``rc`` 0 or ``-e
 ``lookup`` one status byte per path. Nothing here raises for an I/O error;
 ``mptier.native`` turns the codes into exceptions for both backends alike. Arguments
 arrive validated: paths are non-empty relative ``bytes`` without NUL, "." or "..", the
-buffer is writable and C-contiguous, every block lies inside it, the tag is 16
-characters of [0-9a-z].
+buffer is writable and C-contiguous, the tag is 16 characters of [0-9a-z]. A block not
+wholly inside the buffer is still refused (EINVAL) before any of its I/O, as in C: in a
+service, offsets come from task records of an engine that is not trusted.
 
 Paths resolve beneath the root with the component walk only (the C core's fallback,
 ``NO_OPENAT2``): Python has no openat2, and the walk gives the same answers.
@@ -365,9 +366,12 @@ def _batch(one, paths: Sequence[bytes], buffer, offsets: Sequence[int], block_by
     if n == 0:
         return 0, 0, 0
     view, base = _flat(buffer)
+    last = len(view) - block_bytes  # the last offset a whole block fits at (as mpt_inside)
     with view:
         for i in range(n):
             off = offsets[i]
+            if not 0 <= off <= last:  # outside the buffer: refused before any of its I/O
+                return -errno.EINVAL, i, i
             direct = _direct_ok(flags, base + off, block_bytes)
             with view[off : off + block_bytes] as chunk:
                 rc = one(paths[i], chunk, direct)
@@ -406,9 +410,12 @@ def load_via(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int
         via.release()
         return -errno.EINVAL, 0, 0
     view, _ = _flat(buffer)
+    last = len(view) - block_bytes  # the last offset a whole block fits at (as mpt_inside)
     with view, via, via[:block_bytes] as chunk:
         direct = _direct_ok(flags, via_base, block_bytes)
         for i in range(n):
+            if not 0 <= offsets[i] <= last:  # outside the buffer: refused before its I/O
+                return -errno.EINVAL, i, i
             rc = _load_one(root_fd, paths[i], chunk, direct, flags)
             if rc == -errno.EINVAL and direct:
                 rc = _load_one(root_fd, paths[i], chunk, False, flags)

@@ -44,15 +44,15 @@ ffibuilder.cdef(
     #define MPT_CRC32C_FOLD ...
 
     int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
-                        const uint64_t *offsets, size_t block_bytes, int flags,
-                        const char *tag, size_t *n_done, size_t *fail_index,
+                        size_t base_len, const uint64_t *offsets, size_t block_bytes,
+                        int flags, const char *tag, size_t *n_done, size_t *fail_index,
                         int *tmp_unlink_errno);
     int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base,
-                       const uint64_t *offsets, size_t block_bytes, int flags,
-                       size_t *n_done, size_t *fail_index);
+                       size_t base_len, const uint64_t *offsets, size_t block_bytes,
+                       int flags, size_t *n_done, size_t *fail_index);
     int mpt_batch_load_via(int root, const char *paths_blob, size_t n, char *base,
-                           const uint64_t *offsets, size_t block_bytes, int flags,
-                           char *bounce, size_t bounce_blocks, size_t *n_done,
+                           size_t base_len, const uint64_t *offsets, size_t block_bytes,
+                           int flags, char *bounce, size_t bounce_blocks, size_t *n_done,
                            size_t *fail_index);
     int mpt_batch_lookup(int root, const char *paths_blob, size_t n, size_t block_bytes,
                          int flags, uint8_t *out);

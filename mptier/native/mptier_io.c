@@ -7,6 +7,8 @@
  *   root         a descriptor of the root directory (mptier.native.open_root)
  *   paths_blob   n NUL-terminated paths relative to root, back to back ("a\0b\0c\0")
  *   base         start of the caller's buffer; block i lives at base + offsets[i]
+ *   base_len     the buffer's length: a block not wholly inside it fails with EINVAL
+ *                before any I/O of it (the caller's own mapping's size, see mpt_inside)
  *   block_bytes  size of every block
  *
  * Every function returns 0 or -errno and never touches a Python object. A batch stops
@@ -496,59 +498,90 @@ static int mpt_memory_fs(int root, int flags)
            (unsigned long)sf.f_type == MPT_RAMFS_MAGIC;
 }
 
-int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
+/* How many blocks, from the first, lie wholly inside the caller's buffer of base_len
+ * bytes (block i is [offsets[i], offsets[i] + block_bytes)). The buffer's length is the
+ * caller's own mapping, never a number from a task record: in a service the task records
+ * come from an engine that is not trusted, so a block id past the buffer must not turn
+ * into a read or write of the worker's other memory. One compare per block. */
+static size_t mpt_inside(const uint64_t *offsets, size_t n, size_t block_bytes,
+                         size_t base_len)
+{
+    uint64_t last; /* the last offset a whole block fits at */
+    size_t i;
+
+    if (block_bytes > base_len)
+        return 0;
+    last = base_len - block_bytes;
+    for (i = 0; i < n && offsets[i] <= last; i++)
+        ;
+    return i;
+}
+
+/* Run a store (store != 0) or load over the blocks inside the buffer; a block outside it
+ * fails with EINVAL, as if its I/O had: the blocks before it are done, it and those after
+ * it are not touched (no file written, nothing at a final name). */
+static int mpt_batch_inside(int store, struct mpt_batch *b, const char *paths_blob,
+                            size_t n, char *base, size_t base_len, const uint64_t *offsets,
+                            size_t block_bytes, size_t *n_done, size_t *fail_index)
+{
+    size_t inside = mpt_inside(offsets, n, block_bytes, base_len);
+    int rc = MPT_NO_URING;
+
+    *n_done = 0;
+    *fail_index = 0;
+    if (inside == 0)
+        return n == 0 ? 0 : -EINVAL;
+    if (b->flags & MPT_URING)
+        rc = mpt_uring_batch(store, b, paths_blob, inside, base, offsets, block_bytes,
+                             n_done, fail_index);
+    if (rc == MPT_NO_URING)
+        rc = mpt_batch(store ? mpt_store_one : mpt_load_one, b, paths_blob, inside, base,
+                       offsets, block_bytes, n_done, fail_index);
+    if (rc == 0 && inside < n) {
+        *n_done = inside;
+        *fail_index = inside;
+        rc = -EINVAL;
+    }
+    return rc;
+}
+
+int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base, size_t base_len,
                     const uint64_t *offsets, size_t block_bytes, int flags, const char *tag,
                     size_t *n_done, size_t *fail_index, int *tmp_unlink_errno)
 {
     struct mpt_batch b = {root, flags, tag, 0, mpt_memory_fs(root, flags)};
-    int rc = MPT_NO_URING;
+    int rc = mpt_batch_inside(1, &b, paths_blob, n, base, base_len, offsets, block_bytes,
+                              n_done, fail_index);
 
-    if (flags & MPT_URING)
-        rc = mpt_uring_batch(1, &b, paths_blob, n, base, offsets, block_bytes, n_done,
-                             fail_index);
-    if (rc == MPT_NO_URING)
-        rc = mpt_batch(mpt_store_one, &b, paths_blob, n, base, offsets, block_bytes, n_done,
-                       fail_index);
     *tmp_unlink_errno = b.tmp_errno;
     return rc;
 }
 
-int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base,
+int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base, size_t base_len,
                    const uint64_t *offsets, size_t block_bytes, int flags, size_t *n_done,
                    size_t *fail_index)
 {
     struct mpt_batch b = {root, flags, NULL, 0, mpt_memory_fs(root, flags)};
-    int rc = MPT_NO_URING;
 
-    if (flags & MPT_URING)
-        rc = mpt_uring_batch(0, &b, paths_blob, n, base, offsets, block_bytes, n_done,
-                             fail_index);
-    if (rc == MPT_NO_URING)
-        rc = mpt_batch(mpt_load_one, &b, paths_blob, n, base, offsets, block_bytes, n_done,
-                       fail_index);
-    return rc;
+    return mpt_batch_inside(0, &b, paths_blob, n, base, base_len, offsets, block_bytes,
+                            n_done, fail_index);
 }
 
 int mpt_batch_load_via(int root, const char *paths_blob, size_t n, char *base,
-                       const uint64_t *offsets, size_t block_bytes, int flags, char *bounce,
-                       size_t bounce_blocks, size_t *n_done, size_t *fail_index)
+                       size_t base_len, const uint64_t *offsets, size_t block_bytes,
+                       int flags, char *bounce, size_t bounce_blocks, size_t *n_done,
+                       size_t *fail_index)
 {
     struct mpt_batch b = {root, flags, NULL, 0, mpt_memory_fs(root, flags), bounce,
                           bounce_blocks};
-    int rc = MPT_NO_URING;
 
     if (bounce == NULL || bounce_blocks == 0) {
         *n_done = 0;
         *fail_index = 0;
         return -EINVAL;
     }
-    if (flags & MPT_URING)
-        rc = mpt_uring_batch(0, &b, paths_blob, n, base, offsets, block_bytes, n_done,
-                             fail_index);
-    if (rc == MPT_NO_URING)
-        rc = mpt_batch(mpt_load_one, &b, paths_blob, n, base, offsets, block_bytes, n_done,
-                       fail_index);
-    return rc;
+    return mpt_batch_inside(0, &b, paths_blob, n, base, base_len, offsets, block_bytes,
+                            n_done, fail_index);
 }
 
 static uint8_t mpt_lookup_one(int root, const char *rel, size_t block_bytes, int flags)

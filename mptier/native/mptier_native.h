@@ -74,11 +74,13 @@
 /* Store / load: 0, or -errno of block *fail_index; blocks 0 .. *n_done - 1 (= *fail_index)
  * are done, nothing after *fail_index is published, removed or touched, and a load's
  * memory from *fail_index on is undefined (see MPT_URING). All I/O into base has ended
- * when they return. */
+ * when they return. A block not wholly inside base[0, base_len) fails with EINVAL before
+ * any of its I/O (base_len: the caller's own mapping, never a number it was sent). */
 int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
-                    const uint64_t *offsets, size_t block_bytes, int flags, const char *tag,
-                    size_t *n_done, size_t *fail_index, int *tmp_unlink_errno);
-int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base,
+                    size_t base_len, const uint64_t *offsets, size_t block_bytes,
+                    int flags, const char *tag, size_t *n_done, size_t *fail_index,
+                    int *tmp_unlink_errno);
+int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base, size_t base_len,
                    const uint64_t *offsets, size_t block_bytes, int flags, size_t *n_done,
                    size_t *fail_index);
 /* Load as mpt_batch_load does, but read each block into one of bounce_blocks slots of
@@ -87,7 +89,7 @@ int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base,
  * in flight ever targets base. With MPT_URING up to bounce_blocks reads stay in flight
  * while earlier blocks are copied. A failed block's slot in base is never written. */
 int mpt_batch_load_via(int root, const char *paths_blob, size_t n, char *base,
-                       const uint64_t *offsets, size_t block_bytes, int flags, char *bounce,
+                       size_t base_len, const uint64_t *offsets, size_t block_bytes, int flags, char *bounce,
                        size_t bounce_blocks, size_t *n_done, size_t *fail_index);
 int mpt_batch_lookup(int root, const char *paths_blob, size_t n, size_t block_bytes,
                      int flags, uint8_t *out);

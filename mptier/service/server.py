@@ -38,10 +38,9 @@ from typing import Any
 from mptier import messages
 from mptier.config import TierConfig
 from mptier.errors import MptierError
-from mptier.jobs import TaskKind
-from mptier.mapping import Segment
+from mptier.service import validate
 from mptier.service.names import lock_path, socket_path
-from mptier.workers import PoolSettings, Session, WorkerPool
+from mptier.workers import PoolSettings, WorkerPool
 
 log = logging.getLogger("mptier.service")
 
@@ -198,52 +197,67 @@ class Service:
             return
         conn.settimeout(FIRST_MESSAGE_S)
         try:
-            got = messages.receive(conn)
-        except (OSError, ValueError):
+            got = validate.receive(conn, _FIRST_OPS, carry_fds=frozenset({ATTACH}))
+        except validate.Malformed as exc:
+            self._refuse_malformed(conn, exc)
+            return
+        except OSError:
             conn.close()
             return
         if got is None:
             conn.close()
             return
         message, fds = got
-        op = message.get("op")
+        op = message["op"]
         if op == ATTACH:
             self._attach(conn, message, fds)
             return
-        messages.close_all(fds)
+        with contextlib.suppress(OSError):  # a status request (validate: nothing else)
+            messages.send(conn, STATUS, ok=True, figures=self.figures())
+        conn.close()
+
+    def _refuse_malformed(self, conn: socket.socket, exc: validate.Malformed,
+                          op: str = "error") -> None:
+        """Close a client that sent a malformed message, saying why (to it, if it still
+        listens, and in the log); the service goes on."""
+        pid = validate.peer_pid(conn)
+        log.warning("mptier service %r: closed a client (%s) that sent a malformed "
+                    "message: %s", self.name, f"pid {pid}" if pid else "pid unknown", exc)
         with contextlib.suppress(OSError):
-            if op == STATUS:
-                messages.send(conn, STATUS, ok=True, figures=self.figures())
-            else:
-                messages.send(conn, op or "error", ok=False,
-                              error=f"unknown request {op!r}")
+            messages.send(conn, op, ok=False, error=f"malformed message: {exc}")
         conn.close()
 
     def _attach(self, conn: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
         assert self._pool is not None
-        label = message.get("label") or f"engine pid {message.get('engine_pid')}"
-        refusal = ""
-        if message.get("version") != PROTOCOL_VERSION:
-            refusal = (f"protocol version {message.get('version')} is not the service's "
-                       f"{PROTOCOL_VERSION}: run the same mptier on both sides")
-        elif self._link is not None:
-            refusal = (f"mptier service {self.name!r} is attached to {self._engine} "
-                       f"(pid {self._engine_pid}); one engine per service at a time")
+        label = f"engine pid {validate.peer_pid(conn) or 'unknown'}"
+        session = None
+        version = message.get("version")
+        if type(version) is not int or version != PROTOCOL_VERSION:  # not True, not 1.0
+            refusal = (f"protocol version {validate.short(version)} is not "
+                       f"the service's {PROTOCOL_VERSION}: run the same mptier on both sides")
+        else:
+            # Everything checked before the service acts on any of it (busy or not).
+            try:
+                session = validate.attach(message, fds)
+            except validate.Malformed as exc:
+                messages.close_all(fds)
+                self._refuse_malformed(conn, exc, ATTACH)
+                return
+            label = session.label or label
+            refusal = "" if self._link is None else (
+                f"mptier service {self.name!r} is attached to {self._engine} (pid "
+                f"{self._engine_pid}); one engine per service at a time")
         if refusal:
-            messages.close_all(fds)
+            if session is not None:
+                session.close()
+            else:
+                messages.close_all(fds)
             log.warning("mptier service %r refused %s: %s", self.name, label, refusal)
             with contextlib.suppress(OSError):
                 messages.send(conn, ATTACH, ok=False, error=refusal)
             conn.close()
             return
-        try:
-            session = _session_from(message, fds)
-        except (KeyError, ValueError, TypeError) as exc:
-            messages.close_all(fds)
-            with contextlib.suppress(OSError):
-                messages.send(conn, ATTACH, ok=False, error=f"malformed attach: {exc}")
-            conn.close()
-            return
+        assert session is not None
         try:
             io = self._pool.attach(session)
         except Exception as exc:  # the engine hears why; the service stays up
@@ -264,19 +278,26 @@ class Service:
             return
         conn.setblocking(False)
         self._link = conn
-        self._engine, self._engine_pid = label, int(message.get("engine_pid") or 0)
+        self._engine, self._engine_pid = label, session.engine_pid
         self.attaches += 1
         log.info("mptier service %r: %s attached", self.name, label)
 
     def _serve_link(self) -> None:
         """A message from the attached engine (a status request) or its end."""
         assert self._link is not None and self._pool is not None
+        malformed = None
         try:
-            got = messages.receive(self._link)
+            got = validate.receive(self._link, _LINK_OPS)
         except BlockingIOError:
             return
-        except (OSError, ValueError):
+        except validate.Malformed as exc:
+            got, malformed = None, exc
+        except OSError:
             got = None
+        if malformed is not None:  # the engine's session ends as if it had hung up
+            log.warning("mptier service %r: closed %s (pid %s) that sent a malformed "
+                        "message: %s", self.name, self._engine,
+                        validate.peer_pid(self._link) or "unknown", malformed)
         if got is None:
             # The engine is gone: its workers detach by themselves (its lifeline ended).
             # Nobody waits for that, so neither does this loop: a worker hung in the
@@ -287,7 +308,7 @@ class Service:
             return
         message, fds = got
         messages.close_all(fds)
-        op = message.get("op")
+        op = message["op"]
         if op == STATUS:
             with contextlib.suppress(OSError):
                 messages.send(self._link, STATUS, ok=True, figures=self.figures())
@@ -315,6 +336,10 @@ class Service:
                            if k in _SERVICE_FIELDS}, **stats}
 
 
+# Requests a new connection may open with, and an attached engine may send.
+_FIRST_OPS = frozenset({ATTACH, STATUS})
+_LINK_OPS = frozenset({STATUS, DETACH})
+
 # The fields a service takes from its own configuration (the rest is the engine's).
 _SERVICE_FIELDS = frozenset({
     "root_dir", "root_dirs", "capacity_bytes", "high_watermark", "low_watermark",
@@ -323,23 +348,6 @@ _SERVICE_FIELDS = frozenset({
     "use_o_direct", "checksum_blocks", "native", "worker_nice", "worker_cpus", "prefault",
     "worker_start_timeout_s", "max_stuck_workers", "heartbeat_s", "max_worker_rss_bytes",
     "metrics_port", "metrics_addr"})
-
-
-def _session_from(message: dict[str, Any], fds: list[int]) -> Session:
-    """The engine's session from its attach message (the descriptors become ours)."""
-    kinds = list(TaskKind)
-    n_fixed = len(kinds) + 4
-    segments = message["segments"]
-    if len(fds) != n_fixed + len(segments):
-        raise ValueError(f"{len(fds)} descriptors for {len(segments)} buffer segments")
-    completion, lifeline, bell_r, bell_w = fds[len(kinds):n_fixed]
-    return Session(
-        queues=dict(zip(kinds, fds[:len(kinds)])), completion=completion, lifeline=lifeline,
-        doorbell=(bell_r, bell_w),
-        segments=[Segment(**{**seg, "fd": fd}) for seg, fd in zip(segments, fds[n_fixed:])],
-        nbytes=int(message["nbytes"]), block_bytes=int(message["block_bytes"]),
-        layout=dict(message["layout"]), engine_pid=int(message["engine_pid"]),
-        label=str(message.get("label", "")))
 
 
 def serve(name: str, config: TierConfig) -> int:

@@ -57,6 +57,7 @@ from mptier.channels import drain_records
 from mptier.errors import describe_exit
 from mptier.jobs import MessageType, TaskKind, decode_task, encode_message
 from mptier.layout import FileMapper
+from mptier.shm import cleanup_stale
 from mptier.storage.roots import RootRouter
 from mptier.workers import protocol
 from mptier.workers.control import ControlBlock, PoolState, RootState, SlotState
@@ -92,6 +93,11 @@ ERR_UNAVAILABLE = errno.EHOSTDOWN
 # A worker whose attach failed (e.g. it could not map the buffer) is offered the session
 # again this much later, not on every tick.
 ATTACH_RETRY_S = 5.0
+# How often a live pool frees the buffers that dead engines left in /dev/shm (nobody
+# holds their lock): a crash is cleaned up within this long by any pool on the machine,
+# not only at the next start. One sweep lists /dev/shm (memory) and tries one
+# non-blocking lock per mptier object: well under a millisecond for a few hundred.
+SHM_SWEEP_S = 10.0
 # The slot number on messages the supervisor writes to the completion pipe.
 SUPERVISOR_SLOT = 0xFFFF
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -200,6 +206,7 @@ class Supervisor:
         self.attach_errors: list[str] = []
         self._mappers: list[FileMapper] = []
         self._janitor = Janitor()  # removes temporary files: never this thread
+        self._next_shm_sweep = time.monotonic() + SHM_SWEEP_S
         roots = settings.roots or [settings.root_label]
         self._router = RootRouter(roots)
         self.health = RootHealth(control, roots, settings.root_failures_to_fail,
@@ -707,6 +714,9 @@ class Supervisor:
         if s.max_worker_rss_bytes and not self._stopping:
             self._check_memory()
         self._janitor.poll()
+        if now >= self._next_shm_sweep:
+            self._next_shm_sweep = now + SHM_SWEEP_S
+            cleanup_stale()
 
     def _parked_candidates(self, now: float) -> list[Worker]:
         with self.lock:

@@ -332,7 +332,15 @@ def _more_waiting(ctx: WorkerContext) -> bool:
 
 def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
               ) -> tuple[bytes, int, bool]:
-    task = decode_task(record)
+    try:
+        task = decode_task(record)
+    except ValueError as exc:  # not a record an engine of ours writes (a hostile one's,
+        # in a service): fail it and keep serving, rather than die and be replaced
+        message = encode_message(MessageType.DONE, ctx.slot_writer.slot, pid,
+                                 errno=errno.EINVAL, n_done=0, task_id=0, started_ns=started,
+                                 elapsed_ns=time.monotonic_ns() - started,
+                                 payload=f"malformed task record: {exc}")
+        return message, 0, True
     if _STALLS and task.kind in _STALLS:
         time.sleep(_STALLS[task.kind])
     if _GROW:
