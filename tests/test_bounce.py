@@ -37,59 +37,84 @@ def stored(request, tmp_path):
         os.close(fd)
 
 
-@pytest.mark.parametrize("chunk_blocks", [1, 4, N, 64])
-def test_chunked_loads_land_every_block_in_its_slot(stored, chunk_blocks):
+@pytest.mark.parametrize("uring", [False, True], ids=["loop", "uring"])
+@pytest.mark.parametrize("bounce_blocks", [1, 4, N, 64])
+def test_bounced_loads_land_every_block_in_its_slot_in_one_call(stored, bounce_blocks,
+                                                                 uring):
+    """Whatever the bounce buffer holds (fewer blocks than the batch: its slots are
+    reused as blocks finish), one call lands every block in its own slot."""
     backend, fd, paths, source = stored
-    bounce = Bounce(BLOCK, nbytes=chunk_blocks * BLOCK)
+    bounce = Bounce(BLOCK, nbytes=bounce_blocks * BLOCK)
     target = np.zeros((N + 3) * BLOCK, dtype=np.uint8)
     slots = [(i * 5 + 3) % (N + 3) for i in range(N)]  # scattered, not in order
-    calls = []
-
-    def counting_load(*args):
-        calls.append(len(args[1]))
-        return backend.load(*args)
-
+    flags = native.URING if uring else 0
     try:
-        rc, n_done, _ = bounce.load(counting_load, fd, paths, memoryview(target),
-                                    [s * BLOCK for s in slots], 0)
+        rc, n_done, _ = bounce.load(backend, fd, paths, memoryview(target),
+                                    [s * BLOCK for s in slots], flags)
     finally:
         bounce.close()
     assert (rc, n_done) == (0, N)
-    assert calls == [min(chunk_blocks, N - i) for i in range(0, N, chunk_blocks)]
     for i, slot in enumerate(slots):
         assert np.array_equal(target[slot * BLOCK:(slot + 1) * BLOCK],
                               source[i * BLOCK:(i + 1) * BLOCK]), i
 
 
-def test_a_failure_reports_the_prefix_and_leaves_later_slots_untouched(stored, tmp_path):
+def test_loads_into_the_same_slot_end_with_the_last_block(stored):
+    """Slots that repeat in a batch get the blocks in batch order, as the loop does
+    (io_uring reads into distinct bounce slots; the copies are ordered)."""
     backend, fd, paths, source = stored
-    os.unlink(tmp_path / paths[6].decode())  # fails in the second chunk of four
     bounce = Bounce(BLOCK, nbytes=4 * BLOCK)
-    target = np.full(N * BLOCK, 0xAB, dtype=np.uint8)
+    target = np.zeros(2 * BLOCK, dtype=np.uint8)
     try:
-        rc, n_done, index = bounce.load(backend.load, fd, paths, memoryview(target),
-                                        [i * BLOCK for i in range(N)], 0)
+        rc, n_done, _ = bounce.load(backend, fd, paths, memoryview(target),
+                                    [(i % 2) * BLOCK for i in range(N)], native.URING)
     finally:
         bounce.close()
-    assert rc == -errno.ENOENT and n_done == 6 and index == 6
+    assert (rc, n_done) == (0, N)
+    assert np.array_equal(target[:BLOCK], source[(N - 1) * BLOCK:N * BLOCK])  # N odd
+    assert np.array_equal(target[BLOCK:], source[(N - 2) * BLOCK:(N - 1) * BLOCK])
+
+
+@pytest.mark.parametrize("uring", [False, True], ids=["loop", "uring"])
+@pytest.mark.parametrize("check", [False, True], ids=["plain", "checksum"])
+def test_a_failure_reports_the_prefix_and_leaves_later_slots_untouched(stored, tmp_path,
+                                                                       uring, check):
+    backend, fd, paths, source = stored
+    if check:  # a wrong record: the block is read whole, then refused
+        os.setxattr(tmp_path / paths[6].decode(), native.XATTR_NAME, b"\0\0\0\0")
+    else:
+        os.unlink(tmp_path / paths[6].decode())
+    bounce = Bounce(BLOCK, nbytes=4 * BLOCK)
+    target = np.full(N * BLOCK, 0xAB, dtype=np.uint8)
+    flags = (native.URING if uring else 0) | (native.CHECKSUM if check else 0)
+    try:
+        rc, n_done, index = bounce.load(backend, fd, paths, memoryview(target),
+                                        [i * BLOCK for i in range(N)], flags)
+    finally:
+        bounce.close()
+    assert rc == (-errno.EBADMSG if check else -errno.ENOENT), rc
+    assert n_done == 6 and index == 6
     assert np.array_equal(target[:6 * BLOCK], source[:6 * BLOCK])
-    # the failing block and the rest of its chunk (read into the bounce buffer, maybe)
+    # the failing block and the blocks read with it (into the bounce buffer, maybe)
     # never reach the engine's slots
     assert (target[6 * BLOCK:] == 0xAB).all()
 
 
+@pytest.mark.parametrize("uring", [False, True], ids=["loop", "uring"])
 @pytest.mark.parametrize("outside", [N * BLOCK, N * BLOCK - 1, -BLOCK, 1 << 70])
-def test_a_slot_outside_the_buffer_fails_like_the_native_layer(stored, outside):
+def test_a_slot_outside_the_buffer_fails_like_the_native_layer(stored, outside, uring):
     backend, fd, paths, source = stored
     whole = np.full((N + 1) * BLOCK, 0xAB, dtype=np.uint8)  # the last block: a guard
     target = memoryview(whole)[:N * BLOCK]
     slots = [i * BLOCK for i in range(5)] + [outside] + [6 * BLOCK]
     bounce = Bounce(BLOCK, nbytes=4 * BLOCK)
+    flags = native.URING if uring else 0
     try:
-        got = bounce.load(backend.load, fd, paths[:7], target, slots, 0)
+        got = bounce.load(backend, fd, paths[:7], target, slots, flags)
     finally:
         bounce.close()
-    assert got == backend.load(fd, paths[:7], target, slots, BLOCK, 0) == (-errno.EINVAL, 5, 5)
+    assert got == backend.load(fd, paths[:7], target, slots, BLOCK, flags) \
+        == (-errno.EINVAL, 5, 5)
     assert np.array_equal(whole[:5 * BLOCK], source[:5 * BLOCK])
     assert (whole[6 * BLOCK:] == 0xAB).all()
 
@@ -141,3 +166,37 @@ def test_each_root_reports_what_it_got(make_buffer, make_tier, tmp_path):
             tier.shutdown()
     finally:
         shutil.rmtree(shm)
+
+
+@pytest.mark.parametrize("backend_name", ["native", "python"])
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+def test_checksummed_blocks_through_a_small_bounce_buffer(backend_name, o_direct, tmp_path):
+    """Blocks of an odd size (not a power of two), more of them than the bounce buffer
+    holds, checksummed, a corrupt one last: every block before it lands whole, the
+    corrupt one is refused and removed, and its slot is left alone."""
+    backend = native.get_backend(backend_name)
+    block = (1 << 20) + (8 << 10)
+    n = 5
+    source = np.random.default_rng(3).integers(0, 256, n * block, dtype=np.uint8)
+    paths = [f"big{i}".encode() for i in range(n)]
+    flags = native.CHECKSUM | native.URING | (native.O_DIRECT if o_direct else 0)
+    fd = native.open_root(str(tmp_path))
+    bounce = Bounce(block, nbytes=2 * block)
+    try:
+        rc, n_done, _, _ = backend.store(fd, paths, memoryview(source),
+                                         [i * block for i in range(n)], block,
+                                         native.CHECKSUM, native.new_tag().encode())
+        assert (rc, n_done) == (0, n)
+        with open(tmp_path / "big4", "r+b") as f:  # one byte off: the CRC says no
+            f.seek(block // 2)
+            f.write(bytes([source[4 * block + block // 2] ^ 1]))
+        target = np.full(n * block, 0xCD, dtype=np.uint8)
+        rc, n_done, index = bounce.load(backend, fd, paths, memoryview(target),
+                                        [i * block for i in range(n)], flags)
+    finally:
+        bounce.close()
+        os.close(fd)
+    assert (rc, n_done, index) == (-errno.EBADMSG, 4, 4)
+    assert np.array_equal(target[:4 * block], source[:4 * block])
+    assert (target[4 * block:] == 0xCD).all()
+    assert not (tmp_path / "big4").exists()  # a corrupt block is removed

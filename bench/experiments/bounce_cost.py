@@ -1,9 +1,12 @@
 """What the bounce buffer costs a load (mptier.workers.bounce), measured side by side.
 
 Stores N blocks under ROOT once, then in interleaved rounds (odd ones in reverse order)
-loads them into a shared mapping three ways with the native batch call: straight into
-the slots, through a bounce buffer of BOUNCE_BYTES (a task per call), and through a
-one-block bounce buffer (one call per block: the first design). O_DIRECT where the root
+loads them into a shared mapping five ways with the native batch call: straight into
+the slots; through a bounce buffer of BOUNCE_BYTES (``load_via``: a task per call, each
+block copied while later reads are in flight); through a one-block bounce buffer (one
+read in flight); and "copy-after", the design before 2026-12-01 (a chunk read by one
+call, then copied in Python while nothing is in flight); and "buffered": no O_DIRECT,
+straight into the slots through the page cache, evicted before every round. O_DIRECT where the root
 takes it, so every round reads the disk. Prints GB/s per round and the medians' ratios to direct.
 
     python bench/experiments/bounce_cost.py --root /var/tmp --block-bytes 2M --blocks 256
@@ -22,6 +25,46 @@ import time
 from mptier import native
 from mptier.config import parse_bytes
 from mptier.workers.bounce import BOUNCE_BYTES, Bounce
+
+
+def _drop_cache(folder: str, paths: list[bytes]) -> None:
+    """Evict the blocks from the page cache (a buffered round fills it)."""
+    for p in paths:
+        fd = os.open(os.path.join(folder, p.decode()), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class _CopyAfter:
+    """The design before 2026-12-01: each chunk of BOUNCE_BYTES read by one native call,
+    then copied into the slots in Python, nothing in flight while it copies."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.blocks = max(1, BOUNCE_BYTES // size)
+        self.map = mmap.mmap(-1, self.blocks * size)
+        self.view = memoryview(self.map)
+        self.view[:] = bytes(len(self.view))
+
+    def load(self, backend, fd, paths, memory, offsets, flags):
+        size, view = self.size, self.view
+        for start in range(0, len(paths), self.blocks):
+            chunk = paths[start:start + self.blocks]
+            rc, done, index = backend.load(fd, chunk, view,
+                                           [i * size for i in range(len(chunk))], size, flags)
+            done = min(done, len(chunk)) if rc == 0 else min(done, index)
+            for i in range(done):
+                memory[offsets[start + i]:offsets[start + i] + size] = \
+                    view[i * size:(i + 1) * size]
+            if rc:
+                return rc, start + done, start + index
+        return 0, len(paths), 0
+
+    def close(self) -> None:
+        self.view.release()
+        self.map.close()
 
 
 def main() -> None:
@@ -52,7 +95,8 @@ def main() -> None:
                                native.new_tag().encode())
         assert rc == 0, rc
         designs = {"direct": None, "bounce": Bounce(size),
-                   "bounce-1-block": Bounce(size, nbytes=size)}
+                   "bounce-1-block": Bounce(size, nbytes=size),
+                   "copy-after": _CopyAfter(size), "buffered": None}
         results: dict[str, list[float]] = {name: [] for name in designs}
         step = args.task_blocks
         for r in range(args.rounds):
@@ -60,13 +104,17 @@ def main() -> None:
             if r % 2:  # odd rounds in reverse: a drift of the disk hits every design alike
                 order.reverse()
             for name, bounce in order:
+                _drop_cache(folder, paths)  # every design reads the disk
                 t0 = time.perf_counter()
                 for i in range(0, n, step):
                     p, o = paths[i:i + step], offsets[i:i + step]
-                    if bounce is None:
+                    if name == "buffered":  # through the page cache, into the slots
+                        rc, *_ = backend.load(fd, p, memory, o, size,
+                                              flags & ~native.O_DIRECT)
+                    elif bounce is None:
                         rc, *_ = backend.load(fd, p, memory, o, size, flags)
                     else:
-                        rc, *_ = bounce.load(backend.load, fd, p, memory, o, flags)
+                        rc, *_ = bounce.load(backend, fd, p, memory, o, flags)
                     assert rc == 0, rc
                 gbps = n * size / (time.perf_counter() - t0) / 1e9
                 results[name].append(gbps)

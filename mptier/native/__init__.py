@@ -211,6 +211,15 @@ class Backend:
         return _checks.faulted("load", self._impl.load, root_fd, paths, buffer, offsets,
                                block_bytes, flags)[:3]
 
+    def load_via(self, root_fd: int, paths, buffer, offsets, block_bytes: int, flags: int,
+                 bounce) -> tuple[int, int, int]:
+        """:meth:`load`, reading each block into a slot of ``bounce`` (private,
+        page-aligned memory of whole blocks) and copying it to ``buffer`` only after its
+        read returned (``mptier.workers.bounce``); a failed block's slot is never
+        written. No validation beyond ``bounce`` holding a block (else -EINVAL)."""
+        return _checks.faulted("load", self._impl.load_via, root_fd, paths, buffer,
+                               offsets, block_bytes, flags, bounce)[:3]
+
     def lookup(self, root_fd: int, paths, block_bytes: int, flags: int = 0) -> bytes:
         """One ``LOOKUP_*`` status byte per path. No validation."""
         return self._impl.lookup(root_fd, paths, block_bytes, flags)

@@ -85,6 +85,21 @@ def load(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
     return rc, out[0], out[1]
 
 
+def load_via(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
+             block_bytes: int, flags: int, bounce) -> tuple[int, int, int]:
+    n = len(paths)
+    if n == 0:
+        return 0, 0, 0
+    offs = _offsets(offsets)
+    out = ffi.new("size_t[2]")
+    with ffi.from_buffer("char[]", buffer, require_writable=True) as base, \
+            ffi.from_buffer("char[]", bounce, require_writable=True) as via:
+        rc = lib.mpt_batch_load_via(root_fd, _blob(paths), n, base, len(base), offs,
+                                    block_bytes, flags, via, len(via) // block_bytes, out,
+                                    out + 1)
+    return rc, out[0], out[1]
+
+
 def lookup(root_fd: int, paths: Sequence[bytes], block_bytes: int, flags: int) -> bytes:
     n = len(paths)
     if n == 0:

@@ -303,9 +303,10 @@ def _store_tmpfile(b: _Batch, dirfd: int, leaf: bytes, chunk: memoryview,
     return rc
 
 
-def _store_in(b: _Batch, dirfd: int, leaf: bytes, chunk: memoryview, direct: bool) -> int:
-    try:
-        st = os.stat(leaf, dir_fd=dirfd, follow_symlinks=False)
+def _store_in(b: _Batch, dirfd: int, leaf: bytes, chunk: memoryview, direct: bool,
+              fresh: bool = False) -> int:
+    try:  # a folder this store just made (fresh) holds nothing to check: mpt_store_in
+        st = None if fresh else os.stat(leaf, dir_fd=dirfd, follow_symlinks=False)
     except FileNotFoundError:
         st = None
     except OSError as e:
@@ -344,14 +345,15 @@ def _store_one(b: _Batch, rel: bytes, chunk: memoryview, direct: bool) -> int:
     folder, leaf = _split(rel)
     rc = 0
     for _ in range(MKDIR_TRIES + 1):
-        dirfd = _walk(b.root, folder, True)
+        made = [False]
+        dirfd = _walk(b.root, folder, True, made)
         if dirfd == -errno.ENOENT:
             rc = dirfd  # a caretaker removed an empty parent while we made its child
             continue
         if dirfd < 0:
             return dirfd
         try:
-            rc = _store_in(b, dirfd, leaf, chunk, direct)
+            rc = _store_in(b, dirfd, leaf, chunk, direct, made[0])
         finally:
             _close_dir(dirfd, b.root)
         if rc != -errno.ENOENT:
@@ -397,6 +399,33 @@ def load(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
     """Twin of ``mpt_batch_load``: ``(rc, n_done, fail_index)``."""
     return _batch(lambda rel, chunk, direct: _load_one(root_fd, rel, chunk, direct, flags),
                   paths, buffer, offsets, block_bytes, flags)
+
+
+def load_via(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
+             block_bytes: int, flags: int, bounce) -> tuple[int, int, int]:
+    """Twin of ``mpt_batch_load_via``: each block read into the first block of
+    ``bounce``, then copied to its slot once the read returned."""
+    n = len(paths)
+    if n == 0:
+        return 0, 0, 0
+    via, via_base = _flat(bounce)
+    if via.nbytes < block_bytes:
+        via.release()
+        return -errno.EINVAL, 0, 0
+    view, _ = _flat(buffer)
+    last = len(view) - block_bytes  # the last offset a whole block fits at (as mpt_inside)
+    with view, via, via[:block_bytes] as chunk:
+        direct = _direct_ok(flags, via_base, block_bytes)
+        for i in range(n):
+            if not 0 <= offsets[i] <= last:  # outside the buffer: refused before its I/O
+                return -errno.EINVAL, i, i
+            rc = _load_one(root_fd, paths[i], chunk, direct, flags)
+            if rc == -errno.EINVAL and direct:
+                rc = _load_one(root_fd, paths[i], chunk, False, flags)
+            if rc:
+                return rc, i, i
+            view[offsets[i]:offsets[i] + block_bytes] = chunk  # only after the read
+    return 0, n, n
 
 
 def _lookup_one(root: int, rel: bytes, block_bytes: int) -> int:

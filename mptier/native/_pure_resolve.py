@@ -49,8 +49,10 @@ def _is_dir(mode: int) -> bool:
     return (mode & 0o170000) == 0o040000
 
 
-def _open_component(cur: int, name: bytes, create: bool) -> int:
-    """Open one folder below ``cur`` (twin of the inner loop of ``mpt_walk``)."""
+def _open_component(cur: int, name: bytes, create: bool, made: list[bool] | None = None
+                    ) -> int:
+    """Open one folder below ``cur`` (twin of the inner loop of ``mpt_walk``); with
+    ``made``, ``made[0]`` says whether this call made the folder."""
     fd = -errno.ENOENT
     for tries in range(MKDIR_TRIES + 1):
         try:
@@ -62,6 +64,8 @@ def _open_component(cur: int, name: bytes, create: bool) -> int:
         if fd == -errno.ENOENT and create:
             try:
                 os.mkdir(name, 0o777, dir_fd=cur)
+                if made is not None:
+                    made[0] = True
             except FileExistsError:
                 pass
             except OSError as e:
@@ -87,18 +91,21 @@ def _open_component(cur: int, name: bytes, create: bool) -> int:
     return fd
 
 
-def _walk(root: int, folder: bytes, create: bool) -> int:
-    """Twin of ``mpt_walk``: the folder's descriptor (``root`` for b"") or -errno."""
+def _walk(root: int, folder: bytes, create: bool, made: list[bool] | None = None) -> int:
+    """Twin of ``mpt_walk``: the folder's descriptor (``root`` for b"") or -errno; with
+    ``made``, ``made[0]`` says whether the walk made the last folder itself."""
     cur = root
     for name in folder.split(b"/"):
         if not name:
             continue
+        if made is not None:
+            made[0] = False
         if len(name) > 255:
             rc = -errno.ENAMETOOLONG
         elif name == b"..":
             rc = -errno.EXDEV
         else:
-            rc = _open_component(cur, name, create)
+            rc = _open_component(cur, name, create, made)
         if rc < 0:
             _close_dir(cur, root)
             return rc

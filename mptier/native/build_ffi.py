@@ -52,6 +52,10 @@ ffibuilder.cdef(
     int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base,
                        size_t base_len, const uint64_t *offsets, size_t block_bytes,
                        int flags, size_t *n_done, size_t *fail_index);
+    int mpt_batch_load_via(int root, const char *paths_blob, size_t n, char *base,
+                           size_t base_len, const uint64_t *offsets, size_t block_bytes,
+                           int flags, char *bounce, size_t bounce_blocks, size_t *n_done,
+                           size_t *fail_index);
     int mpt_batch_lookup(int root, const char *paths_blob, size_t n, size_t block_bytes,
                          int flags, uint8_t *out);
     int mpt_probe_o_direct(const char *dir);

@@ -392,12 +392,16 @@ static int mpt_store_tmpfile(struct mpt_batch *b, int dirfd, const char *leaf,
 }
 
 static int mpt_store_in(struct mpt_batch *b, int dirfd, const char *leaf, const char *src,
-                        size_t len, int direct)
+                        size_t len, int direct, int fresh)
 {
     struct stat st;
     int rc;
 
-    if (fstatat(dirfd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+    if (fresh) {
+        /* this store made the folder a moment ago: no block can be there but another
+         * writer's copy of this one, which publishing keeps (EEXIST) or replaces with
+         * the same bytes -- as if that writer had finished just after a check */
+    } else if (fstatat(dirfd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0) {
         if (S_ISREG(st.st_mode) && (uint64_t)st.st_size == len) {
             if (b->flags & MPT_TOUCH)
                 mpt_touch_at(dirfd, leaf);
@@ -438,14 +442,15 @@ int mpt_store_one(struct mpt_batch *b, const char *rel, char *src, size_t len, i
     int tries, rc = 0;
 
     for (tries = 0; tries <= MPT_MKDIR_TRIES; tries++) {
-        int dirfd = mpt_open_parent(b->root, rel, b->flags, 1);
+        int made = 0;
+        int dirfd = mpt_open_parent_made(b->root, rel, b->flags, 1, &made);
         if (dirfd == -ENOENT) {
             rc = dirfd; /* a caretaker removed an empty parent while we made its child */
             continue;
         }
         if (dirfd < 0)
             return dirfd;
-        rc = mpt_store_in(b, dirfd, leaf, src, len, direct);
+        rc = mpt_store_in(b, dirfd, leaf, src, len, direct, made);
         mpt_close_dir(dirfd, b->root);
         if (rc != -ENOENT)
             break; /* ENOENT: the folder was removed under us; make it again */
@@ -469,14 +474,17 @@ static int mpt_batch(mpt_block_fn one, struct mpt_batch *b, const char *paths_bl
     *fail_index = n;
     for (i = 0; i < n; i++) {
         char *p = base + offsets[i];
-        int direct = mpt_direct_ok(b->flags, p, block_bytes);
-        int rc = one(b, path, p, block_bytes, direct);
+        char *io = b->bounce != NULL ? b->bounce : p; /* a bounced load reads there */
+        int direct = mpt_direct_ok(b->flags, io, block_bytes);
+        int rc = one(b, path, io, block_bytes, direct);
         if (rc == -EINVAL && direct)
-            rc = one(b, path, p, block_bytes, 0); /* never fail a block over O_DIRECT */
+            rc = one(b, path, io, block_bytes, 0); /* never fail a block over O_DIRECT */
         if (rc != 0) {
             *fail_index = i;
             return rc;
         }
+        if (io != p)
+            memcpy(p, io, block_bytes); /* only after the read returned */
         *n_done = i + 1;
         path += strlen(path) + 1;
     }
@@ -559,6 +567,23 @@ int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base, size_
 {
     struct mpt_batch b = {root, flags, NULL, 0, mpt_memory_fs(root, flags)};
 
+    return mpt_batch_inside(0, &b, paths_blob, n, base, base_len, offsets, block_bytes,
+                            n_done, fail_index);
+}
+
+int mpt_batch_load_via(int root, const char *paths_blob, size_t n, char *base,
+                       size_t base_len, const uint64_t *offsets, size_t block_bytes,
+                       int flags, char *bounce, size_t bounce_blocks, size_t *n_done,
+                       size_t *fail_index)
+{
+    struct mpt_batch b = {root, flags, NULL, 0, mpt_memory_fs(root, flags), bounce,
+                          bounce_blocks};
+
+    if (bounce == NULL || bounce_blocks == 0) {
+        *n_done = 0;
+        *fail_index = 0;
+        return -EINVAL;
+    }
     return mpt_batch_inside(0, &b, paths_blob, n, base, base_len, offsets, block_bytes,
                             n_done, fail_index);
 }

@@ -85,6 +85,14 @@ int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
 int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base, size_t base_len,
                    const uint64_t *offsets, size_t block_bytes, int flags, size_t *n_done,
                    size_t *fail_index);
+/* Load as mpt_batch_load does, but read each block into one of bounce_blocks slots of
+ * block_bytes at bounce (the caller's private memory, page-aligned for O_DIRECT) and copy
+ * it to base + offsets[i] only after its read returned (mptier.workers.bounce): no read
+ * in flight ever targets base. With MPT_URING up to bounce_blocks reads stay in flight
+ * while earlier blocks are copied. A failed block's slot in base is never written. */
+int mpt_batch_load_via(int root, const char *paths_blob, size_t n, char *base,
+                       size_t base_len, const uint64_t *offsets, size_t block_bytes, int flags, char *bounce,
+                       size_t bounce_blocks, size_t *n_done, size_t *fail_index);
 int mpt_batch_lookup(int root, const char *paths_blob, size_t n, size_t block_bytes,
                      int flags, uint8_t *out);
 int mpt_probe_o_direct(const char *dir);
@@ -153,6 +161,8 @@ struct mpt_batch {
     const char *tag;
     int tmp_errno; /* first failure to remove a temporary file (errno), 0 if none */
     int memory_fs; /* the root keeps data in memory: even O_DIRECT I/O is a CPU copy */
+    char *bounce;  /* load: read into these slots, then copy (mpt_batch_load_via); or NULL */
+    size_t bounce_blocks;
 };
 
 /* openat2(2)'s argument, kernel ABI (include/uapi/linux/openat2.h). */
@@ -171,6 +181,8 @@ MPT_INTERNAL void mpt_close_dir(int dirfd, int root);
 MPT_INTERNAL const char *mpt_leaf(const char *rel);
 MPT_INTERNAL int mpt_unlink_symlink(int dirfd, const char *name);
 MPT_INTERNAL int mpt_open_parent(int root, const char *rel, int flags, int create);
+MPT_INTERNAL int mpt_open_parent_made(int root, const char *rel, int flags, int create,
+                                      int *made);
 MPT_INTERNAL int mpt_open_beneath(int root, const char *rel, int oflags, int flags);
 MPT_INTERNAL void mpt_remove_if_same(int root, const char *rel, int flags, dev_t dev,
                                      ino_t ino);

@@ -102,11 +102,11 @@ int mpt_unlink_symlink(int dirfd, const char *name)
  * on the way is removed: with create the real folder is then made, without it the walk
  * fails with ELOOP. Errors: ENOENT (missing, not creating), ENOTDIR (a non-directory
  * where a folder must be), EXDEV ("..", as RESOLVE_BENEATH says), or the syscall's. */
-static int mpt_walk(int root, const char *rel, size_t len, int create)
+static int mpt_walk(int root, const char *rel, size_t len, int create, int *made)
 {
     char name[NAME_MAX + 1];
     const char *p = rel, *end = rel + len;
-    int cur = root, rc = 0;
+    int cur = root, rc = 0, made_here = 0;
 
     while (p < end) {
         const char *q = memchr(p, '/', (size_t)(end - p));
@@ -123,6 +123,7 @@ static int mpt_walk(int root, const char *rel, size_t len, int create)
         }
         memcpy(name, p, clen);
         name[clen] = '\0';
+        made_here = 0;
         if (strcmp(name, "..") == 0) {
             rc = -EXDEV;
             break;
@@ -133,7 +134,9 @@ static int mpt_walk(int root, const char *rel, size_t len, int create)
             if (fd >= 0 || tries++ >= MPT_MKDIR_TRIES)
                 break;
             if (fd == -ENOENT && create) {
-                if (mkdirat(cur, name, 0777) != 0 && errno != EEXIST) {
+                if (mkdirat(cur, name, 0777) == 0) {
+                    made_here = 1; /* ours: new, and empty a moment ago */
+                } else if (errno != EEXIST) {
                     fd = -errno;
                     break;
                 }
@@ -176,16 +179,27 @@ static int mpt_walk(int root, const char *rel, size_t len, int create)
         mpt_close_dir(cur, root);
         return rc;
     }
+    if (made != NULL)
+        *made = made_here;
     return cur;
 }
 
 /* The folder holding rel's leaf (root for a bare name); close with mpt_close_dir. */
 int mpt_open_parent(int root, const char *rel, int flags, int create)
 {
+    return mpt_open_parent_made(root, rel, flags, create, NULL);
+}
+
+/* mpt_open_parent, and with *made = 1 when this call made the folder itself (so it is
+ * new and was empty a moment ago), else 0. */
+int mpt_open_parent_made(int root, const char *rel, int flags, int create, int *made)
+{
     const char *leaf = mpt_leaf(rel);
     size_t len = leaf == rel ? 0 : (size_t)(leaf - rel - 1);
     char dir[PATH_MAX];
 
+    if (made != NULL)
+        *made = 0;
     if (len == 0)
         return root;
     if (mpt_use_openat2(flags) && len < sizeof dir) {
@@ -198,7 +212,7 @@ int mpt_open_parent(int root, const char *rel, int flags, int create)
         if (fd >= 0 || !(fd == -ELOOP || fd == -EAGAIN || (fd == -ENOENT && create)))
             return fd;
     }
-    return mpt_walk(root, rel, len, create);
+    return mpt_walk(root, rel, len, create, made);
 }
 
 /* Open rel beneath root with oflags | O_NOFOLLOW. A symlink at a sub-folder is removed

@@ -106,6 +106,7 @@ enum mpt_state {
 
 struct mpt_job {
     uint8_t state, direct, tmpfile, named, remove, crc_done, slow_direct;
+    uint8_t made; /* store: the last MKDIRAT made its folder (new: no name to check) */
     int present; /* load: the block has a checksum record (want) */
     int fd;       /* the block's file (load), the temporary file (store) */
     int dirfd;    /* store: the block's folder (or the root) */
@@ -118,7 +119,8 @@ struct mpt_job {
     const char *rel;   /* the path as given */
     const char *dir;   /* store: its folder ("" for the root), NUL-terminated */
     const char *leaf;  /* store: its file name */
-    char *p;           /* the block's memory */
+    char *p;           /* the block's memory: where it is read or written */
+    char *dst;         /* bounced load: the caller's slot, written once p holds the block */
     struct mpt_open_how how;
     struct statx stx;
     char name[NAME_MAX + 1]; /* the temporary's name, or a folder component */
@@ -575,6 +577,9 @@ static void mpt_start(struct mpt_ubatch *u, size_t i, const char *rel, const cha
     j->rel = rel;
     j->dir = dir;
     j->leaf = leaf;
+    j->dst = p;
+    if (u->b->bounce != NULL) /* read into a private slot; mpt_finish copies it over */
+        p = u->b->bounce + (i % u->b->bounce_blocks) * u->len;
     j->p = p;
     j->direct = (uint8_t)mpt_direct_ok(u->b->flags, p, u->len);
     j->tmpfile = (u->b->flags & MPT_TMPFILE) != 0;
@@ -636,6 +641,7 @@ static void mpt_advance(struct mpt_ubatch *u, size_t i, int res)
         }
         return;
     case MPT_S_MKDIR:
+        j->made = res == 0;
         if (res == 0 || res == -EEXIST)
             mpt_queue_openat(u, j, i, MPT_S_WALK, j->cur, j->name,
                              O_PATH | O_DIRECTORY | O_NOFOLLOW, 0);
@@ -661,7 +667,10 @@ static void mpt_advance(struct mpt_ubatch *u, size_t i, int res)
         }
         j->dirfd = j->cur;
         j->cur = -1;
-        mpt_queue_stat(u, j, i);
+        if (j->made)
+            mpt_queue_temp(u, j, i); /* its folder is new: nothing to find (the loop's rule) */
+        else
+            mpt_queue_stat(u, j, i);
         return;
     case MPT_S_STAT:
         if (res == -ENOENT) {
@@ -709,6 +718,8 @@ static int mpt_finish(struct mpt_ubatch *u, size_t i)
         if (rc == -EINVAL && j->slow_direct)
             rc = u->store ? mpt_store_one(b, j->rel, j->p, u->len, 0)
                           : mpt_load_one(b, j->rel, j->p, u->len, 0);
+        if (rc == 0 && j->dst != j->p)
+            memcpy(j->dst, j->p, u->len); /* bounced: the read has returned */
         break;
     case MPT_FAILED:
         rc = j->rc;
@@ -724,8 +735,11 @@ static int mpt_finish(struct mpt_ubatch *u, size_t i)
             if (j->present && mpt_crc32c(0, j->p, u->len, MPT_CRC32C_BEST) != j->want) {
                 rc = -EBADMSG;
                 mpt_remove_if_same_fd(b->root, j->rel, b->flags, j->fd);
-            } else if (b->flags & MPT_TOUCH) {
-                mpt_touch(j->fd);
+            } else {
+                if (j->dst != j->p) /* bounced: the read has returned; later ones fly on */
+                    memcpy(j->dst, j->p, u->len);
+                if (b->flags & MPT_TOUCH)
+                    mpt_touch(j->fd);
             }
             break;
         }
@@ -833,6 +847,9 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
                     size_t *fail_index)
 {
     struct mpt_ubatch u = {NULL, b, store, block_bytes, 0};
+    /* a bounced load keeps at most one block in flight per bounce slot */
+    size_t depth = b->bounce != NULL && b->bounce_blocks < MPT_URING_DEPTH
+                   ? b->bounce_blocks : MPT_URING_DEPTH;
     const char *path = paths_blob;
     char *split = NULL, *split_at = NULL; /* store: "<dir>\0<leaf>\0" per path */
     size_t started = 0, finished = 0, blob_len = 0;
@@ -841,7 +858,8 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
     /* Paths resolve with OPENAT2 in the ring: every kernel with the operations used here
      * has openat2, so MPT_NO_OPENAT2 (the walk, for tests) means the loop. */
     if (n < MPT_URING_MIN_BLOCKS || block_bytes > UINT32_MAX / 2 ||
-        !mpt_use_openat2(b->flags) || (!store && mpt_overlapping(offsets, n, block_bytes)))
+        !mpt_use_openat2(b->flags) ||
+        (!store && b->bounce == NULL && mpt_overlapping(offsets, n, block_bytes)))
         return MPT_NO_URING;
     u.r = mpt_ring();
     if (u.r == NULL)
@@ -858,7 +876,7 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
     *fail_index = n;
     while (finished < n) {
         /* start blocks, in order, while there is room */
-        while (!broken && started < n && started < finished + MPT_URING_DEPTH) {
+        while (!broken && started < n && started < finished + depth) {
             const char *dir = "", *leaf = path;
             size_t plen = strlen(path);
             if (store) {

@@ -15,24 +15,29 @@ killable and it copies nothing after SIGKILL.
 The fix. Where a load may read directly, the worker reads each block into a private,
 page-aligned buffer of its own and copies it into the slot only after the read returned.
 A worker killed while stuck dies on its way back from the system call, before the
-copy: the late bytes land in memory that dies with it.
+copy: the late bytes land in memory that dies with it. (With io_uring the killed worker
+is gone at once and the kernel finishes the hung request later -- into the private
+pages it still pins, never the slot.) The copy is made in C, in the same native call
+as the reads (``Backend.load_via``): block by block in batch order, each as soon as its
+read returned, while the task's later reads are still in flight.
 
 Where it is used (``TierConfig.bounce_loads = "auto"``): O_DIRECT loads from a file
 system with a device behind it, and any load from a file system not known to read
 through the page cache (:data:`PAGE_CACHE_FS_TYPES`: local disks and memory file
 systems); never in memory (tmpfs: an O_DIRECT read there is a copy the worker makes
 itself). ``bounce_loads = false`` turns it off for roots the operator trusts never to
-stall past ``io_timeout_s``. The cost is one memory copy per block, small beside a
-network or direct read; blocks go through in chunks of :data:`BOUNCE_BYTES`, so a task
-stays one native call.
+stall past ``io_timeout_s``. The cost is one memory copy per block (a CPU's work the
+worker must get: on a busy machine the worker's low priority shows here); a task stays
+one native call whatever its size. The rule per file system and its measurements:
+docs/storage.md, "Loads and the late read".
 """
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # File systems whose buffered reads go through the page cache (killable waits, nothing
 # copied after SIGKILL). Everything else -- NFS, CIFS, Ceph, Lustre, 9p, every FUSE file
@@ -82,12 +87,12 @@ def needs_bounce(root_dir: str, use_o_direct: bool, setting: bool | str = "auto"
     return setting is True or use_o_direct or kind not in PAGE_CACHE_FS_TYPES
 
 
-# A bounce buffer holds this many bytes of blocks (at least one block): a default 8 MiB
-# task goes through in one native call, so the batch path keeps its blocks in flight
-# (io_uring) and pays one call per task, not one per block; a worker's private memory
-# stays bounded. Measured on this VM's ext4 with O_DIRECT, 2 MiB blocks: block by block,
-# loads ran at 0.40-0.49 of unbounced ones (io_uring, 4 blocks per call); in 16 MiB
-# chunks, into pages touched first, at 0.9-1.0 (bench/experiments/bounce_cost.py).
+# A bounce buffer holds this many bytes of blocks (at least one block): the reads in
+# flight of one task (io_uring keeps one per bounce slot, at most 32), so a default 8 MiB
+# task keeps all its blocks in flight; a worker's private memory stays bounded. Measured
+# on this VM's ext4 with O_DIRECT, 2 MiB blocks, 4 per call: one slot (one read in
+# flight) ran at 0.32-0.50 of unbounced loads, 16 MiB at 0.70-0.79
+# (bench/experiments/bounce_cost.py).
 BOUNCE_BYTES = 16 << 20
 
 
@@ -104,40 +109,22 @@ class Bounce:
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
 
-    def load(self, load: Callable[..., tuple[int, int, int]], root_fd: int,
-             paths: Sequence[bytes], memory: memoryview, offsets: Sequence[int],
-             flags: int) -> tuple[int, int, int]:
+    def load(self, backend: Any, root_fd: int, paths: Sequence[bytes], memory: memoryview,
+             offsets: Sequence[int], flags: int) -> tuple[int, int, int]:
         """Load ``paths[i]`` into ``memory[offsets[i]:+block_bytes]`` through this
-        buffer, as many blocks per call of the native errno layer's ``load(root_fd,
-        paths, buffer, offsets, block_bytes, flags)`` as it holds; returns what that
-        would for the whole batch, ``(rc, n_done, fail_index)``. Only the blocks before
-        a failure reach ``memory``; the failing block's slot is left untouched."""
-        size = self.block_bytes
-        last = len(memory) - size  # a slot outside the buffer fails, as in the native layer
-        inside = next((i for i, o in enumerate(offsets) if not 0 <= o <= last), len(paths))
-        if inside < len(paths):
-            rc, done, index = self.load(load, root_fd, paths[:inside], memory,
-                                        offsets[:inside], flags) if inside else (0, 0, 0)
-            return (rc, done, index) if rc else (-errno.EINVAL, inside, inside)
+        buffer, the whole batch in one call of ``backend.load_via`` (the native errno
+        layer); returns what ``backend.load`` would, ``(rc, n_done, fail_index)``. Only
+        the blocks before a failure reach ``memory``; the failing block's slot is left
+        untouched."""
         if self._view is None:
-            self._map = mmap.mmap(-1, self.blocks * size)
+            self._map = mmap.mmap(-1, self.blocks * self.block_bytes)
             self._view = memoryview(self._map)
             # Touch every page now. Measured on this VM (ext4, O_DIRECT, io_uring, 2 MiB
             # blocks): reading into a mapping no one had written ran at 1.13 GB/s round
             # after round, into one written first at 1.77 (direct into the slots: 1.64).
             self._view[:] = bytes(len(self._view))
-        view = self._view
-        for start in range(0, len(paths), self.blocks):
-            chunk = paths[start:start + self.blocks]
-            rc, done, index = load(root_fd, chunk, view, [i * size for i in range(len(chunk))],
-                                   size, flags)
-            done = min(done, len(chunk)) if rc == 0 else min(done, index)
-            for i in range(done):  # only after the reads returned
-                offset = offsets[start + i]
-                memory[offset:offset + size] = view[i * size:(i + 1) * size]
-            if rc:
-                return rc, start + done, start + index
-        return 0, len(paths), 0
+        return backend.load_via(root_fd, paths, memory, offsets, self.block_bytes, flags,
+                                self._view)
 
     def close(self) -> None:
         """Release the buffer. Idempotent."""

@@ -577,8 +577,8 @@ def _move(ctx: WorkerContext, store: bool, root: RootHandle, fd: int, paths: lis
     if store:
         return _store_run(ctx, root, fd, paths, offsets)
     if root.bounce and ctx.bounce is not None:
-        rc, n_done, index = ctx.bounce.load(ctx.backend.load, fd, paths, ctx.memory,
-                                            offsets, root.flags)
+        rc, n_done, index = ctx.bounce.load(ctx.backend, fd, paths, ctx.memory, offsets,
+                                            root.flags)
     else:
         rc, n_done, index = ctx.backend.load(fd, paths, ctx.memory, offsets,
                                              ctx.block_bytes, root.flags)
