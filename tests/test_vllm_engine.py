@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -120,16 +121,11 @@ def run_engine(workdir: str, name: str, run_dir: str, tiers: list | None,
     return result
 
 
-def find(obj, key: str):
-    """Every value stored under ``key`` anywhere in a JSON-like object."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if k == key:
-                yield v
-            yield from find(v, key)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from find(v, key)
+def mptier_bytes(result: dict, kind: str) -> int:
+    """Bytes mptier moved (``kind``: "load" or "store"), from the status socket of every
+    mptier tier and service the engine had, read just before it stopped."""
+    return sum(s["reply"]["figures"]["totals"]["bytes"][kind]
+               for s in result["mptier"] if "reply" in s)
 
 
 def tier_reads(metrics: dict, tier_type: str) -> float:
@@ -171,8 +167,7 @@ def test_blocks_are_written_to_the_root(engines):
     files = engines["first"]["files"][engines["root"]]
     # Every full block of every prompt (the prompts share no prefix).
     assert len(files) >= N_PROMPTS * PROMPT_BLOCKS, len(files)
-    stored = sum(v.get("store", 0) for v in find(engines["first"]["mptier"], "bytes_done"))
-    assert stored >= N_PROMPTS * PROMPT_BLOCKS * block_bytes()
+    assert mptier_bytes(engines["first"], "store") >= N_PROMPTS * PROMPT_BLOCKS * block_bytes()
 
 
 def test_tokens_match_a_run_without_offloading(engines):
@@ -188,8 +183,7 @@ def test_file_tier_serves_loads_within_one_engine(engines):
     # The second round found its prompts in the offloaded tiers, some in mptier's.
     assert first["metrics"][1].get("vllm:external_prefix_cache_hits", 0) > 0
     assert tier_reads(first["metrics"][1], "MPFileSystemTierManager") > 0
-    loaded = sum(v.get("load", 0) for v in find(first["mptier"], "bytes_done"))
-    assert loaded > 0
+    assert mptier_bytes(first, "load") > 0
 
 
 def test_restarted_engine_is_served_from_the_file_tier(engines):
@@ -198,8 +192,7 @@ def test_restarted_engine_is_served_from_the_file_tier(engines):
     # Every prompt's blocks but the last (vLLM computes at least one token itself).
     assert hits >= N_PROMPTS * (PROMPT_BLOCKS - 1) * BLOCK_TOKENS, restart["metrics"][0]
     assert tier_reads(restart["metrics"][0], "MPFileSystemTierManager") > 0
-    loaded = sum(v.get("load", 0) for v in find(restart["mptier"], "bytes_done"))
-    assert loaded >= N_PROMPTS * (PROMPT_BLOCKS - 1) * block_bytes()
+    assert mptier_bytes(restart, "load") >= N_PROMPTS * (PROMPT_BLOCKS - 1) * block_bytes()
 
 
 def test_vllms_fs_tier_reads_mptiers_root(engines):
@@ -219,4 +212,7 @@ def test_mptier_start_line_is_in_vllms_log(engines):
     log = engines["restart"]["log"]
     assert "mptier tier 'MPFileSystemTierManager': blocks under" in log
     line = next(x for x in log.splitlines() if "mptier tier 'MPFileSystemTierManager'" in x)
-    assert "(EngineCore" in line and " INFO " in line, line
+    # vLLM's format, from the engine core process (seen: "(EngineCore pid=N) INFO
+    # 12-01 23:02:34 [vllm.py:512] mptier tier ...").
+    assert re.match(r"\(EngineCore pid=\d+\) INFO \d\d-\d\d [\d:]{8} \[vllm\.py:\d+\] mptier ",
+                    line), line
