@@ -11,7 +11,21 @@
 #   2. the packages vLLM's offloading/tiering modules import, locked in
 #      scripts/vllm-env-requirements.txt and installed with --no-deps;
 #   3. vllm==0.33.0 with --no-deps (its declared dependencies are a GPU stack);
-#   4. mptier itself, editable, with its test extras (builds the cffi module).
+#   4. vLLM's own C extension vllm.fs_io_C, built from vLLM's sdist: the one
+#      in the wheel is linked against libtorch_cuda, libc10_cuda and libnvrtc,
+#      so with a CPU torch it does not load and vLLM's file-system tier falls
+#      back to Python os.write/os.readv per block (io._HAS_FSIO_C and
+#      manager._HAS_BATCH_LOOKUP_C False). Its source, csrc/fs_io.cpp, uses
+#      only the CPython API and POSIX calls, so it is compiled here as a plain
+#      CPython extension (g++, C++20, -O2, the limited API of 3.11) and
+#      replaces vllm/fs_io_C.abi3.so; the script then fails unless both flags
+#      are True in the venv. Every CUDA deployment of vLLM has that extension,
+#      so this is the vLLM that mptier is compared with and tested against.
+#      The sdist's files it needs (csrc/fs_io.cpp, PKG-INFO and vLLM's own
+#      tests/v1/kv_offload/tiering/test_fs_tier.py, which the vllm-marked
+#      tests run) are kept in $MPTIER_VLLM_CACHE/vllm-sdist-<version>; none of
+#      vLLM's code is copied into this repository;
+#   5. mptier itself, editable, with its test extras (builds the cffi module).
 # Every install after torch runs under a constraints file pinning torch, so
 # nothing can replace it.
 #
@@ -36,13 +50,14 @@
 # Options:
 #   --force         rebuild the whole venv from nothing even if its stamp
 #                   matches or the machine cache holds it (and refresh the cache)
-#   --skip-mptier   stop after step 3 (e.g. while mptier does not build)
+#   --skip-mptier   stop after step 4 (e.g. while mptier does not build)
 # Environment:
 #   MPTIER_VLLM_VENV    where the venv lives (default .venv-vllm)
 #   MPTIER_VLLM_PYTHON  interpreter that makes the venv (default python3; 3.11)
 #   MPTIER_VLLM_SKIP_MPTIER=1  same as --skip-mptier
 #   MPTIER_VLLM_CACHE   machine cache folder (default
 #                       ${XDG_CACHE_HOME:-~/.cache}/mptier); "none" turns it off
+#                       (the sdist is then fetched into a temporary folder)
 set -euo pipefail
 
 readonly VLLM_VERSION=0.33.0
@@ -190,7 +205,8 @@ save_to_cache() {
         return 0
     fi
     # Per-venv files are written in place later: they must not be shared.
-    rm -f "$tmp/$(basename "$env_stamp")" "$tmp/$(basename "$self_stamp")"
+    rm -f "$tmp/$(basename "$env_stamp")" "$tmp/$(basename "$self_stamp")" \
+        "$tmp/$(basename "$fsio_stamp")"
     echo "$venv" >"$tmp/.mptier-origin"
     if [[ -e $entry ]]; then
         mv -T "$entry" "$entry.old.$$" 2>/dev/null && rm -rf "$entry.old.$$"
@@ -243,6 +259,123 @@ EOF
     fi
 }
 
+# Step 4: vLLM's fs_io_C, built from the sdist.
+readonly FSIO_SOURCE=csrc/fs_io.cpp
+readonly FSIO_VLLM_TEST=tests/v1/kv_offload/tiering/test_fs_tier.py
+# The flags vLLM's own build gives this extension (a plain CPython module that
+# keeps to the limited API of 3.11, so one .abi3.so serves 3.11 and later).
+readonly FSIO_CXXFLAGS=(-std=c++20 -O2 -fPIC -shared -DPy_LIMITED_API=0x030B0000
+    -DTORCH_EXTENSION_NAME=fs_io_C)
+fsio_stamp="$venv/.mptier-fsio.stamp"
+
+# Fetch vLLM $VLLM_VERSION's sdist and keep the files step 4 and the tests need
+# in $1 (made whole or not at all). pip prepares an sdist's metadata before it
+# saves it, which for vLLM means running its setup.py with its build
+# dependencies (a CUDA torch, cmake, rust: gigabytes, and it fails here). So
+# pip runs from a bare venv without build isolation: the metadata step stops
+# at once at setup.py's first import, and --no-clean keeps the tree pip
+# fetched and unpacked (its hash checked). Should the metadata step ever pass,
+# the sdist is in the download folder instead; both are handled.
+fetch_vllm_sources() {
+    local dest=$1 work tree member
+    work=$(mktemp -d "$dest.tmp.XXXXXX") || return 1
+    step "  fetching vLLM $VLLM_VERSION's source distribution (pip download, no build)"
+    "$python" -m venv "$work/pip-venv" || { rm -rf "$work"; return 1; }
+    mkdir -p "$work/tmp" "$work/dl"
+    TMPDIR="$work/tmp" "$work/pip-venv/bin/python" -m pip download --progress-bar off \
+        --no-deps --no-binary :all: --no-build-isolation --no-clean \
+        -d "$work/dl" "vllm==$VLLM_VERSION" >"$work/pip.log" 2>&1 || true
+    tree=
+    if [[ -f $work/dl/vllm-$VLLM_VERSION.tar.gz ]]; then
+        mkdir -p "$work/sdist"
+        tar -xzf "$work/dl/vllm-$VLLM_VERSION.tar.gz" -C "$work/sdist" --strip-components=1 \
+            "vllm-$VLLM_VERSION/PKG-INFO" "vllm-$VLLM_VERSION/csrc" \
+            "vllm-$VLLM_VERSION/$FSIO_VLLM_TEST" && tree=$work/sdist
+    else
+        tree=$(find "$work/tmp" -mindepth 2 -maxdepth 2 -type d -path '*/pip-download-*/vllm_*' \
+            -print -quit)
+    fi
+    if [[ -z $tree || ! -f $tree/PKG-INFO ]] ||
+        ! grep -qx "Name: vllm" "$tree/PKG-INFO" ||
+        ! grep -qx "Version: $VLLM_VERSION" "$tree/PKG-INFO"; then
+        grep -v "is ignored" "$work/pip.log" | tail -n 20 >&2
+        rm -rf "$work"
+        step "pip download did not yield vLLM $VLLM_VERSION's sdist (its output is above)"
+        return 1
+    fi
+    mkdir -p "$work/keep/csrc" "$work/keep/$(dirname "$FSIO_VLLM_TEST")"
+    cp "$tree/PKG-INFO" "$work/keep/" || { rm -rf "$work"; return 1; }
+    cp "$tree/$FSIO_SOURCE" "$work/keep/csrc/" || { rm -rf "$work"; return 1; }
+    cp "$tree/$FSIO_VLLM_TEST" "$work/keep/$FSIO_VLLM_TEST" || { rm -rf "$work"; return 1; }
+    # Headers of vLLM's own that the source includes (none in 0.33.0), one level.
+    while IFS= read -r member; do
+        cp "$tree/csrc/$member" "$work/keep/csrc/$member" || { rm -rf "$work"; return 1; }
+    done < <(sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([^"]*\)".*/\1/p' \
+        "$tree/$FSIO_SOURCE")
+    rm -rf "$dest"
+    mv -T "$work/keep" "$dest" || { rm -rf "$work"; return 1; }
+    rm -rf "$work"
+}
+
+# True (0) when vLLM's tier reports both of its C paths in the venv.
+fsio_flags_true() {
+    "$vpy" - <<'PYEOF' 2>/dev/null
+import sys
+
+from vllm.v1.kv_offload.tiering.fs import io, manager
+
+sys.exit(0 if io._HAS_FSIO_C and manager._HAS_BATCH_LOOKUP_C else 1)
+PYEOF
+}
+
+ensure_fs_io_c() {
+    local pkg so sources own_sources= inc tmp_so key
+    pkg=$("$vpy" -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("vllm").origin))') ||
+        die "vllm is not importable in $venv"
+    so="$pkg/fs_io_C.abi3.so"
+    if [[ -f $so && -f $fsio_stamp ]] &&
+        [[ "$(cat "$fsio_stamp")" == "$VLLM_VERSION $(sha256sum "$so" | cut -d' ' -f1)" ]]; then
+        step "vllm.fs_io_C (built from the sdist) is installed and loads"
+        return 0
+    fi
+    if [[ -f $so ]] && fsio_flags_true; then
+        step "vllm.fs_io_C loads: _HAS_FSIO_C and _HAS_BATCH_LOOKUP_C are True"
+        echo "$VLLM_VERSION $(sha256sum "$so" | cut -d' ' -f1)" >"$fsio_stamp"
+        return 0
+    fi
+    step "vllm.fs_io_C does not load with this torch (the wheel's links CUDA libraries): building it from the sdist"
+    command -v g++ >/dev/null || die "g++ is needed to build vllm.fs_io_C (apt-get install g++)"
+    if [[ -n $cache_dir ]]; then
+        sources="$cache_dir/vllm-sdist-$VLLM_VERSION"
+    else
+        own_sources=$(mktemp -d)
+        sources="$own_sources/vllm-sdist-$VLLM_VERSION"
+    fi
+    if [[ -f $sources/PKG-INFO && -f $sources/$FSIO_SOURCE ]]; then
+        step "  using the cached sdist files in $sources"
+    else
+        mkdir -p "$(dirname "$sources")" || die "cannot create $(dirname "$sources")"
+        fetch_vllm_sources "$sources" ||
+            die "could not fetch vLLM $VLLM_VERSION's sdist with pip download; vllm.fs_io_C cannot be built"
+    fi
+    inc=$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+    [[ -f $inc/Python.h ]] || die "no Python.h in $inc: the Python headers are needed to build vllm.fs_io_C"
+    tmp_so="$pkg/.fs_io_C.abi3.so.tmp.$$"
+    step "  g++ ${FSIO_CXXFLAGS[*]} $FSIO_SOURCE"
+    g++ "${FSIO_CXXFLAGS[@]}" -I"$inc" "$sources/$FSIO_SOURCE" -o "$tmp_so" ||
+        { rm -f "$tmp_so"; die "compiling vLLM's $FSIO_SOURCE failed (g++ output above)"; }
+    # A rename, never a write in place: the wheel's file may be a hard link
+    # into the machine cache, shared with other venvs.
+    mv -f "$tmp_so" "$so" || die "cannot install $so"
+    [[ -n $own_sources ]] && rm -rf "$own_sources"
+    fsio_flags_true || {
+        "$vpy" -c 'import vllm.fs_io_C' || true
+        die "vllm.fs_io_C was built and installed as $so, but vllm.v1.kv_offload.tiering.fs.io._HAS_FSIO_C or .manager._HAS_BATCH_LOOKUP_C is still False (the import error is above)"
+    }
+    echo "$VLLM_VERSION $(sha256sum "$so" | cut -d' ' -f1)" >"$fsio_stamp"
+    step "vllm.fs_io_C built and installed: _HAS_FSIO_C and _HAS_BATCH_LOOKUP_C are True"
+}
+
 if ((force == 0)) && stamp_matches "$env_stamp" "$env_key"; then
     step "vLLM $VLLM_VERSION environment at $venv is up to date"
 else
@@ -279,12 +412,17 @@ else
         step "building the vLLM $VLLM_VERSION environment at $venv from nothing"
         install_from_nothing
         check_imports || die "the vLLM modules do not import; the lock file is incomplete or a package changed"
+        ensure_fs_io_c
         [[ -n $entry ]] && save_to_cache "$entry"
     fi
     echo "$env_key" >"$env_stamp"
     rm -f "$self_stamp"
     step "vLLM environment ready ($(du -sh "$venv" | cut -f1))"
 fi
+
+# Also where the venv was up to date or linked from the cache: a no-op when its
+# stamp matches.
+ensure_fs_io_c
 
 if ((skip_mptier)); then
     step "skipping the mptier install (--skip-mptier)"

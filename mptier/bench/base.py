@@ -71,6 +71,11 @@ class Design:
         """``None`` when this design can run here, else the reason it cannot."""
         return None
 
+    def refusal(self) -> str | None:
+        """``None``, or why this design must not run here although it could (an error
+        the bench stops on before any work, where :meth:`available`'s reason skips)."""
+        return None
+
     def setup(self, ctx: DesignContext) -> None:
         raise NotImplementedError
 

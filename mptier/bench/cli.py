@@ -79,7 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--designs", action="append", metavar="SPEC[,SPEC]",
         help=f"designs to compare (default {DEFAULT_DESIGNS}); variants such as "
              "mptier:nice=19, mptier:workers=2+2, mptier:task_bytes=8M, "
-             "baseline:threads=8+8, raw:tool=loop")
+             "baseline:threads=8+8, raw:tool=loop; vllm (vLLM's own tier with its C "
+             "extension vllm.fs_io_C: refused where it does not load, run "
+             "scripts/vllm-env.sh) and vllm-py (vLLM's Python fallback on purpose)")
     add("--rounds", type=int, default=1, metavar="N",
         help="run every design N times, interleaved, and report medians (default 1); "
              "use 3 or more on a machine whose disk or CPUs are shared")
@@ -329,11 +331,14 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         return 0
     try:
         specs = parse_designs(args.designs or [DEFAULT_DESIGNS])
-        for spec in specs:
-            spec.build()  # reject bad options before any work
+        designs = [spec.build() for spec in specs]  # reject bad options before any work
     except ValueError as exc:
         print(f"mptier bench: {exc}", file=sys.stderr)
         return 2
+    for design in designs:
+        if (refusal := getattr(design, "refusal", lambda: None)()) is not None:
+            print(f"mptier bench: design {design.label}: {refusal}", file=sys.stderr)
+            return 2
     if args.engine_cpu is not None and args.engine_cpu not in os.sched_getaffinity(0):
         print(f"mptier bench: --engine-cpu {args.engine_cpu} is not one of this process's "
               f"CPUs {sorted(os.sched_getaffinity(0))}", file=sys.stderr)

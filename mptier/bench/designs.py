@@ -13,10 +13,15 @@ A spec is a name and optional ``key=value`` options after colons::
     pool-native            (c) the reference pool calling mptier.native batch I/O
     raw                    (d) fio when installed, else a plain write/read loop
     raw:tool=loop          (d) the plain loop even when fio is installed
-    vllm                   (v) vLLM 0.33's own FileSystemTierManager (where vLLM imports)
+    vllm                   (v) vLLM 0.33's own FileSystemTierManager (where vLLM imports),
+                               with its C extension vllm.fs_io_C as every CUDA deployment
+                               has it; refuses to run without it (scripts/vllm-env.sh
+                               builds it)
     vllm:threads=4+4       (v) with a smaller pool
+    vllm-py                (w) vLLM's tier on its Python fallback (per-block os.write /
+                               os.readv), the extension switched off for this design alone
 
-Single letters ``a``, ``b``, ``c``, ``d``, ``v`` name the plain designs. Several specs are
+Single letters ``a``, ``b``, ``c``, ``d``, ``v``, ``w`` name the plain designs. Several specs are
 separated by commas or spaces (so list CPUs as ``cpus=1+2`` or ``cpus=1-2``).
 """
 
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 from mptier.bench.baseline import NativePoolDesign, ThreadPoolDesign
 from mptier.bench.engine import MptierDesign
 from mptier.bench.raw import RawLimit
-from mptier.bench.vllm_tier import VllmTierDesign
+from mptier.bench.vllm_tier import VllmPythonDesign, VllmTierDesign
 
 DESIGNS = {
     "mptier": MptierDesign,
@@ -35,9 +40,11 @@ DESIGNS = {
     "pool-native": NativePoolDesign,
     "raw": RawLimit,
     "vllm": VllmTierDesign,
+    "vllm-py": VllmPythonDesign,
 }
 ALIASES = {
     "a": "mptier", "b": "baseline", "c": "pool-native", "d": "raw", "v": "vllm",
+    "w": "vllm-py",
     "reference": "baseline", "threads": "baseline", "threads-native": "pool-native",
     "fio": "raw:tool=fio", "raw-loop": "raw:tool=loop",
 }

@@ -1,6 +1,19 @@
 """Design (v): vLLM 0.33's own file-system tier, ``FileSystemTierManager``, run as is.
 
-Only where vLLM can be imported (the environment ``scripts/vllm-env.sh`` makes). The
+Only where vLLM can be imported (the environment ``scripts/vllm-env.sh`` makes). vLLM's
+tier does its batch stores, batch loads and batch lookups in its C extension
+``vllm.fs_io_C`` when that loads (``vllm.v1.kv_offload.tiering.fs.io._HAS_FSIO_C`` and
+``...fs.manager._HAS_BATCH_LOOKUP_C``), as on every CUDA deployment, and per block in
+Python (``os.write`` / ``os.readv`` / ``os.path.exists``) otherwise. The wheel's extension
+links CUDA libraries, so ``scripts/vllm-env.sh`` builds it from vLLM's sdist for the CPU
+torch. Design ``vllm`` is the real thing: it refuses to run (an error naming the flag)
+when the extension did not load, rather than quietly measure the fallback. Design
+``vllm-py`` (letter ``w``) is the fallback on purpose: it sets both flags False for its
+own run alone and restores them at close. Both count which of vLLM's entry points ran
+(per batch, not per block) and report it in ``info["io_path"]`` and ``info["io_calls"]``
+and a note.
+
+The
 tier is built the way vLLM's ``SecondaryTierFactory`` builds it, from a real
 ``TieringOffloadingSpec`` made without a GPU (docs/vllm-integration-notes.md, section
 2), over the harness's primary buffer viewed as vLLM's ``(chunks, chunk_bytes)`` int8
@@ -14,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -22,10 +36,69 @@ from mptier.bench.base import MODEL_NAME, Design, DesignContext
 
 DEFAULT_THREADS = (16, 16)
 
+IO_MODULE = "vllm.v1.kv_offload.tiering.fs.io"
+MANAGER_MODULE = "vllm.v1.kv_offload.tiering.fs.manager"
+# vLLM's switches between its C extension and its Python fallback: module globals read
+# at every call, so setting them reaches vLLM's code.
+C_FLAGS = ((IO_MODULE, "_HAS_FSIO_C"), (MANAGER_MODULE, "_HAS_BATCH_LOOKUP_C"))
+# The entry points counted: (module, attribute, counter). The C ones run only on the C
+# path; the manager's batch_* run on both (the Python path is their difference). Each is
+# called once per job or lookup batch, so counting costs nothing measurable.
+COUNTED = (
+    (MANAGER_MODULE, "batch_store_block", "store_batches"),
+    (MANAGER_MODULE, "batch_load_block", "load_batches"),
+    (IO_MODULE, "batch_store_block_C", "store_batches_c"),
+    (IO_MODULE, "batch_load_block_C", "load_batches_c"),
+    (MANAGER_MODULE, "batch_lookup_C", "lookup_batches_c"),
+)
+PATH_C = "C extension vllm.fs_io_C"
+PATH_PYTHON = "Python fallback (per-block os.write / os.readv / os.path.exists)"
+
+
+def c_flags() -> dict[str, bool]:
+    """vLLM's two C-path flags as its modules set them, keyed ``module.FLAG``."""
+    import importlib
+
+    return {f"{mod}.{flag}": bool(getattr(importlib.import_module(mod), flag))
+            for mod, flag in C_FLAGS}
+
+
+def missing_extension() -> str | None:
+    """``None`` when both of vLLM's C paths are on, else the error naming the flag."""
+    off = [name for name, on in c_flags().items() if not on]
+    if not off:
+        return None
+    reason = ""
+    try:
+        import vllm.fs_io_C  # noqa: F401
+    except ImportError as exc:
+        reason = f" (import vllm.fs_io_C: {exc})"
+    return (f"{' and '.join(off)} {'is' if len(off) == 1 else 'are'} False: vLLM's C "
+            f"extension did not load{reason}, so its tier would run its Python fallback, "
+            "which no CUDA deployment runs. Run scripts/vllm-env.sh (it builds "
+            "vllm.fs_io_C from vLLM's sdist) and use its .venv-vllm; design vllm-py "
+            "measures the fallback on purpose")
+
+
+class _Counter:
+    """Wraps one of vLLM's module functions and counts its calls (from any thread)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.n = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            self.n += 1
+        return self.fn(*args, **kwargs)
+
 
 class VllmTierDesign(Design):
     letter = "v"
     kind = "vllm"
+    # True in vllm-py: vLLM's Python fallback on purpose.
+    python_io = False
 
     def __init__(self, label: str, options: dict[str, str] | None = None) -> None:
         super().__init__(label, options)
@@ -46,6 +119,8 @@ class VllmTierDesign(Design):
                              "(known: threads)")
         self._tier: Any = None
         self._contexts: dict[str, Any] = {}
+        self._saved_flags: list[tuple[Any, str, Any]] = []
+        self._counters: list[tuple[Any, str, _Counter, str]] = []
 
     @classmethod
     def available(cls) -> str | None:
@@ -58,7 +133,56 @@ class VllmTierDesign(Design):
                     "makes")
         return None
 
+    def refusal(self) -> str | None:
+        """Why this design must not run here even though vLLM imports (an error, where
+        :meth:`available`'s reason is a skip): design ``vllm`` without vLLM's C
+        extension."""
+        if self.python_io or self.available() is not None:
+            return None
+        return missing_extension()
+
+    def _switch_and_count(self) -> None:
+        import importlib
+
+        if self.python_io:
+            for mod, flag in C_FLAGS:
+                module = importlib.import_module(mod)
+                self._saved_flags.append((module, flag, getattr(module, flag)))
+                setattr(module, flag, False)
+        for mod, attr, name in COUNTED:
+            module = importlib.import_module(mod)
+            fn = getattr(module, attr, None)
+            if fn is not None:  # the *_C names exist only when the extension loaded
+                counter = _Counter(fn)
+                self._counters.append((module, attr, counter, name))
+                setattr(module, attr, counter)
+
+    def _restore(self) -> None:
+        calls = {name: counter.n for _, _, counter, name in self._counters}
+        for module, attr, counter, _ in reversed(self._counters):
+            setattr(module, attr, counter.fn)
+        self._counters.clear()
+        for module, flag, value in reversed(self._saved_flags):
+            setattr(module, flag, value)
+        self._saved_flags.clear()
+        if not calls:
+            return
+        calls = {name: calls.get(name, 0) for _, _, name in COUNTED}
+        calls["store_batches_python"] = calls["store_batches"] - calls["store_batches_c"]
+        calls["load_batches_python"] = calls["load_batches"] - calls["load_batches_c"]
+        ran_c = calls["store_batches_c"] + calls["load_batches_c"]
+        ran_py = calls["store_batches_python"] + calls["load_batches_python"]
+        path = PATH_C if ran_c and not ran_py else PATH_PYTHON if ran_py and not ran_c \
+            else "both" if ran_c else "none"
+        self.info.update(io_calls=calls, io_path=path)
+        self.notes.append(
+            f"I/O path that ran: {path} ({ran_c} batches in C, {ran_py} in Python, "
+            f"{calls['lookup_batches_c']} C lookup batches)")
+
     def setup(self, ctx: DesignContext) -> None:
+        refusal = self.refusal()
+        if refusal is not None:
+            raise RuntimeError(refusal)
         from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
         from vllm.v1.kv_offload.config import (
             OffloadingCacheConfig,
@@ -86,6 +210,8 @@ class VllmTierDesign(Design):
                 data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
                 is_parallelism_agnostic=True),
         )
+        self._switch_and_count()
+        self.info.update(c_flags=c_flags())
         spec = TieringOffloadingSpec(config)
         # vLLM hands its tiers an int8 (chunks, chunk_bytes) view of the primary region.
         view = memoryview(ctx.array.view(np.int8))
@@ -96,8 +222,8 @@ class VllmTierDesign(Design):
         self._end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
         self.info.update(threads=f"{self.n_read}+{self.n_write}",
                          o_direct=getattr(self._tier, "_use_o_direct", None),
-                         io="vllm.v1.kv_offload.tiering.fs (Python path: its C "
-                            "extension needs CUDA libraries)")
+                         io=f"vllm.v1.kv_offload.tiering.fs, "
+                            f"{PATH_PYTHON if self.python_io else PATH_C}")
 
     def block_path(self, ctx: DesignContext, key: bytes) -> str:
         return self._tier.file_mapper.get_file_name(key)
@@ -133,9 +259,22 @@ class VllmTierDesign(Design):
         self._tier.drain_jobs()
 
     def close(self) -> None:
-        if self._tier is not None:
-            tier, self._tier = self._tier, None
-            tier.shutdown()
-            del tier
-            self._contexts.clear()
-            gc.collect()  # the tier holds the buffer's view in a reference cycle
+        try:
+            if self._tier is not None:
+                tier, self._tier = self._tier, None
+                tier.shutdown()
+                del tier
+                self._contexts.clear()
+                gc.collect()  # the tier holds the buffer's view in a reference cycle
+        finally:
+            self._restore()  # after shutdown: vLLM's threads read the flags per call
+
+
+class VllmPythonDesign(VllmTierDesign):
+    """(w) vLLM's tier on its Python fallback, the extension's flags set False for this
+    design's run alone: what the bench measured as ``vllm`` before the extension was
+    built (and what a vLLM without it runs)."""
+
+    letter = "w"
+    kind = "vllm-py"
+    python_io = True
