@@ -17,8 +17,10 @@ score reads the block hash only.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 from collections.abc import Sequence
 
 from mptier.keys import GROUP_IDX_BYTES
@@ -35,6 +37,22 @@ def normalize_root(path: str | os.PathLike[str]) -> str:
     """The form of a root path that identifies it (and seeds its hash): ``normpath``,
     without resolving symlinks -- two spellings of one folder are two roots."""
     return os.path.normpath(os.fspath(path))
+
+
+def root_identity(path: str) -> tuple[int, int]:
+    """``(st_dev, st_ino)`` of the folder the configured root ``path`` leads to now.
+
+    A tier follows its roots by path, not by the folder it first opened: a file system
+    mounted over a root, or a new folder put where the old one was renamed away, is
+    adopted (the caller compares identities). Anything but a folder there raises
+    ``OSError(ESTALE)`` naming what is there, which counts against the root's health, so
+    the root leaves rotation until a folder is back. Other errors (ENOENT, a hung mount's
+    EIO...) are raised as they are."""
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(errno.ESTALE, f"the root is no longer a folder (mode {st.st_mode:o} "
+                      "is there now); it is out of use until a folder is back", path)
+    return st.st_dev, st.st_ino
 
 
 def root_seed(path: str | os.PathLike[str]) -> bytes:

@@ -31,6 +31,7 @@ band of the usage. Both need ``capacity_bytes`` (without it nothing is ever evic
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import os
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from mptier.jobs import MessageType, encode_message, pack_keys
 from mptier.storage import Entry, RootMaintainer, evict
+from mptier.storage.roots import root_identity
 from mptier.storage.walk import TOP_PASSED
 from mptier.workers.control import (
     ROOT_COMPLETE,
@@ -179,6 +181,10 @@ class _Kept:
     inodes_at: float = 0.0  # when the inodes are looked at next
     no_space_seen: int = 0  # the slots' count of stores refused for space, last seen
     usage_target: int | None = None  # evicting for inodes or space: down to this usage
+    # The root folder this maintainer walks ((st_dev, st_ino); None: not seen yet). A
+    # path that leads elsewhere now starts a fresh maintainer: the root is followed by
+    # path, and the budget counts what is behind the path.
+    identity: tuple[int, int] | None = None
 
 
 class Caretaker:
@@ -193,8 +199,10 @@ class Caretaker:
     def __bool__(self) -> bool:
         return bool(self.kept)
 
-    def take(self, indices: list[int]) -> None:
-        """Become the caretaker of these roots (indices into the tier's roots)."""
+    def take(self, indices: list[int], fresh: bool = False) -> None:
+        """Become the caretaker of these roots (indices into the tier's roots).
+        ``fresh``: the folder behind the root changed, so nothing published before about
+        its usage holds."""
         ctx = self.ctx
         control = ctx.slot_writer.control
         io = ctx.io
@@ -209,7 +217,7 @@ class Caretaker:
                 stale_temp_s=io.stale_temp_s, locks_work=io.lease_locks,
                 hand_out=bool(io.capacity_bytes))
             kept = _Kept(index, path, maintainer, pass_base=rec.pass_id + 2,
-                         inherited_bytes=rec.usage_bytes,
+                         inherited_bytes=0 if fresh else rec.usage_bytes,
                          evicted_base=(rec.evicted_blocks, rec.evicted_bytes),
                          temps_base=rec.temps_removed,
                          evictor=_Evictor(path, EVICTOR_THREADS) if io.capacity_bytes
@@ -221,6 +229,8 @@ class Caretaker:
                 kept.seen[slot] = ((control.slot_pid(slot), st.pass_id),
                                    (st.ahead_bytes, st.ahead_blocks, st.behind_bytes,
                                     st.behind_blocks))
+            with contextlib.suppress(OSError):  # a root that fails now: the walk says so
+                kept.identity = root_identity(path)
             self.kept[index] = kept
             self._publish(kept)
             log.debug("mptier: worker pid %d takes care of root %s", os.getpid(), path)
@@ -310,6 +320,8 @@ class Caretaker:
             kept.pass_began = now
         writer.set_root(kept.index)  # a hang here is blamed on this root
         try:
+            if self._moved(kept):
+                return
             report = m.step(URGENT_BUDGET if urgent else MAINT_BUDGET, want_free=want,
                             walk=walking, free_bytes=free)
         except OSError as exc:
@@ -347,6 +359,29 @@ class Caretaker:
         own = [key for folder, key in report.removed if folder == self.folder]
         if own:
             self._send_removed(own)
+
+    def _moved(self, kept: _Kept) -> bool:
+        """Does the root path lead to another folder than the one walked (a file system
+        mounted over it or taken away, a folder swapped in)? Then a fresh maintainer
+        takes over (its walk, usage and eviction are of the folder behind the path now)
+        and True is returned. A path that fails to stat is left to the walk to report."""
+        try:
+            identity = root_identity(kept.path)
+        except OSError:
+            return False
+        if kept.identity is None:
+            kept.identity = identity
+        if identity == kept.identity:
+            return False
+        log.warning("mptier: root %s now leads to another folder (device %d:%d inode %d); "
+                    "its caretaker starts over there: walk, usage and eviction follow the "
+                    "path", kept.path, os.major(identity[0]), os.minor(identity[0]),
+                    identity[1])
+        if kept.evictor is not None:
+            kept.evictor.stop(EVICTOR_STOP_S)
+        del self.kept[kept.index]
+        self.take([kept.index], fresh=True)
+        return True
 
     def _watch_space(self, kept: _Kept, now: float) -> int:
         """Bytes to evict now for what the byte budget does not see (module docstring):

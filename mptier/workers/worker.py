@@ -66,7 +66,7 @@ from mptier.jobs import (
 )
 from mptier.layout import FileMapper
 from mptier.storage.leases import Lease
-from mptier.storage.roots import RootRouter
+from mptier.storage.roots import RootRouter, root_identity
 from mptier.workers import protocol
 from mptier.workers.bounce import Bounce
 from mptier.workers.control import ControlBlock, RootState, SlotState, SlotWriter
@@ -127,6 +127,9 @@ class RootHandle:
     mapper: FileMapper
     flags: int  # the native layer's flags for this root (O_DIRECT, CHECKSUM, ...)
     fd: int = -1  # the blocks folder: every path resolves beneath it, no symlinks
+    # (st_dev, st_ino) of the root folder when ``fd`` was opened: a task whose root path
+    # leads elsewhere now (a mount over it, a folder swapped in) follows the path.
+    identity: tuple[int, int] | None = None
     lease: Lease | None = None
     bounce: bool = False  # loads go through the worker's bounce buffer (bounce.py)
 
@@ -513,7 +516,17 @@ def _probe(ctx: WorkerContext, root: RootHandle) -> None:
 
 def _open_root(ctx: WorkerContext, root: RootHandle, create: bool) -> int:
     """The root's block folder, opened at first use. A folder removed under a running
-    tier is made again for a store (a load or lookup of it is a miss). Raises OSError."""
+    tier is made again for a store (a load or lookup of it is a miss); a root path that
+    leads to another folder now is followed (:func:`root_identity`). Raises OSError."""
+    identity = root_identity(root.path)  # one stat per run: the root is followed by path
+    if root.fd >= 0 and identity != root.identity:
+        log.warning("mptier: root %s now leads to another folder (device %d:%d inode %d, "
+                    "was %d:%d inode %d: a file system mounted over it or taken away, or "
+                    "the folder replaced); following the path", root.path,
+                    os.major(identity[0]), os.minor(identity[0]), identity[1],
+                    os.major(root.identity[0]), os.minor(root.identity[0]),
+                    root.identity[1])
+        root.release()  # the lease lives in the old folder's .mptier: take one anew
     if root.fd < 0:
         try:
             root.fd = native.open_root(root.mapper.blocks_dir)
@@ -522,6 +535,7 @@ def _open_root(ctx: WorkerContext, root: RootHandle, create: bool) -> int:
                 raise
             root.mapper.prepare(ctx.block_bytes)
             root.fd = native.open_root(root.mapper.blocks_dir)
+        root.identity = identity
     return root.fd
 
 
