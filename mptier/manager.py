@@ -454,6 +454,9 @@ class FileSystemTier:
             "lookup_keys_pending": self._lookups.pending_keys,
             **asdict(self._ledger.counters),
             "latency": {k: percentiles(v) for k, v in self._ledger.latency.items()},
+            # How long the workers' tasks took (their control-block buckets; an attached
+            # engine's service reports its own in its status)
+            "task_latency": pool.get("task_latency", {}),
             # Bytes of blocks under the roots (every cache folder there, other models'
             # too; a lower bound until each root's first walk completed), and the budget
             # (capacity_bytes per root; 0 = unlimited).

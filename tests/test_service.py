@@ -269,5 +269,13 @@ def test_service_is_visible_to_status_and_serves_metrics(start_service, attach, 
     figures = figures[0] if isinstance(figures, list) else figures
     assert figures["kind"] == "service" and figures["attached"] == f"engine pid {os.getpid()}"
     assert sorted(w["pid"] for w in figures["workers"]) == sorted(service.worker_pids())
+    # The service's own task latency (it never sees the engine's job completions): the
+    # round trip's store and load tasks, each within what the engine saw of its job.
+    tasks = figures["task_latency"]
+    job = tier.stats()["latency"]
+    for kind in ("store", "load"):
+        assert tasks[kind]["count"] >= 1, tasks
+        assert 0 < tasks[kind]["p50_s"] <= 1.5 * job[kind]["p99_s"], (tasks, job)
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
     assert b"mptier_" in text
+    assert b'mptier_task_latency_seconds{' in text and b'kind="load"' in text

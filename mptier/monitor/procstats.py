@@ -233,6 +233,7 @@ class Sampler:
             },
             "rates": rates,
             "latency": _latency(stats.get("latency", {})),
+            "task_latency": _latency(stats.get("task_latency", {})),
             "disk": self._disk(root, stats),
             # a tier's stats() say "pool"; a service's pool.stats() say "counters"
             "pool": dict(stats.get("pool") or stats.get("counters") or {}),

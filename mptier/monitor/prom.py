@@ -83,6 +83,10 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("mptier_job_latency_seconds", "gauge", ("tier", "kind", "quantile"),
               "Job latency, submission to finish, at quantile 0.5 and 0.99 over the last "
               "4096 jobs of that kind (absent before the first job)"),
+    MetricDef("mptier_task_latency_seconds", "gauge", ("tier", "kind", "quantile"),
+              "Task latency in the workers, at quantile 0.5 and 0.99 over the pool's life "
+              "(power-of-two buckets: within a factor of 1.41; absent before the first "
+              "task); a service reports it too"),
     MetricDef("mptier_workers_spawned_total", "counter", T,
               "Worker processes started (the first ones and every replacement)"),
     MetricDef("mptier_worker_deaths_total", "counter", T,
@@ -201,6 +205,10 @@ def _fill(fam: dict[str, Metric], f: dict[str, Any]) -> None:
         latency = f.get("latency", {}).get(kind, {})
         put("mptier_job_latency_seconds", latency.get("p50_s"), kind, "0.5")
         put("mptier_job_latency_seconds", latency.get("p99_s"), kind, "0.99")
+    for kind in ("store", "load", "lookup"):
+        tasks = f.get("task_latency", {}).get(kind, {})
+        put("mptier_task_latency_seconds", tasks.get("p50_s"), kind, "0.5")
+        put("mptier_task_latency_seconds", tasks.get("p99_s"), kind, "0.99")
     put("mptier_lookup_keys_checked_total", totals.get("lookup_keys_checked"))
     put("mptier_lookup_keys_found_total", totals.get("lookup_keys_found"))
     put("mptier_corrupt_blocks_removed_total", totals.get("corrupt_removed"))

@@ -30,6 +30,9 @@ attaches. Three parts::
         +SLOT_READ_ONLY_AT per root: stores failed at once, the root being read-only
         +SLOT_NO_SPACE_AT  per root: stores the file system refused for space (ENOSPC,
                       EDQUOT) -- the caretaker evicts on a rise
+        +SLOT_LATENCY_AT   per task kind: how long this slot's tasks took, a count per
+                      power of two of microseconds (a service's status has task latency
+                      without seeing the engine's completions)
         +RECORD_OFFSET  the task record being worked on (all zero when idle)
 
 A worker reads each task record from its queue *straight into its slot* (``readv`` into
@@ -48,7 +51,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from mptier.jobs import TASK_HEADER_BYTES, TASK_RECORD_BYTES, peek_task
+from mptier.jobs import TASK_HEADER_BYTES, TASK_RECORD_BYTES, TaskKind, peek_task
 
 PAGE_BYTES = mmap.PAGESIZE
 # A slot is a header page and a record page: the record area starts page-aligned, so a
@@ -82,6 +85,13 @@ _SLOT_STORES = struct.Struct("<IIQQQQQ")
 SLOT_READ_ONLY_AT = SLOT_STORES_AT + MAX_ROOTS * _SLOT_STORES.size
 # Per root: stores the file system refused for space, ENOSPC or EDQUOT (u64 each).
 SLOT_NO_SPACE_AT = SLOT_READ_ONLY_AT + MAX_ROOTS * 8
+# Task latency per kind (store, load, lookup): bucket i counts tasks of [2^i, 2^(i+1)) us
+# (bucket 0 also those under 1 us; the last all from 2^31 us, ~36 min, on). Power-of-two
+# buckets put a percentile within a factor of sqrt(2) of the truth, in 128 bytes a kind.
+SLOT_LATENCY_AT = SLOT_NO_SPACE_AT + MAX_ROOTS * 8
+LATENCY_BUCKETS = 32
+_SLOT_LATENCY = struct.Struct(f"<{LATENCY_BUCKETS}I")
+assert SLOT_LATENCY_AT + 3 * _SLOT_LATENCY.size <= RECORD_OFFSET, "past the header page"
 _SLOT_HEADER = struct.Struct("<QQQQQQII")
 _POOL_HEADER = struct.Struct(f"<4sIIiQ{REASON_BYTES}s")
 _STATE_OFFSET = 8  # the state word's place in the pool header (after magic, version)
@@ -308,6 +318,10 @@ class ControlBlock:
         """The pid of the worker in ``slot`` (0: none yet)."""
         return struct.unpack_from("<I", self.memory, self._slot_at(slot) + 48)[0]
 
+    def slot_latency(self, slot: int, kind: TaskKind) -> tuple[int, ...]:
+        """Counts per latency bucket (``SLOT_LATENCY_AT``) of ``kind`` tasks in ``slot``."""
+        return _SLOT_LATENCY.unpack_from(self.memory, self._slot_at(slot) + _latency_at(kind))
+
     def slot_waits(self, slot: int) -> tuple[int, int]:
         """``(stores that waited for room, ns they waited)`` of the worker in ``slot``."""
         return struct.unpack_from("<QQ", self.memory, self._slot_at(slot) + SLOT_WAITS_AT)
@@ -439,10 +453,16 @@ class SlotWriter:
         supervisor's io_timeout_s no longer runs for it."""
         struct.pack_into("<QQ", self._mem, 0, SlotState.REPORTING, started_ns)
 
-    def account(self, nbytes: int, elapsed_ns: int, failed: bool, started_ns: int) -> None:
-        """Count a finished task (before it is reported, so stats agree with results).
-        The slot keeps saying the task started until :meth:`release`: a death before
-        then must not look like one before the I/O."""
+    def account(self, nbytes: int, elapsed_ns: int, failed: bool, started_ns: int,
+                kind: TaskKind | None = None) -> None:
+        """Count a finished task (before it is reported, so stats agree with results),
+        and its time in the ``kind``'s latency buckets. The slot keeps saying the task
+        started until :meth:`release`: a death before then must not look like one
+        before the I/O."""
+        if kind is not None:
+            at = _latency_at(kind) + 4 * latency_bucket(elapsed_ns)
+            (count,) = struct.unpack_from("<I", self._mem, at)
+            struct.pack_into("<I", self._mem, at, (count + 1) & 0xFFFFFFFF)
         self.tasks_done += 1
         self.bytes_done += nbytes
         self.busy_ns += elapsed_ns
@@ -501,3 +521,31 @@ class SlotWriter:
 assert _POOL_HEADER.size <= ROOTS_AT and ROOTS_AT + MAX_ROOTS * ROOT_BYTES <= PAGE_BYTES
 assert _ROOT_HEALTH.size + _ROOT_USAGE.size == ROOT_BYTES
 assert SLOT_NO_SPACE_AT + MAX_ROOTS * 8 <= RECORD_OFFSET
+
+
+def _latency_at(kind: TaskKind) -> int:
+    return SLOT_LATENCY_AT + (int(kind) - 1) * _SLOT_LATENCY.size
+
+
+def latency_bucket(elapsed_ns: int) -> int:
+    """The ``SLOT_LATENCY_AT`` bucket of a task that took ``elapsed_ns``."""
+    return min(LATENCY_BUCKETS - 1, max(0, elapsed_ns // 1000).bit_length() - 1) \
+        if elapsed_ns >= 1000 else 0
+
+
+def latency_percentiles(counts: list[int]) -> dict[str, float | int | None]:
+    """``{"p50_s", "p99_s", "count"}`` of summed bucket counts: each percentile is the
+    geometric middle of its bucket (within a factor of sqrt(2) of the truth)."""
+    total = sum(counts)
+
+    def pick(q: float) -> float | None:
+        if not total:
+            return None
+        rank, seen = q * total, 0
+        for i, n in enumerate(counts):
+            seen += n
+            if seen >= rank:
+                return 2 ** (i + 0.5) / 1e6
+        return 2 ** (len(counts) - 0.5) / 1e6
+
+    return {"p50_s": pick(0.5), "p99_s": pick(0.99), "count": total}

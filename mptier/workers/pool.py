@@ -30,9 +30,11 @@ from typing import Any
 
 from mptier import native
 from mptier.errors import ConfigError, MptierError
+from mptier.jobs import TaskKind
 from mptier.layout import FileMapper
 from mptier.workers.bounce import needs_bounce
 from mptier.workers.control import (
+    LATENCY_BUCKETS,
     ROOT_COMPLETE,
     ROOT_EVICTING,
     ROOT_INODES_LOW,
@@ -40,6 +42,7 @@ from mptier.workers.control import (
     RootState,
     SlotState,
     SlotWriter,
+    latency_percentiles,
 )
 from mptier.workers.health import RootHealth
 from mptier.workers.launcher import BootSpec
@@ -229,6 +232,20 @@ def fs_magic(path: str) -> int | None:
     if libc.statfs(os.fsencode(path), buf) != 0:
         return None
     return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def task_latency(control: ControlBlock) -> dict[str, dict[str, Any]]:
+    """Task latency per kind ("store", "load", "lookup": ``p50_s``, ``p99_s``, ``count``)
+    over every slot and the pool's whole life, from the workers' latency buckets in the
+    control block: what a service reports, which never sees the engine's completions."""
+    out = {}
+    for kind in TaskKind:
+        counts = [0] * LATENCY_BUCKETS
+        for slot in range(control.n_slots):
+            for i, n in enumerate(control.slot_latency(slot, kind)):
+                counts[i] += n
+        out[kind.name.lower()] = latency_percentiles(counts)
+    return out
 
 
 def root_figures(control: ControlBlock, io: IoSettings) -> list[dict[str, Any]]:
@@ -450,7 +467,7 @@ class WorkerPool:
             counters = asdict(self.counters)
         reason, _ = self.unavailable()
         return {"mode": self.mode, "counters": counters, "unavailable": reason,
-                "workers": self.worker_stats(),
+                "workers": self.worker_stats(), "task_latency": task_latency(self.control),
                 "roots": root_figures(self.control, self.io) if self.io else []}
 
     def stop(self, grace_s: float = STOP_GRACE_S,
@@ -612,7 +629,7 @@ class ThreadWorkers:
         if self._last_stats is not None:
             return self._last_stats
         return {"mode": self.mode, "counters": asdict(self.counters), "unavailable": "",
-                "workers": self.worker_stats(),
+                "workers": self.worker_stats(), "task_latency": task_latency(self.control),
                 "roots": root_figures(self.control, self.io) if self.io else []}
 
     def stop(self, grace_s: float = STOP_GRACE_S,

@@ -63,6 +63,7 @@ from mptier.jobs import (
     TaskKind,
     decode_task,
     encode_message,
+    peek_task,
 )
 from mptier.layout import FileMapper
 from mptier.storage.leases import Lease
@@ -310,9 +311,11 @@ def serve(ctx: WorkerContext, control: socket.socket | None) -> str:
             started = time.monotonic_ns()
             writer.mark_started(started)
             message, nbytes, failed = _run_task(ctx, record, started, pid)
+            peeked = peek_task(record)
             # Report first, then let go of the task: a death in between leaves the task
             # in the slot, and the engine ignores the supervisor's second report of it.
-            writer.account(nbytes, time.monotonic_ns() - started, failed, started)
+            writer.account(nbytes, time.monotonic_ns() - started, failed, started,
+                           peeked[0] if peeked else None)
             ended = _report_task(ctx, control, message, started)
             writer.release()
             if ended:
