@@ -37,6 +37,10 @@ skipped with the reason):
                        engine trusts; the engine must refuse both (its attach fails naming
                        the cause), use the real service through two restarts, and leak
                        nothing to the impostor
+* ``killed_at_start``  30 engines SIGKILLed within a second of making their buffer; one
+                       live tier afterwards frees every buffer, lease and run-folder entry
+* ``root_moved``       a tmpfs mounted over a running tier's root and taken away again:
+                       stores follow the path, loads are right
 
 Columns: *jobs run* (reported, or for a killed engine: completed before the kill);
 *jobs lost* (submitted, never reported); *wrong bytes* (loads that reported success
@@ -971,6 +975,141 @@ def impostor(row: Row, root: str, restarts: int = 2) -> None:
         shutil.rmtree(pub, ignore_errors=True)
 
 
+KILLED_AT_START = """
+import sys, time
+from mptier import FileSystemTier, SharedKVBuffer
+buf = SharedKVBuffer.create(8, 4096)
+print(buf.name, flush=True)
+tier = FileSystemTier(buf, root_dir=sys.argv[1], n_load_workers=1, n_store_workers=1,
+                      prefault=False)
+time.sleep(60)
+"""
+
+
+def killed_at_start(row: Row, root: str, engines: int = 30) -> None:
+    """Engines SIGKILLed within a second of making their buffer, 30 in a row; then one
+    live tier on the same root and nobody else: its start and its periodic sweeps must
+    free every buffer, lease and run-folder entry the dead ones left."""
+    from mptier.storage import names as N
+    from mptier.storage.leases import lease_state
+    from mptier.workers.supervisor import SHM_SWEEP_S
+
+    rng = random.Random(21)
+    run_dir = tempfile.mkdtemp(prefix="mptier-rel-run-")
+    saved = os.environ.get("MPTIER_RUN_DIR")
+    os.environ["MPTIER_RUN_DIR"] = run_dir
+    names, pids = [], []
+    try:
+        for _ in range(engines):
+            engine = subprocess.Popen([sys.executable, "-c", KILLED_AT_START, root],
+                                      stdout=subprocess.PIPE, text=True)
+            row.owners.add(engine.pid)
+            pids.append(engine.pid)
+            try:
+                names.append(engine.stdout.readline().strip())
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    engine.wait(rng.uniform(0.0, 1.0))
+            finally:
+                engine.kill()
+                engine.wait()
+                engine.stdout.close()
+
+        def shm_left() -> list[str]:
+            return [n for n in names if n and os.path.exists(f"/dev/shm/{n}")]
+
+        def leases_left() -> list[str]:
+            with contextlib.suppress(FileNotFoundError):
+                return [e for e in os.listdir(N.leases_dir(root))
+                        if lease_state(root, e.split(".")[0]) != "held"]
+            return []
+
+        def run_dir_left() -> list[str]:
+            return [e for e in os.listdir(run_dir) if any(f"-{p}." in e for p in pids)]
+
+        at_kill = (len(shm_left()), len(leases_left()))
+        started = time.monotonic()
+        buf = SharedKVBuffer.create(8, BLOCK)
+        tier = FileSystemTier(buf, root_dir=root, n_load_workers=1, n_store_workers=1,
+                              prefault=False)
+        try:
+            gone_after = {}
+            deadline = started + 3 * SHM_SWEEP_S + 30
+            while time.monotonic() < deadline:
+                for what, left in (("buffers", shm_left), ("leases", leases_left),
+                                   ("run-folder entries", run_dir_left)):
+                    if what not in gone_after and not left():
+                        gone_after[what] = time.monotonic() - started
+                if len(gone_after) == 3:
+                    break
+                time.sleep(0.2)
+            left = len(shm_left()) + len(leases_left()) + len(run_dir_left())
+        finally:
+            tier.shutdown()
+            buf.close()
+            buf.unlink()
+        row.objects_leaked = left
+        row.notes.append(
+            f"{engines} engines killed 0-1 s after making their buffer ({at_kill[0]} buffers "
+            f"and {at_kill[1]} dead leases still there when the last was killed); with one "
+            "live tier: " + ", ".join(f"{w} gone {t:.1f} s after its start"
+                                      for w, t in gone_after.items())
+            + (f"; {left} left after {3 * SHM_SWEEP_S + 30:.0f} s" if left else ""))
+        if left:
+            row.status = "error"
+    finally:
+        if saved is None:
+            del os.environ["MPTIER_RUN_DIR"]
+        else:
+            os.environ["MPTIER_RUN_DIR"] = saved
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def root_moved(row: Row, root: str) -> None:
+    """A tmpfs mounted over a running tier's root, stores, loads, the mount taken away,
+    stores again: every store goes where the root path leads at that moment, every load
+    is right, nothing is lost."""
+    from support import mounts
+
+    need_root("mounting a tmpfs over a root")
+    point = str(mounts.new_mount_dir("rel-follow-"))
+    buf = SharedKVBuffer.create(48, BLOCK)
+    tier = FileSystemTier(buf, root_dir=point, n_load_workers=1, n_store_workers=1,
+                          prefault=False)
+    try:
+        calls = EngineCalls(tier)
+        book = JobBook(calls, buf)
+        bare, mounted, again = (keys_for(16, tag) for tag in (b"bare", b"mount", b"back"))
+
+        def blocks() -> int:
+            return sum(f.endswith(".bin") for _, _, fs in os.walk(point) for f in fs)
+
+        book.wait([book.store(bare, list(range(16)))])
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "mptier-rel", point],
+                       check=True, capture_output=True, timeout=30)
+        try:
+            book.wait([book.store(mounted, list(range(16, 32)))])
+            on_mount = blocks()
+            book.wait([book.load(mounted, list(range(32, 48)))])
+        finally:
+            mounts.unmount(point)
+        book.wait([book.store(again, list(range(32, 48)))])
+        on_bare = blocks()
+        book.wait([book.load(bare, list(range(16))), book.load(again, list(range(16, 32)))])
+        row.from_book(book, calls)
+        failed = sum(not r.success for r in book.results.values())
+        row.notes.append(f"stores after the mount on the mounted tmpfs: {on_mount} of 16; "
+                         f"after it went away, on the bare folder: {on_bare} of 32; failed "
+                         f"jobs {failed}")
+        if on_mount != 16 or on_bare != 32 or failed:
+            row.status = "error"
+    finally:
+        tier.shutdown()
+        buf.close()
+        buf.unlink()
+        with contextlib.suppress(OSError):
+            shutil.rmtree(point)
+
+
 SCENARIOS: dict[str, Callable[[Row, str], None]] = {
     "crash_storm": crash_storm,
     "sigstop_storm": sigstop_storm,
@@ -983,6 +1122,8 @@ SCENARIOS: dict[str, Callable[[Row, str], None]] = {
     "hostile_client": hostile_client,
     "full_completion_pipe": full_completion_pipe,
     "impostor": impostor,
+    "killed_at_start": killed_at_start,
+    "root_moved": root_moved,
 }
 
 
