@@ -395,3 +395,14 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def stop_services(services: list[Service], sig: int = signal.SIGKILL,
+                  timeout: float = 15.0) -> None:
+    """Stop every service in ``services`` with ``sig`` and wait (at most ``timeout``
+    each) until its workers have gone: a test's or scenario's teardown."""
+    for service in services:
+        pids = service.children()
+        service.stop(sig)
+        wait_until(lambda p=pids: all(gone(x) for x in p), timeout,
+                   "the service's workers to go")

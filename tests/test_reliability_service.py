@@ -17,7 +17,6 @@ import threading
 import time
 
 import pytest
-from conftest import wait_for
 from reliability_kit import (
     ENGINE_CALL_BOUND_S,
     LATE_S,
@@ -26,6 +25,7 @@ from reliability_kit import (
     Service,
     Traffic,
     gone,
+    stop_services,
     wait_until,
 )
 
@@ -57,11 +57,7 @@ def services(run_dir, tmp_path):
         return service
 
     yield start
-    for service in started:
-        pids = service.children()
-        service.stop(signal.SIGKILL)
-        wait_for(lambda p=pids: all(gone(x) for x in p), timeout=15,
-                 what="the service's workers to go")
+    stop_services(started)
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -44,7 +43,7 @@ from hostile_client import (
     task_attacks,
     wrong_values,
 )
-from reliability_kit import Service, gone
+from reliability_kit import Service, stop_services
 
 from mptier import TierConfig
 from mptier.errors import ConfigError
@@ -64,11 +63,7 @@ def service_env(run_dir, tmp_path):
         return service
 
     yield start
-    for service in started:
-        pids = service.children()
-        service.stop(signal.SIGKILL)
-        wait_for(lambda p=pids: all(gone(x) for x in p), timeout=10,
-                 what="the service's workers to go")
+    stop_services(started)
 
 
 def socket_of(service: Service) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import fill_random, wait_for, wait_results
-from reliability_kit import Service, gone
+from reliability_kit import Service, gone, stop_services
 from support.hostile import HOSTILE_GID, HOSTILE_UID, Impostor, check_as, public_folder, run_as
 
 from mptier import FileSystemTier, MptierError, TransferJob, make_key, rundir
@@ -71,11 +71,7 @@ def services(tmp_path):
         return service
 
     yield start
-    for service in started:
-        pids = service.children()
-        service.stop(signal.SIGKILL)
-        wait_for(lambda p=pids: all(gone(x) for x in p), timeout=15,
-                 what="the service's workers to go")
+    stop_services(started)
 
 
 def round_trip(tier, buf, keys, first_job: int) -> None:
