@@ -521,7 +521,14 @@ def _open_root(ctx: WorkerContext, root: RootHandle, create: bool) -> int:
     """The root's block folder, opened at first use. A folder removed under a running
     tier is made again for a store (a load or lookup of it is a miss); a root path that
     leads to another folder now is followed (:func:`root_identity`). Raises OSError."""
-    identity = root_identity(root.path)  # one stat per run: the root is followed by path
+    try:
+        identity = root_identity(root.path)  # one stat per run: followed by path
+    except FileNotFoundError:
+        if not create:
+            raise  # a load or lookup of a root that is not there is a miss
+        root.release()  # wiped whole (or never made): a store makes it again
+        root.mapper.prepare(ctx.block_bytes)
+        identity = root_identity(root.path)
     if root.fd >= 0 and identity != root.identity:
         log.warning("mptier: root %s now leads to another folder (device %d:%d inode %d, "
                     "was %d:%d inode %d: a file system mounted over it or taken away, or "
