@@ -188,3 +188,32 @@ def test_probe_files_of_a_dead_prober_are_removed_when_old(tmp_path):
     report = sweep_temps(root, locks_work=True)
     assert report.counts.probes_removed == 1
     assert not os.path.exists(old) and os.path.exists(young)
+
+
+def test_a_writer_that_followed_its_root_away_and_back_takes_its_tag_anew(tmp_path):
+    """A writer let go of its lease without removing it (the root path led to another
+    folder then: a mount over it) and comes back: its own tag's free lease is taken anew;
+    a tag somebody holds is still refused."""
+    import fcntl
+
+    root = str(tmp_path)
+    lease = Lease.create(root)
+    fd = os.open(lease.path, os.O_RDONLY)  # the lease file, kept while its lock goes
+    os.close(lease._fd)  # what release() does where the path leads elsewhere
+    lease._fd = None
+    assert lease_state(root, lease.tag) == "free"
+    again = Lease.create(root, tag=lease.tag)
+    assert lease_state(root, again.tag) == "held"
+    assert os.fstat(fd).st_nlink == 0, "the stale file was replaced, not reused"
+    os.close(fd)
+    with pytest.raises(FileExistsError):
+        Lease.create(root, tag=again.tag)  # held: somebody else's
+    # release() removes only its own file: one put at its path meanwhile stays
+    os.rename(again.path, again.path + ".moved")
+    with open(again.path, "w") as f:
+        f.write("another writer's")
+    again.release()
+    assert os.path.exists(again.path)
+    held = os.open(again.path + ".moved", os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # its lock went with release()
+    os.close(held)

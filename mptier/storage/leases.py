@@ -30,6 +30,7 @@ writer's store fail cleanly (its rename finds no file), never publishes wrong by
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -115,7 +116,13 @@ class Lease:
             chosen = tag if tag is not None else new_tag()
             new = f"{directory}/{chosen}{N.LEASE_NEW_SUFFIX}"
             if tag is not None and os.path.lexists(N.lease_path(root, tag)):
-                raise FileExistsError(errno.EEXIST, f"lease {tag} already exists", new)
+                if lease_state(root, tag) != "free":
+                    raise FileExistsError(errno.EEXIST, f"lease {tag} already exists", new)
+                # Our tag's lease that nobody holds: ours, let go when this writer
+                # followed its root to another folder (a mount over it) and left behind
+                # there, now that the path leads back. Its files are stale: take it anew.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(N.lease_path(root, tag))
             try:
                 fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                              | os.O_CLOEXEC, 0o644)
@@ -162,7 +169,9 @@ class Lease:
         if self._fd is None:
             return
         try:
-            os.unlink(self.path)
+            held, named = os.fstat(self._fd), os.stat(self.path, follow_symlinks=False)
+            if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
+                os.unlink(self.path)  # only our own file (the path may lead elsewhere now)
         except FileNotFoundError:
             pass
         finally:
