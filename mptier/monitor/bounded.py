@@ -96,18 +96,23 @@ class ClientLoop:
         self.fd_reserve = fd_reserve
         self._clients: dict[int, _Client] = {}
         self.served = self.refused = self.turned_away = self.timed_out = 0
+        # Made here, by whoever builds the endpoint, not by its thread: a thread that
+        # starts once the process is out of descriptors must not die for want of one
+        # (its listener would close, and the freed descriptor hide the shortage).
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, "accept")
 
     def serve(self, stop_fd: int) -> None:
         """The loop; returns when ``stop_fd`` is readable, having closed every client
-        (the listener is the caller's)."""
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._listener, selectors.EVENT_READ, "accept")
+        and the selector (the listener is the caller's)."""
+        selector = self._selector
+        try:
             selector.register(stop_fd, selectors.EVENT_READ, "stop")
-            try:
-                self._loop(selector)
-            finally:
-                for client in list(self._clients.values()):
-                    self._close(selector, client)
+            self._loop(selector)
+        finally:
+            for client in list(self._clients.values()):
+                self._close(selector, client)
+            selector.close()
 
     def _loop(self, selector: selectors.BaseSelector) -> None:
         while True:

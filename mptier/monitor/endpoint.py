@@ -189,6 +189,8 @@ class StatusEndpoint:
             self._listener.listen(LISTEN_BACKLOG)
             self._listener.setblocking(False)
             self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            self.loop = ClientLoop(self._listener, self._respond,
+                                   name=f"status endpoint {self.name}", admit=self._admit)
         except BaseException:
             self._release()
             raise
@@ -263,8 +265,6 @@ class StatusEndpoint:
             self._close_pipe()
 
     def _serve_until_stopped(self, listener: socket.socket, stop_r: int) -> None:
-        self.loop = ClientLoop(listener, self._respond, name=f"status endpoint {self.name}",
-                               admit=self._admit)
         self.loop.serve(stop_r)
 
     def _admit(self, conn: socket.socket) -> str:
