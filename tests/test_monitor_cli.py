@@ -220,6 +220,11 @@ def test_monitor_renders_in_a_terminal_and_quits(make_buffer, make_tier, quit_wi
     pid, fd = pty.fork()
     if pid == 0:  # the child: a session leader on the pseudo-terminal, as in a shell
         try:
+            # A login shell starts with default dispositions and nothing blocked; an
+            # ignored or blocked SIGINT in this test process (pytest's, or a library's
+            # thread) would be inherited through exec and keep Ctrl-C from the monitor.
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execvpe("sh", ["sh", "-c", script, sys.executable, tier.status_name],
                        {**os.environ, "TERM": "xterm-256color", "COLUMNS": "100",
                         "LINES": "40"})
