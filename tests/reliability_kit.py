@@ -399,10 +399,11 @@ def gone(pid: int) -> bool:
 
 def stop_services(services: list[Service], sig: int = signal.SIGKILL,
                   timeout: float = 15.0) -> None:
-    """Stop every service in ``services`` with ``sig`` and wait (at most ``timeout``
-    each) until its workers have gone: a test's or scenario's teardown."""
+    """Stop every service in ``services`` with ``sig``, then wait (at most ``timeout``)
+    until all their workers have gone: a test's or scenario's teardown. Every service is
+    stopped before anything can raise."""
+    pids: list[int] = []
     for service in services:
-        pids = service.children()
+        pids += service.children()
         service.stop(sig)
-        wait_until(lambda p=pids: all(gone(x) for x in p), timeout,
-                   "the service's workers to go")
+    wait_until(lambda: all(gone(x) for x in pids), timeout, "the services' workers to go")
