@@ -19,11 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import fill_random, wait_for, wait_results
+from conftest import wait_for
 from reliability_kit import Service, gone, stop_services
 from support.hostile import HOSTILE_GID, HOSTILE_UID, Impostor, check_as, public_folder, run_as
+from test_service import round_trip
 
-from mptier import FileSystemTier, MptierError, TransferJob, make_key, rundir
+from mptier import FileSystemTier, MptierError, make_key, rundir
 from mptier.config import TierConfig
 from mptier.monitor import bounded, discover, query, start_endpoint
 from mptier.rundir import Trust, UntrustedError
@@ -72,16 +73,6 @@ def services(tmp_path):
 
     yield start
     stop_services(started)
-
-
-def round_trip(tier, buf, keys, first_job: int) -> None:
-    n = len(keys)
-    fill_random(buf.view, range(n), seed=first_job)
-    tier.submit_store(TransferJob(first_job, keys, list(range(n))))
-    assert wait_results(tier, [first_job])[first_job].success
-    tier.submit_load(TransferJob(first_job + 1, keys, list(range(n, 2 * n))))
-    assert wait_results(tier, [first_job + 1])[first_job + 1].success
-    assert (buf.view[:n] == buf.view[n:2 * n]).all()
 
 
 # -- finding 1: an impostor service in a folder another user made first ------------------
