@@ -132,6 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="measure nothing: print and write the tables and chart of an earlier run's "
              "JSON (with --save, --markdown, --plot)")
     add("--inject-corruption", type=int, default=0, help=argparse.SUPPRESS)
+    from mptier.bench.trace import add_trace_arguments
+    add_trace_arguments(parser)
     return parser
 
 
@@ -320,6 +322,12 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     0: every design ran and every load verified; 1: something failed (printed).
     """
+    if getattr(args, "trace", None):
+        from mptier.bench.trace import run_trace
+        return run_trace(args, _own_argv(argv))
+    if getattr(args, "budget", None) is not None or getattr(args, "requests", None):
+        print("mptier bench: --budget and --requests go with --trace FILE", file=sys.stderr)
+        return 2
     if args.render:
         try:
             with open(args.render, encoding="utf-8") as f:
