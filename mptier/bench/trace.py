@@ -59,11 +59,17 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     add("--trace", metavar="FILE",
         help="replay this request trace (JSONL: timestamp, input_length, output_length, "
              "hash_ids) through a tier with a budget, beside simulated LRU and Belady; "
-             "uses --root (first one), --block-bytes (default 64K), --json, --no-progress")
+             "uses --root (one), --block-bytes (one, default 64K), --json, --no-progress")
     add("--budget", type=parse_budget, metavar="FRACTION",
         help="with --trace: the tier's byte budget as a fraction of the trace's footprint")
     add("--requests", type=int, metavar="N",
         help="with --trace: replay the first N requests (default: all)")
+
+
+def _amount(n: int) -> str:
+    """Bytes for a person: ``254201036`` -> ``"242.4 MiB"`` (exact sizes as format_size)."""
+    exact = format_size(n)
+    return exact if exact.endswith("iB") or n < (1 << 20) else f"{n / (1 << 20):.1f} MiB"
 
 
 def _error(message: str) -> int:
@@ -142,7 +148,7 @@ def trace_doc(requests: list, args: argparse.Namespace, block_bytes: int, root: 
     if show:
         print(f"replaying {len(requests)} requests ({footprint} distinct blocks of "
               f"{format_size(block_bytes)}) into {folder}, budget "
-              f"{format_size(budget_bytes)}", file=sys.stderr, flush=True)
+              f"{_amount(budget_bytes)}", file=sys.stderr, flush=True)
     try:
         tier = Replay(requests, block_bytes, folder, budget_bytes).run(progress)
     except Exception as exc:  # the tier or a wait failed: say where, keep the cause
@@ -184,7 +190,7 @@ def print_report(doc: dict[str, Any]) -> None:
           f"{t['run_s']:.1f} s; timestamps: order only)")
     print(f"blocks of {format_size(doc['block_bytes'])} on {doc['root']} "
           f"({doc['root_fs']}); budget {budget['fraction']:g} x {tr['footprint_blocks']} "
-          f"distinct blocks = {format_size(budget['bytes'])} ({budget['blocks']} blocks); "
+          f"distinct blocks = {_amount(budget['bytes'])} ({budget['blocks']} blocks); "
           f"load average {doc['load_average'][0]:.2f}")
     print()
     print(f"{'':12}{'block hits':>12}{'hit ratio':>11}{'token ratio':>13}{'vs LRU':>8}")
@@ -219,7 +225,7 @@ def print_report(doc: dict[str, Any]) -> None:
           f"{t['evicted_blocks']} blocks")
     wps = t["written_per_served"]
     print(f"bytes written per byte served: {'-' if wps is None else f'{wps:.2f}'} "
-          f"({format_size(t['bytes_written'])} written, {format_size(t['bytes_served'])} "
+          f"({_amount(t['bytes_written'])} written, {_amount(t['bytes_served'])} "
           f"served)")
     print(f"wrong bytes: {t['wrong_bytes']}")
 
