@@ -15,6 +15,8 @@ from mptier.bench.tracefile import TraceError, footprint_blocks, read_trace
 from mptier.bench.tracesim import simulate_belady, simulate_lru, simulate_unbounded
 
 KB = 1 << 10
+# One worker of each kind: the replays here are small, and every worker boots in turn.
+SMALL_POOL = {"n_load_workers": 1, "n_store_workers": 1, "prefault": False}
 
 
 # -- the simulators ------------------------------------------------------------------------
@@ -204,6 +206,7 @@ def _check_counts(c: dict, block_bytes: int) -> None:
     assert c["enospc_jobs"] <= c["failed_jobs"]["store"]
 
 
+@pytest.mark.slow
 def test_replay_through_a_real_tier_verifies_every_byte(tmp_path, backend):
     streams = _prefix_trace(40, seed=3)
     path = tmp_path / "t.jsonl"
@@ -214,7 +217,7 @@ def test_replay_through_a_real_tier_verifies_every_byte(tmp_path, backend):
     budget = footprint * block // 3
     folder = tmp_path / "kv"
     c = Replay(requests, block, str(folder), budget,
-               {"native": backend == "native", "prefault": False}).run()
+               {"native": backend == "native", **SMALL_POOL}).run()
     _check_counts(c, block)
     assert c["tier"]["backend"] == backend
     assert c["blocks_requested"] == sum(len(s) for s in streams)
@@ -228,6 +231,7 @@ def test_replay_through_a_real_tier_verifies_every_byte(tmp_path, backend):
     assert c["usage"]["peak_walked_bytes"] >= c["usage"]["final_walked_bytes"]
 
 
+@pytest.mark.slow
 def test_cli_replay_prints_the_comparison_and_writes_json(tmp_path, capsys):
     streams = _prefix_trace(30, seed=5)
     path = tmp_path / "t.jsonl"
@@ -272,8 +276,8 @@ def test_a_wrong_byte_on_disk_is_counted(tmp_path, backend):
     _write_trace(path, [[1, 2], [1, 2, 3]])
     block = 16 * KB
     c = _CorruptAfterFirst(read_trace(str(path)), block, str(tmp_path / "kv"), 64 * block,
-                           {"native": backend == "native", "prefault": False,
-                            "checksum_blocks": False}).run()
+                           {"native": backend == "native", "checksum_blocks": False,
+                            **SMALL_POOL}).run()
     assert c["blocks_hit"] == 2
     # The content's words are random: a zero byte where one was expected is rare, so
     # nearly all of the 100 zeroed bytes of each block differ.

@@ -131,6 +131,7 @@ def trace_doc(requests: list, args: argparse.Namespace, block_bytes: int, root: 
         simulate_belady(streams, budget_blocks, tokens),
         simulate_unbounded(streams, tokens))}
     fs_type, _mount = filesystem_of(root)
+    load_before = list(os.getloadavg())
     folder = tempfile.mkdtemp(prefix="mptier-trace-", dir=root)
     show = not args.no_progress
     last = [time.monotonic()]
@@ -169,7 +170,7 @@ def trace_doc(requests: list, args: argparse.Namespace, block_bytes: int, root: 
         "schema": TRACE_SCHEMA, "kind": "trace",
         "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": "mptier bench " + shlex.join(argv),
-        "load_average": list(os.getloadavg()),
+        "load_average": {"start": load_before, "end": list(os.getloadavg())},
         "trace": {"path": os.path.abspath(args.trace), "requests": len(requests),
                   "first_line": requests[0].line, "last_line": requests[-1].line,
                   "span_ms": requests[-1].timestamp - requests[0].timestamp,
@@ -191,7 +192,8 @@ def print_report(doc: dict[str, Any]) -> None:
     print(f"blocks of {format_size(doc['block_bytes'])} on {doc['root']} "
           f"({doc['root_fs']}); budget {budget['fraction']:g} x {tr['footprint_blocks']} "
           f"distinct blocks = {_amount(budget['bytes'])} ({budget['blocks']} blocks); "
-          f"load average {doc['load_average'][0]:.2f}")
+          f"load average {doc['load_average']['start'][0]:.2f} -> "
+          f"{doc['load_average']['end'][0]:.2f}")
     print()
     print(f"{'':12}{'block hits':>12}{'hit ratio':>11}{'token ratio':>13}{'vs LRU':>8}")
     lru = sim["lru"]["hit_ratio"]
