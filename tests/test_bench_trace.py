@@ -149,6 +149,10 @@ def test_reader_keeps_order_takes_the_first_n_and_refuses_time_going_back(tmp_pa
         read_trace(str(empty))
     with pytest.raises(TraceError, match="--requests 0"):
         read_trace(str(path), limit=0)
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(GOOD.encode() + b"\n\xff\xfe\n")
+    with pytest.raises(TraceError, match="line 2: not UTF-8 text"):
+        read_trace(str(binary))
 
 
 @pytest.mark.parametrize("budget, says", [

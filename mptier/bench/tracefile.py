@@ -89,8 +89,13 @@ def read_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
     if limit is not None and limit < 1:
         raise TraceError(f"--requests {limit}: need 1 or more requests")
     out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
-        for number, text in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceError(f"{path}, line {number}: not UTF-8 text ({exc.reason} at "
+                                 f"byte {exc.start}); is this a JSONL trace?") from None
             if limit is not None and len(out) >= limit:
                 break
             if not text.strip():
