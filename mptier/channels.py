@@ -280,7 +280,7 @@ class EngineChannels:
                 layout: dict, label: str):
         """The :class:`~mptier.workers.Session` that hands these channels to a pool
         (descriptors are borrowed: the pool duplicates what it keeps)."""
-        from mptier.workers.session import Session
+        from mptier.workers import Session
 
         assert self.completions is not None
         return Session(queues={k: q.read_fd for k, q in self.queues.items()},

@@ -33,6 +33,7 @@ from mptier.errors import ConfigError, MptierError
 from mptier.jobs import TaskKind
 from mptier.layout import FileMapper
 from mptier.workers.bounce import needs_bounce
+from mptier.workers.contract import Pool
 from mptier.workers.control import (
     LATENCY_BUCKETS,
     ROOT_COMPLETE,
@@ -309,7 +310,28 @@ def _bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     return result.get("value")
 
 
-class WorkerPool:
+class _ControlDoor:
+    """The :class:`~mptier.workers.contract.Pool` members a pool in this process answers
+    from its own control block (never blocks: shared-memory reads)."""
+
+    control: ControlBlock
+    io: IoSettings | None
+
+    def serving(self) -> bool:
+        return self.control.pool_serving()
+
+    def refusal(self) -> tuple[int, str]:
+        _, err, reason = self.control.pool_state()
+        return err, reason
+
+    def news(self) -> bytes:
+        return self.control.counters_snapshot()
+
+    def root_figures(self) -> list[dict[str, Any]]:
+        return root_figures(self.control, self.io) if self.io is not None else []
+
+
+class WorkerPool(_ControlDoor, Pool):
     """Worker processes kept by a supervisor thread (see module docstring)."""
 
     mode = "processes"
@@ -422,13 +444,6 @@ class WorkerPool:
         """``(reason, errno)`` when the pool cannot serve now, else ``("", 0)``."""
         return self._supervisor.unavailable()
 
-    def take_lost(self) -> str | None:
-        """A pool in this process never loses its session wholesale (see ServiceLink)."""
-        return None
-
-    def allow_reattach(self) -> None:
-        pass
-
     def pids(self) -> list[int]:
         with self._supervisor.lock:
             return [w.pid for w in self._supervisor.workers]
@@ -511,7 +526,7 @@ class WorkerPool:
         return forced
 
 
-class ThreadWorkers:
+class ThreadWorkers(_ControlDoor, Pool):
     """The serving loop on threads of the engine (a buffer other processes cannot map).
 
     Same methods as :class:`WorkerPool`. Nothing supervises the threads: a hung I/O
@@ -602,12 +617,6 @@ class ThreadWorkers:
 
     def unavailable(self) -> tuple[str, int]:
         return "", 0
-
-    def take_lost(self) -> str | None:
-        return None
-
-    def allow_reattach(self) -> None:
-        pass
 
     def pids(self) -> list[int]:
         return []
