@@ -42,7 +42,17 @@ _EXPORTS = {
     "PoolState": "mptier.workers.control",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ControlBlock",
+    "IoSettings",
+    "Pool",
+    "PoolSettings",
+    "PoolState",
+    "Session",
+    "WorkerPool",
+    "open_pool",
+    "root_figures",
+]
 
 
 def __getattr__(name: str) -> Any:
