@@ -15,6 +15,7 @@ too (:data:`SERVICE_FIELDS`: all but the engine's own, :data:`ENGINE_FIELDS`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from dataclasses import MISSING, dataclass, field, fields
@@ -187,6 +188,33 @@ class TierConfig:
             data = data["tier"]
         data.update(overrides)
         return cls.from_dict(data)
+
+    @classmethod
+    def from_command_line(cls, path: str | None, workers: str | None,
+                          settings: list[str] | None) -> TierConfig:
+        """A config as the commands take it: the TOML file ``path`` (or the defaults),
+        ``--workers LOAD+STORE`` and ``--set KEY=VALUE`` items on top (a VALUE is JSON
+        where it parses as JSON, else a string). Raises ``ConfigError`` naming a bad
+        item and its form."""
+        overrides: dict[str, Any] = {}
+        if workers:
+            try:
+                loads, stores = (int(x) for x in workers.split("+"))
+            except ValueError:
+                raise ConfigError(f"--workers {workers!r}: expected LOAD+STORE, e.g. 2+2"
+                                  ) from None
+            overrides.update(n_load_workers=loads, n_store_workers=stores)
+        for item in settings or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. task_bytes=4M")
+            try:
+                overrides[key] = json.loads(value)
+            except json.JSONDecodeError:
+                overrides[key] = value
+        if path:
+            return cls.from_toml(path, **overrides)
+        return cls.from_dict(overrides)
 
     def replace(self, **changes: Any) -> TierConfig:
         return self.from_dict(changes, base=self)

@@ -452,7 +452,6 @@ class FileSystemTier:
             # too; a lower bound until each root's first walk completed), and the budget
             # (capacity_bytes per root; 0 = unlimited).
             "usage_bytes": usage,
-            "used_bytes": usage,
             "capacity_bytes": capacity * len(roots),
             "roots": roots,
             "pool": pool["counters"],

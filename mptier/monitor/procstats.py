@@ -320,7 +320,7 @@ class Sampler:
     def _disk(self, root: str, stats: dict[str, Any]) -> dict[str, Any]:
         disk: dict[str, Any] = {"path": root, "fs_type": None, "total_bytes": None,
                                 "used_bytes": None, "avail_bytes": None,
-                                "tier_used_bytes": stats.get("used_bytes"),
+                                "tier_usage_bytes": stats.get("usage_bytes"),
                                 "tier_capacity_bytes": stats.get("capacity_bytes")}
         if not root:
             return disk
@@ -364,7 +364,7 @@ _CONSUMED = frozenset({
     "name", "kind", "pid", "time", "queued_tasks", "jobs_submitted", "jobs_failed",
     "bytes_done", "keys_checked", "keys_found", "corrupt_removed", "checksum_failures",
     "bad_entries", "counters",
-    "used_bytes", "capacity_bytes"})
+    "capacity_bytes"})
 
 _PROCESS_KEYS = ("cpu_user_s", "cpu_system_s", "rss_bytes", "private_bytes",
                  "uss_bytes", "uss_age_s", "read_bytes", "write_bytes", "read_chars",

@@ -85,12 +85,10 @@ from __future__ import annotations
 
 import errno as _errno
 import os
-import secrets
-import string
 
 from mptier.errors import BatchIOError, ConfigError, errno_name, strerror
 from mptier.native import _checks, _pure
-from mptier.native._checks import FAULT_ENV, set_fault
+from mptier.native._checks import FAULT_ENV, new_tag, open_root, set_fault
 
 try:
     from mptier.native import _native
@@ -131,23 +129,6 @@ TAG_LEN = _pure.TAG_LEN
 # Longest ".<tag>.<counter>.tmp": a final name may be NAME_MAX (255) minus this.
 TEMP_SUFFIX_MAX_BYTES = _pure.TEMP_SUFFIX_MAX_BYTES
 XATTR_NAME = _pure.XATTR_NAME
-
-_TAG_ALPHABET = string.digits + string.ascii_lowercase
-
-
-def new_tag() -> str:
-    """A random writer tag: 16 characters of [0-9a-z] (about 82 bits)."""
-    return "".join(secrets.choice(_TAG_ALPHABET) for _ in range(TAG_LEN))
-
-
-def open_root(path) -> int:
-    """Open directory ``path`` as a root for the batch calls; the caller closes the fd.
-
-    The root itself may be reached through symlinks (an operator's choice); nothing
-    beneath it is. Raises ``OSError`` naming the path when it is not a usable directory.
-    """
-    return os.open(os.fspath(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-
 
 _HINTS = {
     _errno.ENODATA: "the file was shorter than a block, so corrupt; it was removed",

@@ -30,7 +30,7 @@ wake-up pipe, every worker's pidfd and every worker's control socket, and ticks 
 * while the pool is unavailable, fails every task still queued (never silence).
 
 Its own reports (LOST, RETRY) never block it: they go through a
-:class:`~mptier.channels.RecordWriter` on the completion pipe, and when the engine does
+:class:`~mptier.pipes.RecordWriter` on the completion pipe, and when the engine does
 not read for a while they wait in its list and go in when the pipe drains (the poll
 watches the pipe for room meanwhile), so deaths are still handled and workers still
 respawned. A worker whose slot says REPORTING waits for the same room: its I/O is over,
@@ -60,11 +60,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mptier.channels import RecordWriter, drain_records
 from mptier.config import default_of
 from mptier.errors import describe_exit
 from mptier.jobs import MessageType, TaskKind, decode_task, encode_message
 from mptier.layout import FileMapper
+from mptier.pipes import RecordWriter, drain_records
 from mptier.shm import cleanup_stale
 from mptier.storage.roots import RootRouter
 from mptier.workers import protocol
