@@ -43,6 +43,8 @@ from typing import Any
 
 import psutil
 
+from mptier import fskind
+
 # USS needs a page-table walk of every mapping (~15 us per MiB mapped, see above); a
 # worker that maps a 64 GiB buffer would cost ~1 s of kernel time per reading.
 USS_INTERVAL_S = 10.0
@@ -386,15 +388,6 @@ class _MountCache:
     def fs_type(self, path: str) -> str | None:
         now = time.monotonic()
         if now - self._read_at >= MOUNT_CACHE_S:
-            try:
-                parts = psutil.disk_partitions(all=True)
-            except OSError:
-                parts = []
-            self._mounts = sorted(((p.mountpoint, p.fstype) for p in parts),
-                                  key=lambda m: len(m[0]), reverse=True)
+            self._mounts = fskind.mount_table()
             self._read_at = now
-        real = os.path.realpath(path)
-        for mountpoint, fstype in self._mounts:
-            if real == mountpoint or real.startswith(mountpoint.rstrip("/") + "/"):
-                return fstype
-        return None
+        return fskind.fs_type(os.path.realpath(path), self._mounts) or None

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from mptier import native
+from mptier import fskind, native
 from mptier.config import default_of
 from mptier.errors import ConfigError, MptierError
 from mptier.jobs import TaskKind
@@ -197,7 +197,7 @@ def _prepare_root(settings: PoolSettings, root: str, layout: dict[str, Any],
                     "(checksum_blocks) are off for this tier", root)
         checksum = False
     tmpfile = backend.probe_o_tmpfile(where)
-    if tmpfile and fs_magic(where) not in TMPFILE_FILE_SYSTEMS:
+    if tmpfile and fskind.fs_magic(where) not in TMPFILE_FILE_SYSTEMS:
         # The probe publishes, closes and reads back, but a FUSE daemon may drop the
         # inode after close() returned (the release is sent asynchronously): measured on
         # JuiceFS 1.4.2, 2 of 4 probes passed and every store of those tiers "succeeded"
@@ -205,7 +205,7 @@ def _prepare_root(settings: PoolSettings, root: str, layout: dict[str, Any],
         # linked O_TMPFILE file get it; the rest write named temporaries under leases.
         log.info("mptier: %s accepts O_TMPFILE, but its file system (magic %#x) is not "
                  "one known to keep linked O_TMPFILE files; using named temporary files",
-                 root, fs_magic(where) or 0)
+                 root, fskind.fs_magic(where) or 0)
         tmpfile = False
     return RootIo(root, use_o_direct=bool(o_direct), checksum=bool(checksum),
                   tmpfile=tmpfile, uring=use_uring(settings.io_uring, backend, where),
@@ -222,21 +222,11 @@ def use_uring(setting: bool | str, backend: Any, where: str) -> bool:
     return setting is True or not backend.probe_in_memory(where)
 
 
-# statfs f_type of the local file systems whose O_TMPFILE files survive linkat + close:
-# ext2/3/4, xfs, btrfs, tmpfs, f2fs. Not NFS (no O_TMPFILE), not FUSE (JuiceFS loses them).
-TMPFILE_FILE_SYSTEMS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0xF2F52010})
-_STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
-
-
-def fs_magic(path: str) -> int | None:
-    """The file system type (statfs ``f_type``) of ``path``, or None if unknown."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(_STATFS_BYTES)
-    if libc.statfs(os.fsencode(path), buf) != 0:
-        return None
-    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+# The local file systems whose O_TMPFILE files survive linkat + close: ext2/3/4, xfs,
+# btrfs, tmpfs, f2fs. Not NFS (no O_TMPFILE), not FUSE (JuiceFS loses them).
+TMPFILE_FILE_SYSTEMS = frozenset({
+    fskind.EXT4_SUPER_MAGIC, fskind.XFS_SUPER_MAGIC, fskind.BTRFS_SUPER_MAGIC,
+    fskind.TMPFS_MAGIC, fskind.F2FS_SUPER_MAGIC})
 
 
 def task_latency(control: ControlBlock) -> dict[str, dict[str, Any]]:
