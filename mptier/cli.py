@@ -31,25 +31,7 @@ def _size(text: str) -> int:
 
 
 def _config(args: argparse.Namespace) -> TierConfig:
-    overrides = {}
-    if args.workers:
-        try:
-            loads, stores = (int(x) for x in args.workers.split("+"))
-        except ValueError:
-            raise MptierError(f"--workers {args.workers!r}: expected LOAD+STORE, e.g. 2+2"
-                              ) from None
-        overrides.update(n_load_workers=loads, n_store_workers=stores)
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise MptierError(f"--set {item!r}: expected KEY=VALUE, e.g. task_bytes=4M")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
-    if args.config:
-        return TierConfig.from_toml(args.config, **overrides)
-    return TierConfig.from_dict(overrides)
+    return TierConfig.from_command_line(args.config, args.workers, args.set)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -3,25 +3,27 @@
 ``configs/default.toml`` documents each field; :meth:`TierConfig.from_toml` reads a file
 of the same shape. Unknown keys and bad values raise :class:`~mptier.errors.ConfigError`
 (a ``ValueError``) naming the key and what would be accepted.
+
+This is the one home of every default: the settings the pool, its supervisor, its
+workers and a service are built from (``mptier.workers.PoolSettings``,
+``SupervisorSettings``, ``BootSpec``, ``IoSettings``) name their fields as TierConfig
+does and take their defaults from :func:`default_of`; tests/test_settings.py fails when
+two places disagree. Which fields a service takes from its own configuration is derived
+too (:data:`SERVICE_FIELDS`: all but the engine's own, :data:`ENGINE_FIELDS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import json
 import os
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from mptier.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
-
-MiB = 1 << 20
+from mptier.storage.leases import DEFAULT_STALE_TEMP_S
+from mptier.units import MiB, parse_byte_count
 
 
 @dataclass
@@ -43,7 +45,8 @@ class TierConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     # Where file locks do not work, a temporary file this old is a dead writer's.
-    stale_temp_s: float = 3600.0
+    # (The storage tools' own default, which they need without a TierConfig.)
+    stale_temp_s: float = DEFAULT_STALE_TEMP_S
     # Whether a writer's lease lock proves it alive to every node: "auto" (probe each
     # root), true, or false (locks are node-local: temporaries are judged by age only).
     lease_locks: bool | str = "auto"
@@ -154,6 +157,8 @@ class TierConfig:
         known = set(cls.field_names())
         unknown = sorted(set(values) - known)
         if unknown:
+            import difflib
+
             hints = [f"{key!r} (did you mean {close[0]!r}?)" if (
                 close := difflib.get_close_matches(key, known, n=1)) else repr(key)
                 for key in unknown]
@@ -167,6 +172,10 @@ class TierConfig:
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> TierConfig:
         """Load a TOML file (flat keys, or under a ``[tier]`` table); ``overrides`` win."""
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - exercised on 3.10 only
+            import tomli as tomllib
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
@@ -179,6 +188,33 @@ class TierConfig:
             data = data["tier"]
         data.update(overrides)
         return cls.from_dict(data)
+
+    @classmethod
+    def from_command_line(cls, path: str | None, workers: str | None,
+                          settings: list[str] | None) -> TierConfig:
+        """A config as the commands take it: the TOML file ``path`` (or the defaults),
+        ``--workers LOAD+STORE`` and ``--set KEY=VALUE`` items on top (a VALUE is JSON
+        where it parses as JSON, else a string). Raises ``ConfigError`` naming a bad
+        item and its form."""
+        overrides: dict[str, Any] = {}
+        if workers:
+            try:
+                loads, stores = (int(x) for x in workers.split("+"))
+            except ValueError:
+                raise ConfigError(f"--workers {workers!r}: expected LOAD+STORE, e.g. 2+2"
+                                  ) from None
+            overrides.update(n_load_workers=loads, n_store_workers=stores)
+        for item in settings or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. task_bytes=4M")
+            try:
+                overrides[key] = json.loads(value)
+            except json.JSONDecodeError:
+                overrides[key] = value
+        if path:
+            return cls.from_toml(path, **overrides)
+        return cls.from_dict(overrides)
 
     def replace(self, **changes: Any) -> TierConfig:
         return self.from_dict(changes, base=self)
@@ -337,6 +373,26 @@ LAYOUT_FIELDS = ("model_name", "tokens_per_hash", "blocks_per_file", "tp_size", 
                  "pcp_size", "dcp_size", "rank", "dtype", "kv_cache_groups",
                  "inference_engine", "parallel_agnostic", "replicated_layout",
                  "canonical_format")
+# The fields only an engine uses, also when it attaches to a service: its layout, how it
+# cuts and batches its jobs, its events, which service it attaches to (and whom it
+# believes), its own status socket.
+ENGINE_FIELDS = (*LAYOUT_FIELDS, "task_bytes", "enable_events", "lookup_batch_keys",
+                 "service", "service_user", "status_socket")
+
+
+def default_of(name: str) -> Any:
+    """TierConfig's default for field ``name`` (a fresh copy of a list default): what
+    every settings class elsewhere takes as its own default of the same name. Raises
+    ``KeyError`` for a name TierConfig does not have."""
+    spec = TierConfig.__dataclass_fields__[name]
+    if spec.default_factory is not MISSING:
+        return spec.default_factory()
+    return spec.default
+
+
+# The fields a service takes from its own configuration (its roots, pool, workers and
+# monitoring): every field but the engine's own.
+SERVICE_FIELDS = tuple(f.name for f in fields(TierConfig) if f.name not in ENGINE_FIELDS)
 
 
 def _want(ok: bool, name: str, value: Any, accepted: str) -> None:
@@ -361,25 +417,13 @@ def _want_int(config: TierConfig, name: str, *, low: int, high: int) -> None:
           name, value, f"a whole number from {low} to {high}")
 
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": MiB, "mb": MiB,
-          "mib": MiB, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
-
-
 def _parse_bytes(name: str, value: Any) -> int:
     """Accept 8388608, "8M", "8 MiB", "512k" (binary units)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        text = value.strip().lower()
-        number = text.rstrip("kmgib ")
-        unit = text[len(number):].strip()
-        try:
-            if unit in _UNITS:
-                return int(float(number) * _UNITS[unit])
-        except ValueError:
-            pass
-    raise ConfigError(f"TierConfig.{name} = {value!r} is invalid: expected a byte count "
-                      "such as 8388608, \"8M\" or \"512KiB\"")
+    parsed = parse_byte_count(value)
+    if parsed is None:
+        raise ConfigError(f"TierConfig.{name} = {value!r} is invalid: expected a byte count "
+                          "such as 8388608, \"8M\" or \"512KiB\"")
+    return parsed
 
 
 def parse_bytes(text: str | int) -> int:

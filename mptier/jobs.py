@@ -49,7 +49,9 @@ LOOKUP_ITEM_OVERHEAD = 2  # key length (u16): lookups carry no block ids
 
 _MESSAGE_HEADER = struct.Struct("<HBBHHIiIQQQ")
 MESSAGE_HEADER_BYTES = _MESSAGE_HEADER.size
-MAX_MESSAGE_BYTES = 4096
+# Longest completion message (a worker's report on the completion pipe): written in one
+# write(), so at most PIPE_BUF bytes to stay atomic among many writers.
+MAX_COMPLETION_BYTES = 4096
 MAX_TEXT_BYTES = 1024
 
 
@@ -317,8 +319,8 @@ def encode_message(type_: MessageType, slot: int, pid: int, *, errno: int = 0,
     if isinstance(payload, str):
         payload = payload.encode("utf-8", "replace")[:MAX_TEXT_BYTES]
     length = MESSAGE_HEADER_BYTES + len(payload)
-    if length > MAX_MESSAGE_BYTES:
-        raise ValueError(f"message of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if length > MAX_COMPLETION_BYTES:
+        raise ValueError(f"message of {length} bytes exceeds {MAX_COMPLETION_BYTES}")
     return _MESSAGE_HEADER.pack(length, int(type_), WIRE_VERSION, slot, attempt, pid, errno,
                                 n_done, task_id, started_ns, elapsed_ns) + payload
 
@@ -327,7 +329,7 @@ def pack_keys(keys: Sequence[bytes]) -> list[tuple[bytes, int]]:
     """Payloads of REMOVED messages and how many keys each holds: each key as
     ``length(u8) + key``, as many per payload as fit one message (keys are at most 255
     bytes)."""
-    room = MAX_MESSAGE_BYTES - MESSAGE_HEADER_BYTES
+    room = MAX_COMPLETION_BYTES - MESSAGE_HEADER_BYTES
     out: list[tuple[bytes, int]] = []
     part = bytearray()
     count = 0

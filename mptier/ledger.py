@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import array
 import collections
-import errno
 import logging
 import os
 import time
@@ -28,16 +27,18 @@ from mptier.jobs import (
     unpack_keys,
 )
 from mptier.lookup import LookupTable
+from mptier.native import entries
 
 # A lookup task's DONE payload holds one status byte per key (mptier.native's LOOKUP_*
 # values): present means a regular file of exactly the block size; anything else is a
 # miss, and these are entries that should not be there (counted as bad entries).
 LOOKUP_PRESENT = 1
 LOOKUP_BAD_STATUSES = frozenset({2, 3, 4})  # a symlink (removed), not a block file, short
-# errno values of a block that is not a block file: a symlink (removed), not a regular
-# file or a directory where a folder belongs (left), longer than a block (left).
-BAD_ENTRY_ERRNOS = frozenset({errno.ELOOP, getattr(errno, "EMEDIUMTYPE", errno.EINVAL),
-                              errno.EFBIG, errno.ENOTDIR})
+# errno values of a block that is not a block file (a symlink, removed; not a regular
+# file, a file where a folder belongs, longer than a block: left), and of a load that
+# removed a corrupt block: mptier.native.entries, the one table of their meanings.
+BAD_ENTRY_ERRNOS = entries.errnos_of(entries.BAD_ENTRY)
+CORRUPT_ERRNOS = entries.errnos_of(entries.CORRUPT, entries.CHECKSUM)
 log = logging.getLogger("mptier")
 
 # Recent job latencies kept for stats() percentiles.
@@ -225,8 +226,8 @@ class JobLedger:
         if m.errno:
             if not job.errno:
                 job.errno, job.error = m.errno, m.text or os.strerror(m.errno)
-            if job.kind == TaskKind.LOAD and m.errno in (errno.ENODATA, errno.EBADMSG):
-                checksum = m.errno == errno.EBADMSG
+            if job.kind == TaskKind.LOAD and m.errno in CORRUPT_ERRNOS:
+                checksum = entries.ENTRY_ERRNOS[m.errno].kind == entries.CHECKSUM
                 self.counters.corrupt_removed += 1
                 self.counters.checksum_failures += checksum
                 job.checksum_failed |= checksum

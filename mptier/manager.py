@@ -70,8 +70,7 @@ from mptier.lookup import LookupTable
 from mptier.monitor.tier import attach_tier
 from mptier.shm import SharedKVBuffer, cleanup_stale
 from mptier.storage.roots import RootRouter
-from mptier.workers import PoolSettings, open_pool
-from mptier.workers.pool import root_figures
+from mptier.workers import Pool, PoolSettings, open_pool
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +141,7 @@ class FileSystemTier:
             self._overflow_a, self._overflow_b, self._overflow_c = (
                 q.overflow for q in self._queues.values())
             self._completions = self._channels.completions
-            self._pool = self._open_pool(cfg, buffer)
+            self._pool: Pool = self._open_pool(cfg, buffer)
             stack.callback(_quietly, self._pool.stop)
             self.mode = self._pool.mode
             self._pool.start()
@@ -160,8 +159,7 @@ class FileSystemTier:
             # Several roots: each key lives on the one RootRouter names.
             self.mappers = [FileMapper(r, **cfg.layout_kwargs()) for r in self._io.root_dirs]
             self._router = RootRouter(self._io.root_dirs)
-            self._seen_control = self._pool.control
-            self._seen_counts = self._seen_control.counters_snapshot()
+            self._seen_news = self._pool.news()
             # Status socket / metrics (config status_socket, metrics_port): threads that
             # sleep until an operator asks; see mptier.monitor.
             self._monitoring = attach_tier(self)
@@ -186,7 +184,7 @@ class FileSystemTier:
         return self._pool.io.backend
 
     @staticmethod
-    def _open_pool(cfg: TierConfig, buffer: SharedKVBuffer) -> Any:
+    def _open_pool(cfg: TierConfig, buffer: SharedKVBuffer) -> Pool:
         if cfg.service:
             if not buffer.shareable:
                 raise ConfigError(f"service={cfg.service!r} needs a buffer other processes "
@@ -260,13 +258,13 @@ class FileSystemTier:
         first_task = self._ledger.add_job(job_id, kind, keys, block_ids, per_task)
         if not first_task:
             return
-        if not self._pool.control.pool_serving():
+        if not self._pool.serving():
             self._fail_unserved(first_task)
             return
         self._queues[kind].put_records(encode_job(kind, first_task, keys, block_ids, per_task))
 
     def _fail_unserved(self, first_task: int) -> None:
-        _, err, reason = self._pool.control.pool_state()
+        err, reason = self._pool.refusal()
         self._ledger.fail_group(first_task, err or errno.EHOSTDOWN, reason)
 
     # -- lookups -----------------------------------------------------------------------
@@ -280,11 +278,10 @@ class FileSystemTier:
             raise TierClosedError("the tier was shut down")
         if type(key) is not bytes or not _MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
             key = check_key(key)
-        if self._pool.control is not self._seen_control or \
-                self._pool.control.counters_snapshot() != self._seen_counts:
+        if self._pool.news() != self._seen_news:
             self._poll()
         answer = self._lookups.lookup(key, req_id)
-        if answer is LookupResult.RETRY and not self._pool.control.pool_serving():
+        if answer is LookupResult.RETRY and not self._pool.serving():
             self._lookups.answer([key], [False])
             return LookupResult.MISS
         return answer
@@ -297,7 +294,7 @@ class FileSystemTier:
         keys = self._lookups.take_unsent()
         if not keys:
             return
-        if not self._pool.control.pool_serving():
+        if not self._pool.serving():
             self._lookups.answer(keys, [False] * len(keys))
             return
         per_task = min(self.config.lookup_batch_keys,
@@ -351,19 +348,16 @@ class FileSystemTier:
         """Read the completion pipe only if a message counter moved (no system call when
         nothing happened); push overflowed tasks on, or fail them if nobody can run
         them."""
-        control = self._pool.control
-        counts = control.counters_snapshot()
-        # A service link that attached again hands over a new control block whose
-        # counters may by chance equal the old one's last snapshot: a new block is news.
-        if counts != self._seen_counts or control is not self._seen_control:
-            self._seen_control, self._seen_counts = control, counts
+        news = self._pool.news()
+        if news != self._seen_news:
+            self._seen_news = news
             self._pump()
         elif self._overflow_a or self._overflow_b or self._overflow_c:
             self._flush_overflow()
 
     def _flush_overflow(self) -> None:
-        if not self._pool.control.pool_serving():
-            _, err, reason = self._pool.control.pool_state()
+        if not self._pool.serving():
+            err, reason = self._pool.refusal()
             for queue in self._queues.values():
                 for record in queue.writer.take_all():
                     self._ledger.fail_task(decode_task(record).task_id, err, reason)
@@ -374,19 +368,16 @@ class FileSystemTier:
     def _pump(self) -> None:
         self._flush_overflow()
         self._read_completions()
-        lost = self._pool.take_lost()
-        if lost is not None:
-            self._fail_in_flight(lost)
+        self._pool.settle_lost(self._fail_in_flight)
 
-    def _fail_in_flight(self, reason: str) -> None:
+    def _fail_in_flight(self, reason: str, err: int) -> None:
         """The workers' side went away (a service stopped or died): fail every job in
-        flight and everything still queued, then let the link attach again."""
-        err = self._pool.unavailable()[1] or errno.ECONNRESET
+        flight and everything still queued (the pool attaches again afterwards)."""
+        err = err or errno.ECONNRESET
         for queue in self._queues.values():
             queue.take_all()
         for task_id in self._ledger.unfinished_task_ids():
             self._ledger.fail_task(task_id, err, reason)
-        self._pool.allow_reattach()
 
     def _read_completions(self) -> None:
         for message in self._completions.read_available():
@@ -406,8 +397,8 @@ class FileSystemTier:
         if self._closed:
             self._ledger.fail_task(message.task_id, ERR_CANCELLED,
                                    f"{message.text}; not retried: the tier shut down")
-        elif not self._pool.control.pool_serving():
-            _, err, reason = self._pool.control.pool_state()
+        elif not self._pool.serving():
+            err, reason = self._pool.refusal()
             self._ledger.fail_task(message.task_id, err, reason)
         else:
             self._queues[kind].writer.put(record)
@@ -461,7 +452,6 @@ class FileSystemTier:
             # too; a lower bound until each root's first walk completed), and the budget
             # (capacity_bytes per root; 0 = unlimited).
             "usage_bytes": usage,
-            "used_bytes": usage,
             "capacity_bytes": capacity * len(roots),
             "roots": roots,
             "pool": pool["counters"],
@@ -480,8 +470,8 @@ class FileSystemTier:
         return self._router.roots[self._router.index_of(key)]
 
     def _root_figures(self, pool: dict[str, Any]) -> list[dict[str, Any]]:
-        if not self._closed and self._pool.control is not None:
-            return root_figures(self._pool.control, self._pool.io or self._io)
+        if not self._closed:
+            return self._pool.root_figures()
         return pool.get("roots") or []
 
     @property

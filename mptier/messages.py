@@ -14,8 +14,8 @@ import os
 import socket
 from typing import Any
 
-# Largest message: a session description is well under this.
-MAX_MESSAGE_BYTES = 1 << 16
+# Largest datagram on a service socket: a session description is well under this.
+MAX_DATAGRAM_BYTES = 1 << 16
 # Most descriptors one message carries: queues, pipes, and the buffer's segments.
 MAX_MESSAGE_FDS = 64
 
@@ -38,13 +38,13 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     a datagram that is not JSON or was cut short (too long, too many descriptors). Blocks
     unless the socket is non-blocking (then raises ``BlockingIOError`` when nothing
     waits) or has a timeout (``TimeoutError``)."""
-    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, MAX_MESSAGE_FDS,
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_DATAGRAM_BYTES, MAX_MESSAGE_FDS,
                                           socket.MSG_CMSG_CLOEXEC)
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
         # Cut short: what arrived is not the message that was sent (the kernel dropped
         # the rest, and any descriptors past MAX_MESSAGE_FDS).
         close_all(fds)
-        raise ValueError(f"a message longer than {MAX_MESSAGE_BYTES} bytes or with more "
+        raise ValueError(f"a message longer than {MAX_DATAGRAM_BYTES} bytes or with more "
                          f"than {MAX_MESSAGE_FDS} descriptors")
     if not data:
         close_all(fds)

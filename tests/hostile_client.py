@@ -126,7 +126,7 @@ FIRST_DATAGRAMS: dict[str, tuple[bytes, Callable[[], list[int]]]] = {
     "not UTF-8": (b'{"op": "\xff\xfe"}', list),
     "nested too deep": (b"[" * 100_000, list),
     "huge number": (b'{"op": "status", "x": ' + b"9" * 5000 + b"}", list),
-    "oversize datagram": (b'{"op": "status"}' + b" " * (messages.MAX_MESSAGE_BYTES + 4096),
+    "oversize datagram": (b'{"op": "status"}' + b" " * (messages.MAX_DATAGRAM_BYTES + 4096),
                           list),
     "too many descriptors": (b'{"op": "status"}', _many_fds),
     "descriptors with a status": (b'{"op": "status"}', lambda: _many_fds()[:3]),
@@ -490,7 +490,7 @@ def garbage_on_link(path: str, data: bytes, n_fds: int) -> str:
             messages.close_all(extra)
         raw.sock.settimeout(REPLY_S)
         try:
-            while (got := raw.sock.recv(messages.MAX_MESSAGE_BYTES)) != b"":
+            while (got := raw.sock.recv(messages.MAX_DATAGRAM_BYTES)) != b"":
                 if json.loads(got).get("op") != STATUS:  # figures it sent before: fine
                     return f"answered {got[:200]!r}"
         except TimeoutError:

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from mptier import native
-from mptier.workers.bounce import Bounce, fs_type, needs_bounce
+from mptier.fskind import fs_type
+from mptier.workers.bounce import Bounce, needs_bounce
 
 BLOCK = 64 << 10
 N = 11  # not a multiple of the chunk: the last chunk is short

@@ -30,7 +30,7 @@ from reliability_kit import LATE_S, EngineCalls, JobBook, wait_until
 
 from mptier import make_key
 from mptier.channels import F_SETPIPE_SZ
-from mptier.jobs import MAX_MESSAGE_BYTES
+from mptier.jobs import MAX_COMPLETION_BYTES
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 BLOCK = 4096  # small jobs: the reports, not the copies, are what piles up
@@ -66,7 +66,7 @@ def queued_bytes(tier) -> int:
 
 
 def pipe_full(tier) -> bool:
-    return queued_bytes(tier) > PAGE - MAX_MESSAGE_BYTES // 8
+    return queued_bytes(tier) > PAGE - MAX_COMPLETION_BYTES // 8
 
 
 def reporting(tier) -> list[dict]:

@@ -22,6 +22,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from mptier import fskind
+
 PAGE = mmap.PAGESIZE
 # Iterations of the innermost counting loop between two clock reads. Large enough that
 # reading the clock costs little of the loop, small enough that a spin slice ends within
@@ -206,22 +208,8 @@ def probe_o_direct(directory: str) -> bool:
 
 def filesystem_of(path: str) -> tuple[str, str]:
     """``(fs type, mount point)`` of the mount holding ``path`` (``("?", "?")`` if unknown)."""
-    real = os.path.realpath(path)
-    best = ("?", "?")
-    best_len = -1
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mount = parts[1].replace("\\040", " ")
-                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) > best_len:
-                    best, best_len = (parts[2], mount), len(mount)
-    except OSError:
-        pass
-    return best
+    kind, mount = fskind.mount_of(os.path.realpath(path))
+    return (kind, mount) if kind else ("?", "?")
 
 
 # CRC32C speed: a 2 MiB block (a common KV block, well inside L2 + L3 here) checksummed

@@ -93,10 +93,9 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     """Validate a config file (plus ``--set`` overrides) and print the effective config,
     every field, as TOML (``--json``: as JSON). A bad key or value raises ``ConfigError``
     naming it and what is allowed."""
-    from mptier.cli import _config
+    from mptier.config import TierConfig
 
-    args.config = args.file
-    config = _config(args)
+    config = TierConfig.from_command_line(args.file, args.workers, args.set)
     if args.json:
         print(json.dumps(asdict(config), indent=2))
     else:

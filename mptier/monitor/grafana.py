@@ -67,7 +67,7 @@ TIER_PANELS = [
           [(f"mptier_disk_used_bytes{{{TIER}}}", "{{tier}} used"),
            (f"mptier_disk_size_bytes{{{TIER}}}", "{{tier}} size"),
            (f"mptier_disk_avail_bytes{{{TIER}}}", "{{tier}} available"),
-           (f"mptier_tier_used_bytes{{{TIER}}}", "{{tier}} tier's blocks"),
+           (f"mptier_tier_usage_bytes{{{TIER}}}", "{{tier}} tier's blocks"),
            (f"mptier_tier_capacity_bytes{{{TIER}}}", "{{tier}} tier budget")], "bytes"),
     Panel("Worker deaths, kills, retries (per hour)",
           [(f"increase({m}{{{TIER}}}[1h])", f"{{{{tier}}}} {legend}") for m, legend in (

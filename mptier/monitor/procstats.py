@@ -43,6 +43,8 @@ from typing import Any
 
 import psutil
 
+from mptier import fskind
+
 # USS needs a page-table walk of every mapping (~15 us per MiB mapped, see above); a
 # worker that maps a 64 GiB buffer would cost ~1 s of kernel time per reading.
 USS_INTERVAL_S = 10.0
@@ -320,7 +322,7 @@ class Sampler:
     def _disk(self, root: str, stats: dict[str, Any]) -> dict[str, Any]:
         disk: dict[str, Any] = {"path": root, "fs_type": None, "total_bytes": None,
                                 "used_bytes": None, "avail_bytes": None,
-                                "tier_used_bytes": stats.get("used_bytes"),
+                                "tier_usage_bytes": stats.get("usage_bytes"),
                                 "tier_capacity_bytes": stats.get("capacity_bytes")}
         if not root:
             return disk
@@ -364,7 +366,7 @@ _CONSUMED = frozenset({
     "name", "kind", "pid", "time", "queued_tasks", "jobs_submitted", "jobs_failed",
     "bytes_done", "keys_checked", "keys_found", "corrupt_removed", "checksum_failures",
     "bad_entries", "counters",
-    "used_bytes", "capacity_bytes"})
+    "capacity_bytes"})
 
 _PROCESS_KEYS = ("cpu_user_s", "cpu_system_s", "rss_bytes", "private_bytes",
                  "uss_bytes", "uss_age_s", "read_bytes", "write_bytes", "read_chars",
@@ -386,15 +388,6 @@ class _MountCache:
     def fs_type(self, path: str) -> str | None:
         now = time.monotonic()
         if now - self._read_at >= MOUNT_CACHE_S:
-            try:
-                parts = psutil.disk_partitions(all=True)
-            except OSError:
-                parts = []
-            self._mounts = sorted(((p.mountpoint, p.fstype) for p in parts),
-                                  key=lambda m: len(m[0]), reverse=True)
+            self._mounts = fskind.mount_table()
             self._read_at = now
-        real = os.path.realpath(path)
-        for mountpoint, fstype in self._mounts:
-            if real == mountpoint or real.startswith(mountpoint.rstrip("/") + "/"):
-                return fstype
-        return None
+        return fskind.fs_type(os.path.realpath(path), self._mounts) or None

@@ -111,7 +111,7 @@ METRICS: tuple[MetricDef, ...] = (
               "Bytes in use on that file system, by anyone (statvfs)"),
     MetricDef("mptier_disk_avail_bytes", "gauge", T,
               "Bytes still available to unprivileged writers on it (statvfs)"),
-    MetricDef("mptier_tier_used_bytes", "gauge", T,
+    MetricDef("mptier_tier_usage_bytes", "gauge", T,
               "Bytes of blocks the tier counts under its root (when the tier reports it)"),
     MetricDef("mptier_tier_capacity_bytes", "gauge", T,
               "The tier's byte budget (when it has one)"),
@@ -233,7 +233,7 @@ def _fill(fam: dict[str, Metric], f: dict[str, Any]) -> None:
     put("mptier_disk_size_bytes", disk.get("total_bytes"))
     put("mptier_disk_used_bytes", disk.get("used_bytes"))
     put("mptier_disk_avail_bytes", disk.get("avail_bytes"))
-    put("mptier_tier_used_bytes", disk.get("tier_used_bytes"))
+    put("mptier_tier_usage_bytes", disk.get("tier_usage_bytes"))
     put("mptier_tier_capacity_bytes", disk.get("tier_capacity_bytes"))
     proc = f.get("process") or {}
     put("mptier_process_cpu_seconds_total", proc.get("cpu_user_s"), "user")

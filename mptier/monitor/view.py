@@ -127,8 +127,8 @@ def render(figures: dict[str, Any]) -> RenderableType:
         text = (f"disk {disk.get('path')} [{fs}]: {human_bytes(used)} of "
                 f"{human_bytes(total)} used ({100 * used / total:.0f}%), "
                 f"{human_bytes(disk.get('avail_bytes'))} free")
-        if disk.get("tier_used_bytes") is not None:
-            text += f"; tier holds {human_bytes(disk['tier_used_bytes'])}"
+        if disk.get("tier_usage_bytes") is not None:
+            text += f"; tier holds {human_bytes(disk['tier_usage_bytes'])}"
             if disk.get("tier_capacity_bytes"):
                 text += f" of {human_bytes(disk['tier_capacity_bytes'])}"
         lines.append(Text(text))

@@ -85,12 +85,10 @@ from __future__ import annotations
 
 import errno as _errno
 import os
-import secrets
-import string
 
 from mptier.errors import BatchIOError, ConfigError, errno_name, strerror
-from mptier.native import _checks, _pure
-from mptier.native._checks import FAULT_ENV, set_fault
+from mptier.native import _checks, _pure, entries
+from mptier.native._checks import FAULT_ENV, new_tag, open_root, set_fault
 
 try:
     from mptier.native import _native
@@ -132,46 +130,13 @@ TAG_LEN = _pure.TAG_LEN
 TEMP_SUFFIX_MAX_BYTES = _pure.TEMP_SUFFIX_MAX_BYTES
 XATTR_NAME = _pure.XATTR_NAME
 
-_TAG_ALPHABET = string.digits + string.ascii_lowercase
-
-
-def new_tag() -> str:
-    """A random writer tag: 16 characters of [0-9a-z] (about 82 bits)."""
-    return "".join(secrets.choice(_TAG_ALPHABET) for _ in range(TAG_LEN))
-
-
-def open_root(path) -> int:
-    """Open directory ``path`` as a root for the batch calls; the caller closes the fd.
-
-    The root itself may be reached through symlinks (an operator's choice); nothing
-    beneath it is. Raises ``OSError`` naming the path when it is not a usable directory.
-    """
-    return os.open(os.fspath(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-
-
-_HINTS = {
-    _errno.ENODATA: "the file was shorter than a block, so corrupt; it was removed",
-    _errno.EBADMSG: f"checksum mismatch ({XATTR_NAME} not 4 bytes or not the block's "
-                    f"CRC32C); the file was removed",
-    _pure._EMEDIUMTYPE: "not a regular file (a directory, FIFO, socket or device); "
-                        "left in place",
-    _errno.ELOOP: "a symlink stood at the block path or a sub-folder; it was removed",
-    _errno.ENOTDIR: "a non-directory stands where a sub-folder must be; left in place",
-}
-_STORE_HINTS = {
-    _errno.EFBIG: "an existing file longer than a block is in the way (left in place), "
-                  "or the file-size limit was reached",
-}
-_LOAD_HINTS = {_errno.EFBIG: "the file is longer than a block; left in place"}
-
-
 def batch_error(op: str, err: int, n_done: int, index: int, path: str,
                 note: str = "") -> BatchIOError:
     """The exception for a failed batch (``op`` "store" or "load"), with a hint per errno.
 
     Also what a caller of the errno layer uses to describe a failure in text.
     """
-    hint = (_STORE_HINTS if op == "store" else _LOAD_HINTS).get(err) or _HINTS.get(err)
+    hint = entries.hint(op, err)
     message = (f"batch {op} failed: {strerror(err)} ({errno_name(err)})"
                + (f": {hint}" if hint else "") + note)
     return BatchIOError(err, message, n_done=n_done, index=index, path=path)

@@ -10,6 +10,8 @@ import errno as _errno
 import operator
 import os
 import re
+import secrets
+import string
 import warnings
 from typing import NamedTuple
 
@@ -17,6 +19,21 @@ from mptier.native import _pure
 
 FAULT_ENV = "MPTIER_FAULT_ERRNO"
 _TAG_RE = re.compile(rb"[0-9a-z]{%d}" % _pure.TAG_LEN)
+_TAG_ALPHABET = string.digits + string.ascii_lowercase
+
+
+def new_tag() -> str:
+    """A random writer tag: 16 characters of [0-9a-z] (about 82 bits)."""
+    return "".join(secrets.choice(_TAG_ALPHABET) for _ in range(_pure.TAG_LEN))
+
+
+def open_root(path) -> int:
+    """Open directory ``path`` as a root for the batch calls; the caller closes the fd.
+
+    The root itself may be reached through symlinks (an operator's choice); nothing
+    beneath it is. Raises ``OSError`` naming the path when it is not a usable directory.
+    """
+    return os.open(os.fspath(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 class _Fault(NamedTuple):
@@ -87,7 +104,6 @@ def tag(value) -> bytes:
     global _process_tag
     if value is None:
         if _process_tag is None or _process_tag[0] != os.getpid():  # a forked child: anew
-            from mptier.native import new_tag
             _process_tag = (os.getpid(), new_tag().encode())
         return _process_tag[1]
     raw = value.encode() if isinstance(value, str) else value
@@ -183,7 +199,6 @@ class Root:
             except OSError:
                 base = f"<root fd {self._fd}>"
         else:
-            from mptier.native import open_root
             self._fd = open_root(self._given)
             base = os.fsdecode(self._given)
         return self._fd, lambda rel: os.path.join(base, os.fsdecode(rel))

@@ -14,6 +14,7 @@ import errno
 from collections.abc import Sequence
 
 import mptier.native._mptier_cffi as _cffi
+from mptier import fskind
 from mptier.native import _pure
 
 ffi, lib = _cffi.ffi, _cffi.lib
@@ -27,10 +28,11 @@ _MIRRORED = {
     "MPT_LOOKUP_ABSENT": _pure.LOOKUP_ABSENT, "MPT_LOOKUP_PRESENT": _pure.LOOKUP_PRESENT,
     "MPT_LOOKUP_SYMLINK": _pure.LOOKUP_SYMLINK, "MPT_LOOKUP_BAD": _pure.LOOKUP_BAD,
     "MPT_LOOKUP_SHORT": _pure.LOOKUP_SHORT,
+    "MPT_TMPFS_MAGIC": fskind.TMPFS_MAGIC, "MPT_RAMFS_MAGIC": fskind.RAMFS_MAGIC,
 }
 _differ = sorted(name for name, value in _MIRRORED.items() if getattr(lib, name) != value)
 if _differ or ffi.string(lib.mpt_xattr_name()).decode() != _pure.XATTR_NAME:
-    raise ImportError(f"mptier native core and mptier/native/_pure.py disagree on "
+    raise ImportError(f"mptier native core and mptier/native/_pure.py (or fskind) disagree on "
                       f"{', '.join(_differ) or 'the xattr name'}; rebuild the package")
 
 # Names of the CRC32C implementations this CPU can run, best first.

@@ -27,6 +27,7 @@ import mmap
 import os
 from collections.abc import Sequence
 
+from mptier import fskind
 from mptier.native._crc32c import crc32c
 from mptier.native._pure_resolve import (
     MKDIR_TRIES,
@@ -58,7 +59,6 @@ NAME_TRIES = 8  # temporary names to try when one is already taken
 CHUNK_BYTES = 256 * 1024  # buffered checksummed I/O: CRC each chunk beside its copy
 CRC32C_IMPLS = ("numpy",)
 URING_STATUS = "the pure-Python backend has no io_uring (the syscall loop only)"
-_TMPFS_MAGIC, _RAMFS_MAGIC = 0x01021994, 0x858458F6  # statfs f_type (linux/magic.h)
 
 _counter = itertools.count()  # next() on a count is atomic under the GIL
 _ENOTSUP = getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)
@@ -464,18 +464,12 @@ def uring_status() -> str:
     return URING_STATUS
 
 
-class _Statfs(ctypes.Structure):
-    # struct statfs begins with f_type (__fsword_t, a long) on every Linux ABI; the
-    # rest is room for the kernel to fill
-    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_char * 256)]
-
-
 def probe_in_memory(directory: bytes) -> int:
     """Twin of ``mpt_fs_in_memory``: 1 tmpfs / ramfs, 0 another file system, -errno."""
-    buf = _Statfs()
-    if _libc.statfs(directory, ctypes.byref(buf)) != 0:
-        return -ctypes.get_errno()
-    return int((buf.f_type & 0xFFFFFFFF) in (_TMPFS_MAGIC, _RAMFS_MAGIC))
+    try:
+        return int(fskind.statfs_type(directory) in fskind.MEMORY_MAGICS)
+    except OSError as exc:
+        return -(exc.errno or errno.EIO)
 
 
 def crc32c_impl() -> str:

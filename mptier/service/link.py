@@ -4,16 +4,16 @@ A ``FileSystemTier(buffer, service="NAME")`` spawns no workers. Its :class:`Serv
 connects to ``<run dir>/NAME.sock`` and hands the service the engine's queues, pipes and
 buffer (descriptors over the socket), exactly what an in-engine pool would get; the
 service's workers map the engine's own memory, and the engine keeps today's API,
-completion pipe and ``stats()``. The link has the same methods as
-:class:`mptier.workers.WorkerPool`, so the tier does not care which it has.
+completion pipe and ``stats()``. The link is a :class:`mptier.workers.Pool`, like the
+pools that run workers in this process, so the tier does not care which it has.
 
 A thread (``mptier-link``) owns the socket: it asks the service for its figures every
 :data:`STATUS_INTERVAL_S` (what ``stats()`` shows) and notices at once when the service
 goes (end of file). Then, without touching the engine's state, it marks the pool
 *unavailable* in the engine's copy of the control block and bumps a message counter:
 the scheduler thread, at its next call, fails every job in flight with an error naming
-the service (:meth:`take_lost`), answers lookups MISS and fails new jobs at once. When
-the engine has done so (:meth:`allow_reattach`), the thread tries to attach again every
+the service (:meth:`settle_lost`), answers lookups MISS and fails new jobs at once. When
+the engine has done so, the thread tries to attach again every
 :data:`RECONNECT_S` and the tier serves again by itself when the service is back; the
 control block of the lost attachment is closed :data:`RETIRE_AFTER_S` later, so restarts
 cost nothing that stays.
@@ -42,7 +42,7 @@ from mptier.jobs import TaskKind
 from mptier.rundir import RUN_DIR_ENV, Trust, UntrustedError, peer_of, warn_once
 from mptier.service.names import locate
 from mptier.service.server import ATTACH, DETACH, DETACHED, PROTOCOL_VERSION, STATUS
-from mptier.workers import ControlBlock, IoSettings, PoolState, Session
+from mptier.workers import ControlBlock, IoSettings, Pool, PoolState, Session, root_figures
 
 log = logging.getLogger("mptier.service")
 
@@ -65,7 +65,7 @@ ERR_SERVICE_GONE = errno.ECONNRESET
 RETIRE_AFTER_S = 2.0
 
 
-class ServiceLink:
+class ServiceLink(Pool):
     """The engine's pool stand-in for a service (see module docstring)."""
 
     mode = "service"
@@ -182,19 +182,37 @@ class ServiceLink:
             sock.close()
             raise
 
-    def take_lost(self) -> str | None:
-        """(Scheduler thread.) Why the service went away, once per loss, or None. The
-        caller fails every job in flight, then calls :meth:`allow_reattach`."""
+    def settle_lost(self, fail_all: Callable[[str, int], object]) -> None:
+        """(Scheduler thread.) Once per loss of the service: ``fail_all(reason, errno)``
+        fails every job in flight and everything queued; then the link may attach
+        again (nothing of the lost session is queued any more)."""
         lost = self._lost
         if lost is None or self._lost_taken.is_set():
-            return None
-        return lost
-
-    def allow_reattach(self) -> None:
-        """(Scheduler thread.) Nothing of the lost session is queued any more: the link
-        may attach again."""
+            return
+        fail_all(lost, ERR_SERVICE_GONE)
         self._lost_taken.set()
         self._wake()
+
+    def serving(self) -> bool:
+        control = self.control
+        return control is not None and control.pool_serving()
+
+    def refusal(self) -> tuple[int, str]:
+        if self.control is None:
+            return ERR_SERVICE_GONE, f"not attached to mptier service {self.name!r}"
+        _, err, reason = self.control.pool_state()
+        return err, reason
+
+    def news(self) -> tuple[ControlBlock | None, bytes]:
+        """The control block and its message counters: a re-attach hands over a new block
+        whose counters may by chance equal the old one's last figures, and a new block
+        is news."""
+        control = self.control
+        return control, control.counters_snapshot() if control is not None else b""
+
+    def root_figures(self) -> list[dict[str, Any]]:
+        control, io = self.control, self.io
+        return root_figures(control, io) if control is not None and io is not None else []
 
     def end_session(self, ask_workers: bool = False, timeout_s: float = 10.0,
                     on_wait: Callable[[], object] | None = None) -> None:

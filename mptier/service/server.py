@@ -41,7 +41,7 @@ from dataclasses import asdict
 from typing import Any
 
 from mptier import messages
-from mptier.config import TierConfig
+from mptier.config import SERVICE_FIELDS, TierConfig
 from mptier.errors import MptierError
 from mptier.rundir import (
     Trust,
@@ -375,22 +375,12 @@ class Service:
                 "root": ", ".join(self.config.roots()), "attached": self._engine or None,
                 "attaches": self.attaches, "time": time.time(),
                 "config": {k: v for k, v in asdict(self.config).items()
-                           if k in _SERVICE_FIELDS}, **stats}
+                           if k in SERVICE_FIELDS}, **stats}
 
 
 # Requests a new connection may open with, and an attached engine may send.
 _FIRST_OPS = frozenset({ATTACH, STATUS})
 _LINK_OPS = frozenset({STATUS, DETACH})
-
-# The fields a service takes from its own configuration (the rest is the engine's).
-_SERVICE_FIELDS = frozenset({
-    "root_dir", "root_dirs", "capacity_bytes", "high_watermark", "low_watermark",
-    "stale_temp_s", "lease_locks", "root_failures_to_fail", "root_retry_s", "n_load_workers",
-    "n_store_workers", "io_timeout_s", "max_task_retries",
-    "use_o_direct", "checksum_blocks", "native", "worker_nice", "worker_cpus", "prefault",
-    "worker_start_timeout_s", "max_stuck_workers", "heartbeat_s", "max_worker_rss_bytes",
-    "metrics_port", "metrics_addr", "service_group"})
-
 
 def serve(name: str, config: TierConfig) -> int:
     """Run a service in the foreground (``mptier serve``). Returns the exit code."""

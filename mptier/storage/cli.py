@@ -28,12 +28,12 @@ def _duration(text: str) -> float:
 
 
 def _positive_int(text: str) -> int:
-    from mptier.config import parse_bytes
+    from mptier.units import parse_byte_count
 
-    try:
-        value = parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    value = parse_byte_count(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a byte count such "
+                                         "as 8388608, \"8M\" or \"512KiB\"")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a block size must be positive, e.g. 2M")
     return value

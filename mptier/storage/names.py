@@ -18,6 +18,7 @@ import os
 import re
 
 from mptier.keys import GROUP_IDX_BYTES
+from mptier.native import TAG_LEN
 from mptier.rootfile import read_root_file
 
 MPTIER_JSON = "mptier.json"
@@ -26,7 +27,6 @@ META_DIR = ".mptier"
 LEASES_DIR = "leases"
 LEASE_SUFFIX = ".lease"
 LEASE_NEW_SUFFIX = ".lease.new"
-TAG_LEN = 16
 TAG_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
 # Longest decimal counter in a temporary name: 2**64 has 20 digits.
 MAX_COUNTER_DIGITS = 20

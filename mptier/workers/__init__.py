@@ -1,21 +1,27 @@
 """mptier's workers: the processes that do the I/O, and the pool that keeps them.
 
-This package has one door for the engine (and for ``mptier serve``)::
+This package has one door, :class:`Pool` (:mod:`mptier.workers.contract`): the engine's
+manager talks to its pool through that contract and nothing else::
 
-    from mptier.workers import PoolSettings, Session, open_pool
+    from mptier.workers import PoolSettings, open_pool
 
     pool = open_pool(PoolSettings.from_config(cfg))   # or open_pool(..., memory) -> threads
     pool.start()                                      # boot the workers (blocks, bounded)
     io = pool.attach(session)                         # hand them the engine's channels
-    pool.control                                      # the shared control block
-    pool.stats(), pool.unavailable()                  # never block
+    pool.serving(), pool.news(), pool.stats()         # never block
     pool.end_session(); pool.stop()                   # detach, then leave
 
-Inside: ``pool`` (the door), ``supervisor`` (the thread that keeps the pool: deaths,
-hangs, stuck workers, heartbeats), ``worker`` (the process: boot, sessions, the task
-loop), ``launcher`` (starting one process), ``protocol`` (supervisor <-> worker control
-messages), ``session`` (what an engine hands over), ``control`` (the shared control
-block). Names are imported on first use so that worker processes, which import
+What else it exports is for the other side of a service: :class:`WorkerPool` (what
+``mptier serve`` runs), :class:`Session` and :class:`IoSettings` (what crosses its
+socket), :class:`ControlBlock`, :class:`PoolState` and :func:`root_figures` (the
+service's control block, as its :class:`~mptier.service.ServiceLink` maps and reads it).
+
+Inside: ``contract`` (the door), ``pool`` (the pool kinds in this process),
+``supervisor`` (the thread that keeps the pool: deaths, hangs, stuck workers,
+heartbeats), ``worker`` (the process: boot, sessions, the task loop), ``launcher``
+(starting one process), ``protocol`` (supervisor <-> worker control messages),
+``session`` (what an engine hands over), ``control`` (the shared control block). Names
+are imported on first use so that worker processes, which import
 ``mptier.workers.worker``, do not pay for the pool's modules.
 """
 
@@ -25,11 +31,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "Pool": "mptier.workers.contract",
     "WorkerPool": "mptier.workers.pool",
-    "ThreadWorkers": "mptier.workers.pool",
     "PoolSettings": "mptier.workers.pool",
     "open_pool": "mptier.workers.pool",
-    "backend_name": "mptier.workers.pool",
+    "root_figures": "mptier.workers.pool",
     "Session": "mptier.workers.session",
     "IoSettings": "mptier.workers.session",
     "ControlBlock": "mptier.workers.control",
@@ -39,13 +45,13 @@ _EXPORTS = {
 __all__ = [
     "ControlBlock",
     "IoSettings",
+    "Pool",
     "PoolSettings",
     "PoolState",
     "Session",
-    "ThreadWorkers",
     "WorkerPool",
-    "backend_name",
     "open_pool",
+    "root_figures",
 ]
 
 
@@ -59,12 +65,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from mptier.workers.contract import Pool
     from mptier.workers.control import ControlBlock, PoolState
-    from mptier.workers.pool import (
-        PoolSettings,
-        ThreadWorkers,
-        WorkerPool,
-        backend_name,
-        open_pool,
-    )
+    from mptier.workers.pool import PoolSettings, WorkerPool, open_pool, root_figures
     from mptier.workers.session import IoSettings, Session

@@ -35,9 +35,10 @@ docs/storage.md, "Loads and the late read".
 from __future__ import annotations
 
 import mmap
-import os
 from collections.abc import Sequence
 from typing import Any
+
+from mptier.fskind import fs_type
 
 # File systems whose buffered reads go through the page cache (killable waits, nothing
 # copied after SIGKILL). Everything else -- NFS, CIFS, Ceph, Lustre, 9p, every FUSE file
@@ -48,29 +49,6 @@ PAGE_CACHE_FS_TYPES = frozenset({
 # File systems in memory: no device and no server, so even an O_DIRECT read is a copy
 # the reading process makes itself, done before SIGKILL is acted on. Never bounced.
 MEMORY_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
-
-
-def fs_type(path: str) -> str:
-    """Type of the file system mounted at (or above) ``path``, from
-    ``/proc/self/mountinfo``; ``""`` if unknown. Never touches ``path`` itself (a hung
-    mount must not hang the caller), so a symlink in ``path`` is not followed."""
-    target = os.path.abspath(path).rstrip("/") or "/"
-    best, best_type = -1, ""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.readlines()
-    except OSError:
-        return ""
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields = left.split()
-        if len(fields) < 5 or not right:
-            continue
-        point = fields[4].replace("\\040", " ").rstrip("/") or "/"
-        inside = point == "/" or target == point or target.startswith(point + "/")
-        if inside and len(point) >= best:  # later mounts over the same point win
-            best, best_type = len(point), right.split()[0]
-    return best_type
 
 
 def needs_bounce(root_dir: str, use_o_direct: bool, setting: bool | str = "auto") -> bool:

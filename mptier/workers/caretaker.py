@@ -38,8 +38,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from mptier.jobs import MessageType, encode_message, pack_keys
 from mptier.storage import Entry, RootMaintainer, evict
@@ -54,8 +55,19 @@ from mptier.workers.control import (
 )
 from mptier.workers.health import is_fault
 
-if TYPE_CHECKING:
-    from mptier.workers.worker import WorkerContext
+
+class CaretakerHost(Protocol):
+    """What a caretaker uses of the worker hosting it (its ``WorkerContext``, which
+    imports this module: the worker knows its caretaker, not the other way round)."""
+
+    slot_writer: Any  # its SlotWriter
+    io: Any  # the session's IoSettings
+    block_bytes: int
+    roots: list[Any]  # its RootHandles
+    report_root: Callable[[int, bool, int, str], None]
+
+    def report(self, message: bytes | None = None) -> None: ...
+
 
 log = logging.getLogger("mptier.workers")
 
@@ -191,7 +203,7 @@ class Caretaker:
     """The maintainers of the roots one worker was designated for. Not thread-safe:
     the worker's serving thread drives it."""
 
-    def __init__(self, ctx: WorkerContext) -> None:
+    def __init__(self, ctx: CaretakerHost) -> None:
         self.ctx = ctx
         self.kept: dict[int, _Kept] = {}
         self.folder = os.path.basename(ctx.roots[0].mapper.blocks_dir)

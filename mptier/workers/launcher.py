@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 
 import mptier
+from mptier.config import default_of
 from mptier.workers.protocol import control_pair
 
 # The engine's own ``mptier`` package folder: the workers import it from there.
@@ -51,8 +52,8 @@ class BootSpec:
     n_slots: int
     control_block_fd: int
     backend: str = "native"
-    nice: int = 0
-    cpus: list[int] = field(default_factory=list)
+    worker_nice: int = default_of("worker_nice")  # the TierConfig fields of these names
+    worker_cpus: list[int] = field(default_factory=list)
 
 
 def launch(boot: BootSpec, slot: int, role: str) -> tuple[subprocess.Popen, socket.socket]:
@@ -63,7 +64,7 @@ def launch(boot: BootSpec, slot: int, role: str) -> tuple[subprocess.Popen, sock
         spec = {
             "slot": slot, "role": role, "n_slots": boot.n_slots,
             "control_block": boot.control_block_fd, "control_socket": worker_end.fileno(),
-            "backend": boot.backend, "nice": boot.nice, "cpus": boot.cpus,
+            "backend": boot.backend, "nice": boot.worker_nice, "cpus": boot.worker_cpus,
             "parent_pid": os.getpid(),
         }
         proc = subprocess.Popen(

@@ -18,6 +18,7 @@ threads of the engine, for a buffer that cannot be shared with other processes. 
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import logging
 import os
@@ -25,14 +26,16 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
-from mptier import native
+from mptier import fskind, native
+from mptier.config import default_of
 from mptier.errors import ConfigError, MptierError
 from mptier.jobs import TaskKind
 from mptier.layout import FileMapper
 from mptier.workers.bounce import needs_bounce
+from mptier.workers.contract import Pool
 from mptier.workers.control import (
     LATENCY_BUCKETS,
     ROOT_COMPLETE,
@@ -46,7 +49,13 @@ from mptier.workers.control import (
 )
 from mptier.workers.health import RootHealth
 from mptier.workers.launcher import BootSpec
-from mptier.workers.session import IoSettings, RootIo, Session, WorkerSession
+from mptier.workers.session import (
+    ROOM_WAIT_S,
+    IoSettings,
+    RootIo,
+    Session,
+    WorkerSession,
+)
 from mptier.workers.supervisor import (
     Phase,
     PoolCounters,
@@ -54,6 +63,9 @@ from mptier.workers.supervisor import (
     SupervisorSettings,
 )
 from mptier.workers.worker import WorkerContext, serve
+
+if TYPE_CHECKING:
+    from mptier.config import TierConfig
 
 log = logging.getLogger("mptier.workers")
 
@@ -69,52 +81,46 @@ DETACH_GRACE_S = 10.0
 @dataclass
 class PoolSettings:
     """How a pool runs; built from a :class:`~mptier.config.TierConfig` by
-    :meth:`from_config` (a service's config in a service, the engine's otherwise)."""
+    :meth:`from_config` (a service's config in a service, the engine's otherwise).
+
+    Every field but ``backend`` is the TierConfig field of the same name, with its
+    default (:func:`~mptier.config.default_of`); ``backend`` is what ``native`` comes to
+    in this process (:func:`backend_name`)."""
 
     root_dir: str  # the first root (or the only one)
-    n_load_workers: int = 2
-    n_store_workers: int = 2
-    use_o_direct: bool | str = "auto"
-    checksum_blocks: bool | str = "auto"
-    io_uring: bool | str = "auto"
-    bounce_loads: bool | str = "auto"
+    n_load_workers: int = default_of("n_load_workers")
+    n_store_workers: int = default_of("n_store_workers")
+    use_o_direct: bool | str = default_of("use_o_direct")
+    checksum_blocks: bool | str = default_of("checksum_blocks")
+    io_uring: bool | str = default_of("io_uring")
+    bounce_loads: bool | str = default_of("bounce_loads")
     backend: str = "native"
-    prefault: bool = True
-    nice: int = 0
-    cpus: list[int] = field(default_factory=list)
-    io_timeout_s: float = 60.0
-    max_task_retries: int = 2
-    start_timeout_s: float = 60.0
-    max_stuck_workers: int = 4
-    heartbeat_s: float = 5.0
-    max_worker_rss_bytes: int = 0
+    prefault: bool = default_of("prefault")
+    worker_nice: int = default_of("worker_nice")
+    worker_cpus: list[int] = field(default_factory=list)
+    io_timeout_s: float = default_of("io_timeout_s")
+    max_task_retries: int = default_of("max_task_retries")
+    worker_start_timeout_s: float = default_of("worker_start_timeout_s")
+    max_stuck_workers: int = default_of("max_stuck_workers")
+    heartbeat_s: float = default_of("heartbeat_s")
+    max_worker_rss_bytes: int = default_of("max_worker_rss_bytes")
     root_dirs: list[str] = field(default_factory=list)  # several roots (else root_dir)
-    capacity_bytes: int = 0
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    stale_temp_s: float = 3600.0
-    lease_locks: bool | str = "auto"
-    root_failures_to_fail: int = 3
-    root_retry_s: float = 30.0
+    capacity_bytes: int = default_of("capacity_bytes")
+    high_watermark: float = default_of("high_watermark")
+    low_watermark: float = default_of("low_watermark")
+    stale_temp_s: float = default_of("stale_temp_s")
+    lease_locks: bool | str = default_of("lease_locks")
+    root_failures_to_fail: int = default_of("root_failures_to_fail")
+    root_retry_s: float = default_of("root_retry_s")
 
     @classmethod
-    def from_config(cls, cfg: Any) -> PoolSettings:
+    def from_config(cls, cfg: TierConfig) -> PoolSettings:
+        """Every field from ``cfg``'s field of the same name (the roots normalised)."""
         roots = cfg.roots()
+        same = {f.name: copy.copy(getattr(cfg, f.name)) for f in fields(cls)
+                if f.name not in ("root_dir", "root_dirs", "backend")}
         return cls(root_dir=roots[0] if roots else "", root_dirs=roots,
-                   capacity_bytes=cfg.capacity_bytes, high_watermark=cfg.high_watermark,
-                   low_watermark=cfg.low_watermark, stale_temp_s=cfg.stale_temp_s,
-                   lease_locks=cfg.lease_locks,
-                   root_failures_to_fail=cfg.root_failures_to_fail,
-                   root_retry_s=cfg.root_retry_s, n_load_workers=cfg.n_load_workers,
-                   n_store_workers=cfg.n_store_workers, use_o_direct=cfg.use_o_direct,
-                   checksum_blocks=cfg.checksum_blocks, io_uring=cfg.io_uring,
-                   bounce_loads=cfg.bounce_loads,
-                   backend=backend_name(cfg.native), prefault=cfg.prefault,
-                   nice=cfg.worker_nice, cpus=list(cfg.worker_cpus),
-                   io_timeout_s=cfg.io_timeout_s, max_task_retries=cfg.max_task_retries,
-                   start_timeout_s=cfg.worker_start_timeout_s,
-                   max_stuck_workers=cfg.max_stuck_workers, heartbeat_s=cfg.heartbeat_s,
-                   max_worker_rss_bytes=cfg.max_worker_rss_bytes)
+                   backend=backend_name(cfg.native), **same)
 
     @property
     def roles(self) -> list[str]:
@@ -130,17 +136,16 @@ class PoolSettings:
         return ", ".join(self.roots)
 
 
+def _same_fields(cls: type, settings: PoolSettings) -> dict[str, Any]:
+    """The fields of settings class ``cls`` that ``settings`` has by the same name."""
+    names = {f.name for f in fields(settings)}
+    return {f.name: getattr(settings, f.name) for f in fields(cls) if f.name in names}
+
+
 def backend_name(prefer_native: bool) -> str:
     """The I/O backend a tier uses: native when asked for, built, and not switched off
     for the whole process with ``MPTIER_NATIVE=0``."""
     return "native" if prefer_native and native.BACKEND == "native" else "python"
-
-
-# A store waits at most this long (and at most a quarter of io_timeout_s) for the
-# caretaker to evict enough for it before it fails with ENOSPC: long enough for a few
-# eviction steps between the caretaker's own tasks, short enough that a store which can
-# never fit fails promptly.
-ROOM_WAIT_S = 2.0
 
 
 def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
@@ -192,7 +197,7 @@ def _prepare_root(settings: PoolSettings, root: str, layout: dict[str, Any],
                     "(checksum_blocks) are off for this tier", root)
         checksum = False
     tmpfile = backend.probe_o_tmpfile(where)
-    if tmpfile and fs_magic(where) not in TMPFILE_FILE_SYSTEMS:
+    if tmpfile and fskind.fs_magic(where) not in TMPFILE_FILE_SYSTEMS:
         # The probe publishes, closes and reads back, but a FUSE daemon may drop the
         # inode after close() returned (the release is sent asynchronously): measured on
         # JuiceFS 1.4.2, 2 of 4 probes passed and every store of those tiers "succeeded"
@@ -200,7 +205,7 @@ def _prepare_root(settings: PoolSettings, root: str, layout: dict[str, Any],
         # linked O_TMPFILE file get it; the rest write named temporaries under leases.
         log.info("mptier: %s accepts O_TMPFILE, but its file system (magic %#x) is not "
                  "one known to keep linked O_TMPFILE files; using named temporary files",
-                 root, fs_magic(where) or 0)
+                 root, fskind.fs_magic(where) or 0)
         tmpfile = False
     return RootIo(root, use_o_direct=bool(o_direct), checksum=bool(checksum),
                   tmpfile=tmpfile, uring=use_uring(settings.io_uring, backend, where),
@@ -217,21 +222,11 @@ def use_uring(setting: bool | str, backend: Any, where: str) -> bool:
     return setting is True or not backend.probe_in_memory(where)
 
 
-# statfs f_type of the local file systems whose O_TMPFILE files survive linkat + close:
-# ext2/3/4, xfs, btrfs, tmpfs, f2fs. Not NFS (no O_TMPFILE), not FUSE (JuiceFS loses them).
-TMPFILE_FILE_SYSTEMS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0xF2F52010})
-_STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
-
-
-def fs_magic(path: str) -> int | None:
-    """The file system type (statfs ``f_type``) of ``path``, or None if unknown."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(_STATFS_BYTES)
-    if libc.statfs(os.fsencode(path), buf) != 0:
-        return None
-    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+# The local file systems whose O_TMPFILE files survive linkat + close: ext2/3/4, xfs,
+# btrfs, tmpfs, f2fs. Not NFS (no O_TMPFILE), not FUSE (JuiceFS loses them).
+TMPFILE_FILE_SYSTEMS = frozenset({
+    fskind.EXT4_SUPER_MAGIC, fskind.XFS_SUPER_MAGIC, fskind.BTRFS_SUPER_MAGIC,
+    fskind.TMPFS_MAGIC, fskind.F2FS_SUPER_MAGIC})
 
 
 def task_latency(control: ControlBlock) -> dict[str, dict[str, Any]]:
@@ -309,7 +304,28 @@ def _bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     return result.get("value")
 
 
-class WorkerPool:
+class _ControlDoor:
+    """The :class:`~mptier.workers.contract.Pool` members a pool in this process answers
+    from its own control block (never blocks: shared-memory reads)."""
+
+    control: ControlBlock
+    io: IoSettings | None
+
+    def serving(self) -> bool:
+        return self.control.pool_serving()
+
+    def refusal(self) -> tuple[int, str]:
+        _, err, reason = self.control.pool_state()
+        return err, reason
+
+    def news(self) -> bytes:
+        return self.control.counters_snapshot()
+
+    def root_figures(self) -> list[dict[str, Any]]:
+        return root_figures(self.control, self.io) if self.io is not None else []
+
+
+class WorkerPool(_ControlDoor, Pool):
     """Worker processes kept by a supervisor thread (see module docstring)."""
 
     mode = "processes"
@@ -320,16 +336,11 @@ class WorkerPool:
         # A parked (stuck) worker keeps its slot; its replacement needs another.
         self.control = ControlBlock(n_workers + settings.max_stuck_workers)
         boot = BootSpec(n_slots=self.control.n_slots, control_block_fd=self.control.fd,
-                        backend=settings.backend, nice=settings.nice, cpus=settings.cpus)
+                        **_same_fields(BootSpec, settings))
         self._supervisor = Supervisor(SupervisorSettings(
-            roles=settings.roles, boot=boot, io_timeout_s=settings.io_timeout_s,
-            max_task_retries=settings.max_task_retries,
-            start_timeout_s=settings.start_timeout_s,
-            max_stuck_workers=settings.max_stuck_workers, heartbeat_s=settings.heartbeat_s,
-            max_worker_rss_bytes=settings.max_worker_rss_bytes,
-            root_label=settings.root_label, roots=settings.roots,
-            root_failures_to_fail=settings.root_failures_to_fail,
-            root_retry_s=settings.root_retry_s), self.control)
+            roles=settings.roles, boot=boot, root_label=settings.root_label,
+            roots=settings.roots, **_same_fields(SupervisorSettings, settings)),
+            self.control)
         self._started = self._stopped = False
         self._last_stats: dict[str, Any] | None = None
         self.io: IoSettings | None = None
@@ -344,7 +355,7 @@ class WorkerPool:
         sup = self._supervisor
         self._started = True
         sup.start()
-        deadline = time.monotonic() + self.settings.start_timeout_s
+        deadline = time.monotonic() + self.settings.worker_start_timeout_s
         want = len(self.settings.roles)
         with sup.changed:
             while True:
@@ -359,7 +370,7 @@ class WorkerPool:
                 if left <= 0:
                     raise MptierError(
                         f"only {ready} of {want} mptier workers were ready within "
-                        f"worker_start_timeout_s={self.settings.start_timeout_s:g} s")
+                        f"worker_start_timeout_s={self.settings.worker_start_timeout_s:g} s")
                 sup.changed.wait(min(left, 0.5))
 
     def attach(self, session: Session) -> IoSettings:
@@ -376,7 +387,7 @@ class WorkerPool:
         own = session.dup()
         ids: list[int] = []
         sup.call_soon(lambda: ids.append(sup.attach(own, io)))
-        deadline = time.monotonic() + self.settings.start_timeout_s
+        deadline = time.monotonic() + self.settings.worker_start_timeout_s
         with sup.changed:
             while True:
                 errors = list(sup.attach_errors)
@@ -400,7 +411,7 @@ class WorkerPool:
         if errors:
             raise MptierError(f"mptier workers could not attach to the buffer: {errors[0]}")
         raise MptierError(f"mptier workers did not attach within "
-                          f"worker_start_timeout_s={self.settings.start_timeout_s:g} s")
+                          f"worker_start_timeout_s={self.settings.worker_start_timeout_s:g} s")
 
     def end_session(self, ask_workers: bool = False, timeout_s: float = DETACH_GRACE_S,
                     on_wait: Callable[[], object] | None = None) -> None:
@@ -421,13 +432,6 @@ class WorkerPool:
     def unavailable(self) -> tuple[str, int]:
         """``(reason, errno)`` when the pool cannot serve now, else ``("", 0)``."""
         return self._supervisor.unavailable()
-
-    def take_lost(self) -> str | None:
-        """A pool in this process never loses its session wholesale (see ServiceLink)."""
-        return None
-
-    def allow_reattach(self) -> None:
-        pass
 
     def pids(self) -> list[int]:
         with self._supervisor.lock:
@@ -511,7 +515,7 @@ class WorkerPool:
         return forced
 
 
-class ThreadWorkers:
+class ThreadWorkers(_ControlDoor, Pool):
     """The serving loop on threads of the engine (a buffer other processes cannot map).
 
     Same methods as :class:`WorkerPool`. Nothing supervises the threads: a hung I/O
@@ -602,12 +606,6 @@ class ThreadWorkers:
 
     def unavailable(self) -> tuple[str, int]:
         return "", 0
-
-    def take_lost(self) -> str | None:
-        return None
-
-    def allow_reattach(self) -> None:
-        pass
 
     def pids(self) -> list[int]:
         return []

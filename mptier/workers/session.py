@@ -19,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
+from mptier.config import default_of
 from mptier.jobs import TaskKind
 from mptier.mapping import Segment
 
@@ -45,29 +46,40 @@ class RootIo:
     bounce: bool = False  # process workers load through a bounce buffer (bounce.py)
 
 
+# A store waits at most this long (and at most a quarter of io_timeout_s) for the
+# caretaker to evict enough for it before it fails with ENOSPC: long enough for a few
+# eviction steps between the caretaker's own tasks, short enough that a store which can
+# never fit fails promptly.
+ROOM_WAIT_S = 2.0
+
+
 @dataclass
 class IoSettings:
     """The pool's side of how blocks are read and written (JSON-able).
 
     ``root_dir``, ``use_o_direct``, ``checksum`` and ``tmpfile`` describe the first root;
-    ``roots`` has every root's (several roots: ``root_dirs``)."""
+    ``roots`` has every root's (several roots: ``root_dirs``). Fields named as
+    TierConfig's take its defaults, except :attr:`RESOLVED`: those hold what the probe
+    (or the setting) came to on this machine, not the setting."""
+
+    RESOLVED: ClassVar[frozenset[str]] = frozenset({"use_o_direct", "lease_locks"})
 
     root_dir: str
     use_o_direct: bool = False
     backend: str = "native"  # "native" or "python"
-    prefault: bool = True
+    prefault: bool = default_of("prefault")
     checksum: bool = False  # write and verify vLLM's CRC32C record (user xattr)
     touch: bool = True  # set a block's atime on load and store (LRU on shared roots)
     tmpfile: bool = False  # publish through O_TMPFILE files (probed: they survive close)
     uring: bool = False  # batches through io_uring, several blocks in flight
     roots: list[RootIo] = field(default_factory=list)  # empty: root_dir alone
-    capacity_bytes: int = 0  # per root; 0 = unlimited
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    stale_temp_s: float = 3600.0
+    capacity_bytes: int = default_of("capacity_bytes")  # per root; 0 = unlimited
+    high_watermark: float = default_of("high_watermark")
+    low_watermark: float = default_of("low_watermark")
+    stale_temp_s: float = default_of("stale_temp_s")
     lease_locks: bool | None = None  # None: probe each root (mptier.storage.probe_locks)
     # How long a store waits for the caretaker to make room before failing (ENOSPC).
-    room_wait_s: float = 1.0
+    room_wait_s: float = ROOM_WAIT_S
 
     def __post_init__(self) -> None:
         self.roots = [r if isinstance(r, RootIo) else RootIo(**r) for r in self.roots]

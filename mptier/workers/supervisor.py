@@ -30,7 +30,7 @@ wake-up pipe, every worker's pidfd and every worker's control socket, and ticks 
 * while the pool is unavailable, fails every task still queued (never silence).
 
 Its own reports (LOST, RETRY) never block it: they go through a
-:class:`~mptier.channels.RecordWriter` on the completion pipe, and when the engine does
+:class:`~mptier.pipes.RecordWriter` on the completion pipe, and when the engine does
 not read for a while they wait in its list and go in when the pipe drains (the poll
 watches the pipe for room meanwhile), so deaths are still handled and workers still
 respawned. A worker whose slot says REPORTING waits for the same room: its I/O is over,
@@ -60,10 +60,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mptier.channels import RecordWriter, drain_records
+from mptier.config import default_of
 from mptier.errors import describe_exit
 from mptier.jobs import MessageType, TaskKind, decode_task, encode_message
 from mptier.layout import FileMapper
+from mptier.pipes import RecordWriter, drain_records
 from mptier.shm import cleanup_stale
 from mptier.storage.roots import RootRouter
 from mptier.workers import protocol
@@ -175,16 +176,17 @@ class PoolCounters:
 class SupervisorSettings:
     roles: list[str]
     boot: BootSpec
-    io_timeout_s: float = 60.0
-    max_task_retries: int = 2
-    start_timeout_s: float = 60.0
-    max_stuck_workers: int = 4
-    heartbeat_s: float = 5.0
-    max_worker_rss_bytes: int = 0
+    # The TierConfig fields of the same names, with their defaults.
+    io_timeout_s: float = default_of("io_timeout_s")
+    max_task_retries: int = default_of("max_task_retries")
+    worker_start_timeout_s: float = default_of("worker_start_timeout_s")
+    max_stuck_workers: int = default_of("max_stuck_workers")
+    heartbeat_s: float = default_of("heartbeat_s")
+    max_worker_rss_bytes: int = default_of("max_worker_rss_bytes")
     root_label: str = ""  # for messages: "the file system at /mnt/kv"
     roots: list[str] = field(default_factory=list)  # every root, in root_dirs order
-    root_failures_to_fail: int = 3
-    root_retry_s: float = 30.0
+    root_failures_to_fail: int = default_of("root_failures_to_fail")
+    root_retry_s: float = default_of("root_retry_s")
 
 
 class Supervisor:
@@ -729,7 +731,7 @@ class Supervisor:
         self._flush_reports()  # a backstop for the poll's room event
         for w in self._live():
             snap = self.control.snapshot(w.slot)
-            if w.phase is Phase.BOOTING and now - w.started_at > s.start_timeout_s:
+            if w.phase is Phase.BOOTING and now - w.started_at > s.worker_start_timeout_s:
                 w.boot_error = f"not ready within worker_start_timeout_s={s.start_timeout_s:g}"
                 self._kill(w)
                 continue

@@ -21,7 +21,7 @@ then its own priority's queue; then the other one (see ``session.QUEUE_ORDER``).
 
 Reports never block either. The completion pipe is non-blocking; when it is full (the
 engine has not read for a while) a report waits in the worker's own list (the
-:class:`~mptier.channels.RecordWriter` the engine uses for its tasks) while the worker
+:class:`~mptier.pipes.RecordWriter` the engine uses for its tasks) while the worker
 waits for room in ``poll``, answering heartbeats. It keeps the task in its slot until
 the report is in the pipe -- a death meanwhile is handled like one after the I/O -- and
 marks the slot REPORTING, so the supervisor never takes the wait for a hung file system.
@@ -55,7 +55,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mptier import native
-from mptier.channels import RecordWriter
 from mptier.jobs import (
     TASK_HEADER_BYTES,
     TASK_RECORD_BYTES,
@@ -66,6 +65,7 @@ from mptier.jobs import (
     peek_task,
 )
 from mptier.layout import FileMapper
+from mptier.pipes import RecordWriter
 from mptier.storage.leases import Lease
 from mptier.storage.roots import RootRouter, root_identity
 from mptier.workers import protocol

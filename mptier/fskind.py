@@ -1,0 +1,96 @@
+"""Which file system a path is on: the one home of that fact.
+
+Two ways to ask, for two needs:
+
+* :func:`fs_type` / :func:`mount_of` -- the type *name* ("ext4", "tmpfs", "nfs4",
+  "fuse.juicefs") and mount point, from ``/proc/self/mountinfo``. Never touches the
+  path itself, so a hung mount cannot hang the caller (and a symlink in the path is
+  not followed: resolve it first where that matters).
+* :func:`statfs_type` / :func:`fs_magic` -- the kernel's ``statfs`` ``f_type`` magic
+  number (``linux/magic.h``), of the file system that really serves the path. Touches
+  the path (a system call that a dead mount can stall): for probes of a root at start.
+
+The C core asks ``statfs`` itself (``mpt_fs_in_memory``); its magic numbers are checked
+against :data:`TMPFS_MAGIC` and :data:`RAMFS_MAGIC` when it is loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+# statfs f_type values (linux/magic.h).
+EXT4_SUPER_MAGIC = 0xEF53  # also ext2 and ext3
+XFS_SUPER_MAGIC = 0x58465342
+BTRFS_SUPER_MAGIC = 0x9123683E
+TMPFS_MAGIC = 0x01021994
+RAMFS_MAGIC = 0x858458F6
+F2FS_SUPER_MAGIC = 0xF2F52010
+# File systems that keep file data in memory.
+MEMORY_MAGICS = frozenset({TMPFS_MAGIC, RAMFS_MAGIC})
+
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+class _Statfs(ctypes.Structure):
+    # struct statfs begins with f_type (__fsword_t, a long) on every Linux ABI; the rest
+    # (120 bytes on 64-bit Linux) is room for the kernel to fill.
+    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_char * 256)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def statfs_type(path: str | bytes) -> int:
+    """The ``f_type`` magic of the file system serving ``path``. Raises ``OSError``."""
+    buf = _Statfs()
+    if _libc.statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), os.fsdecode(path))
+    return buf.f_type & 0xFFFFFFFF
+
+
+def fs_magic(path: str | bytes) -> int | None:
+    """:func:`statfs_type`, or None when ``statfs`` fails."""
+    try:
+        return statfs_type(path)
+    except OSError:
+        return None
+
+
+def mount_table() -> list[tuple[str, str]]:
+    """``(mount point, type)`` of every mount this process sees, in mount order (a later
+    mount over the same point hides an earlier one); empty if it cannot be read."""
+    try:
+        with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        point = fields[4].replace("\\040", " ").rstrip("/") or "/"
+        out.append((point, right.split()[0]))
+    return out
+
+
+def mount_of(path: str, mounts: list[tuple[str, str]] | None = None) -> tuple[str, str]:
+    """``(type, mount point)`` of the mount holding ``path`` (made absolute, not
+    resolved), from ``mounts`` or the current :func:`mount_table`; ``("", "")`` if
+    unknown."""
+    target = os.path.abspath(path).rstrip("/") or "/"
+    best = ("", "")
+    best_len = -1
+    for point, kind in (mount_table() if mounts is None else mounts):
+        inside = point == "/" or target == point or target.startswith(point + "/")
+        if inside and len(point) >= best_len:  # later mounts over the same point win
+            best, best_len = (kind, point), len(point)
+    return best
+
+
+def fs_type(path: str, mounts: list[tuple[str, str]] | None = None) -> str:
+    """Type of the file system mounted at (or above) ``path``; ``""`` if unknown."""
+    return mount_of(path, mounts)[0]
