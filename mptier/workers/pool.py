@@ -320,7 +320,8 @@ class WorkerPool:
         # A parked (stuck) worker keeps its slot; its replacement needs another.
         self.control = ControlBlock(n_workers + settings.max_stuck_workers)
         boot = BootSpec(n_slots=self.control.n_slots, control_block_fd=self.control.fd,
-                        backend=settings.backend, nice=settings.nice, cpus=settings.cpus)
+                        backend=settings.backend, nice=settings.nice, cpus=settings.cpus,
+                        io_timeout_s=settings.io_timeout_s)
         self._supervisor = Supervisor(SupervisorSettings(
             roles=settings.roles, boot=boot, io_timeout_s=settings.io_timeout_s,
             max_task_retries=settings.max_task_retries,
