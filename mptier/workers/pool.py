@@ -248,6 +248,14 @@ def task_latency(control: ControlBlock) -> dict[str, dict[str, Any]]:
     return out
 
 
+def store_figures(control: ControlBlock) -> dict[str, int]:
+    """``written_bytes``: bytes of blocks the pool's stores wrote; ``skipped_bytes``:
+    bytes of blocks they found on disk already and did not write (over the pool's life,
+    from the control block: a service reports them too)."""
+    written, skipped = control.store_bytes()
+    return {"written_bytes": written, "skipped_bytes": skipped}
+
+
 def root_figures(control: ControlBlock, io: IoSettings) -> list[dict[str, Any]]:
     """Each root's health and usage as ``stats()`` reports them (from the control block:
     never blocks, any process)."""
@@ -469,6 +477,7 @@ class WorkerPool:
         reason, _ = self.unavailable()
         return {"mode": self.mode, "counters": counters, "unavailable": reason,
                 "workers": self.worker_stats(), "task_latency": task_latency(self.control),
+                **store_figures(self.control),
                 "roots": root_figures(self.control, self.io) if self.io else []}
 
     def stop(self, grace_s: float = STOP_GRACE_S,
@@ -631,6 +640,7 @@ class ThreadWorkers:
             return self._last_stats
         return {"mode": self.mode, "counters": asdict(self.counters), "unavailable": "",
                 "workers": self.worker_stats(), "task_latency": task_latency(self.control),
+                **store_figures(self.control),
                 "roots": root_figures(self.control, self.io) if self.io else []}
 
     def stop(self, grace_s: float = STOP_GRACE_S,

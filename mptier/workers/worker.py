@@ -646,12 +646,13 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
     if root.lease is None:  # before the first temporary name carrying our tag
         root.lease = Lease.create(root.path, tag=ctx.tag.decode())
     block_bytes = ctx.block_bytes
-    new: list[int] = []
     capacity = ctx.io.capacity_bytes
+    # Blocks already there cost this existence check: the store finds them too and only
+    # touches them (names are content hashes), writing nothing; the check counts them
+    # (skipped, not written) and keeps them out of the room a budget must make.
+    statuses = ctx.backend.lookup(fd, paths, block_bytes, 0)
+    new = [i for i, status in enumerate(statuses) if status != native.LOOKUP_PRESENT]
     if capacity:
-        # Blocks already there cost nothing (a store that finds one only touches it).
-        statuses = ctx.backend.lookup(fd, paths, block_bytes, 0)
-        new = [i for i, status in enumerate(statuses) if status != native.LOOKUP_PRESENT]
         need = len(new) * block_bytes
         if need and not _room(ctx, root.index, need):
             usage = ctx.slot_writer.control.usage_bytes(root.index)
@@ -669,8 +670,11 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
                     "removes it once this writer's lease is free",
                     os.path.dirname(f"{root.mapper.blocks_dir}/{paths[index].decode()}"),
                     os.strerror(temp_err))
-    if new:
-        _count_new(ctx, root.index, [paths[i] for i in new if i < n_done])
+    written = [paths[i] for i in new if i < n_done]
+    ctx.slot_writer.count_stored(len(written) * block_bytes,
+                                 (n_done - len(written)) * block_bytes)
+    if capacity:
+        _count_new(ctx, root.index, written)
     return rc, n_done, index, ""
 
 
