@@ -191,3 +191,34 @@ def test_engine_attached_to_a_service_sigkilled_its_held_stores_still_land(
     wait_for(lambda: not mptier_objects({info["pid"]}), 30, "its buffer removed")
     assert not [i for i in range(2, N_JOBS) if block_file(service_root, i)]
     assert sorted(service.worker_pids()) == sorted(info["workers"])  # still serving
+
+
+def test_a_service_killed_under_a_live_engine_abandons_its_held_stores(
+        start_service, tmp_path, run_dir, backend, subreaper, make_buffer,  # noqa: F811
+        monkeypatch):
+    """The other orphan: ``mptier serve`` SIGKILLed while its workers hold stores of an
+    engine that lives on. That engine fails the jobs (the service went away) and may
+    reuse their slots, so the workers must not write them later: they end at once, as
+    before, and the blocks are not published."""
+    from mptier import FileSystemTier, TransferJob, make_key
+
+    monkeypatch.setenv("MPTIER_FAULT_STALL", f"store:{STALL_S}")
+    service = start_service("kv", "--set", f"native={backend == 'native'}".lower())
+    service_root = str(tmp_path / "kv")
+    buf = make_buffer(N_JOBS, BLOCK)
+    tier = FileSystemTier(buf, root_dir="/not/used", service="kv")
+    try:
+        for i in range(N_JOBS):
+            buf.view[i] = np.frombuffer(content(i), dtype=np.uint8)
+            tier.submit_store(TransferJob(i, [make_key(bytes([i]) * 32)], [i]))
+        wait_for(lambda: [w["state"] for w in tier.stats()["workers"]] == ["busy"] * 2,
+                 30, "both service workers holding a store")
+        workers = service.worker_pids()
+        service.stop(signal.SIGKILL)
+        statuses = reap(workers, 20)
+        assert all(os.WIFSIGNALED(s) and os.WTERMSIG(s) == signal.SIGKILL
+                   for s in statuses.values()), statuses
+        time.sleep(STALL_S)  # past the stall: a store still running would have landed
+        assert not any(block_file(service_root, i) for i in range(N_JOBS))
+    finally:
+        tier.shutdown()

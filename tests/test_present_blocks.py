@@ -12,6 +12,7 @@ import time
 
 from conftest import fill_random, wait_results
 from test_monitor_cli import _free_port, _scrape, _status, _value
+from test_service import attach, start_service  # noqa: F401  (fixtures)
 
 from mptier import TransferJob, make_key
 
@@ -84,3 +85,22 @@ def test_the_byte_counts_survive_a_worker_replaced(make_buffer, make_tier):
     assert (stats["written_bytes"], stats["skipped_bytes"]) == (2 * BLOCK, 2 * BLOCK)
     store(tier, 3, keys[:1], [0])
     assert tier.stats()["skipped_bytes"] == 3 * BLOCK
+
+
+def test_an_engine_attached_to_a_service_reports_the_services_byte_counts(
+        start_service, attach, make_buffer, backend):  # noqa: F811
+    from conftest import wait_for
+
+    service = start_service("kv", "--set", f"native={backend == 'native'}".lower())
+    buf = make_buffer(8, BLOCK)
+    fill_random(buf.view, range(4), seed=9)
+    tier = attach(service, buf)
+    keys = [make_key(os.urandom(32)) for _ in range(4)]
+    store(tier, 1, keys[:2], [0, 1])
+    store(tier, 2, keys, [0, 1, 2, 3])
+    wait_for(lambda: (tier.stats()["written_bytes"], tier.stats()["skipped_bytes"])
+             == (4 * BLOCK, 2 * BLOCK), 30, "the service's figures")
+    code, out, err = _status("--json", "--name", "kv", "--interval", "0")
+    assert code == 0, err
+    totals = json.loads(out)["totals"]
+    assert (totals["written_bytes"], totals["skipped_bytes"]) == (4 * BLOCK, 2 * BLOCK)

@@ -100,7 +100,7 @@ class Service:
         with contextlib.ExitStack() as stack:
             stack.callback(self._close)
             self._claim_name()
-            self._pool = WorkerPool(PoolSettings.from_config(self.config))
+            self._pool = WorkerPool(PoolSettings.from_config(self.config), in_engine=False)
             self._pool.start()
             self._listen()
             self._start_monitoring(stack)

@@ -59,6 +59,7 @@ class BootSpec:
     nice: int = 0
     cpus: list[int] = field(default_factory=list)
     io_timeout_s: float = 60.0  # also caps how long a worker outlives its supervisor
+    in_engine: bool = True  # the supervisor runs in the engine (not in mptier serve)
 
 
 def launch(boot: BootSpec, slot: int, role: str) -> tuple[subprocess.Popen, socket.socket]:
@@ -70,7 +71,7 @@ def launch(boot: BootSpec, slot: int, role: str) -> tuple[subprocess.Popen, sock
             "slot": slot, "role": role, "n_slots": boot.n_slots,
             "control_block": boot.control_block_fd, "control_socket": worker_end.fileno(),
             "backend": boot.backend, "nice": boot.nice, "cpus": boot.cpus,
-            "io_timeout_s": boot.io_timeout_s,
+            "io_timeout_s": boot.io_timeout_s, "in_engine": boot.in_engine,
             "parent_pid": os.getpid(),
         }
         proc = subprocess.Popen(

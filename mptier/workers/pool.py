@@ -322,14 +322,16 @@ class WorkerPool:
 
     mode = "processes"
 
-    def __init__(self, settings: PoolSettings) -> None:
+    def __init__(self, settings: PoolSettings, in_engine: bool = True) -> None:
+        """``in_engine``: this process is the engine whose buffer the workers map (False
+        in ``mptier serve``): a worker outliving it may finish the stores it holds."""
         self.settings = settings
         n_workers = len(settings.roles)
         # A parked (stuck) worker keeps its slot; its replacement needs another.
         self.control = ControlBlock(n_workers + settings.max_stuck_workers)
         boot = BootSpec(n_slots=self.control.n_slots, control_block_fd=self.control.fd,
                         backend=settings.backend, nice=settings.nice, cpus=settings.cpus,
-                        io_timeout_s=settings.io_timeout_s)
+                        io_timeout_s=settings.io_timeout_s, in_engine=in_engine)
         self._supervisor = Supervisor(SupervisorSettings(
             roles=settings.roles, boot=boot, io_timeout_s=settings.io_timeout_s,
             max_task_retries=settings.max_task_retries,

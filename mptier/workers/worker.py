@@ -128,6 +128,10 @@ def _parse_stalls(spec: str) -> dict[TaskKind, float]:
 
 # Set by the watcher thread once the supervisor is gone (ORPHAN_SIGNAL).
 _ORPHANED = threading.Event()
+# What the watcher looks at (set at boot): the slot's task record, and whether the
+# supervisor runs in the engine -- then its end is the engine's, whose slots nobody
+# reuses any more; in ``mptier serve`` the engine may live on.
+_WATCHED: dict[str, Any] = {"record": None, "in_engine": False}
 _STALLS = _parse_stalls(os.environ.get(STALL_ENV, ""))
 # Fault injection for tests: a worker fails its boot while the file MPTIER_FAULT_BOOT
 # names exists (a broken installation that may get fixed), and each task makes a worker
@@ -326,6 +330,9 @@ def serve(ctx: WorkerContext, control: socket.socket | None) -> str:
                     if ended:
                         return ended
                 continue
+            if _ORPHANED.is_set():  # taken as the supervisor went: dropped, not run
+                writer.release()
+                return ENDED_SUPERVISOR_GONE
             if _more_waiting(ctx):
                 with contextlib.suppress(BlockingIOError):
                     os.write(ctx.doorbell_write_fd, b"!")
@@ -756,11 +763,12 @@ def _lookup_on(ctx: WorkerContext, root: RootHandle, keys: list[bytes]) -> bytes
 
 # -- the process -------------------------------------------------------------------------
 
-def _die_with_parent(parent_pid: int, control: socket.socket, bound_s: float) -> None:
+def _leave_with_parent(parent_pid: int, control: socket.socket, bound_s: float) -> None:
     """Ask the kernel for ORPHAN_SIGNAL when the thread that spawned us (the supervisor)
     ends, and watch for it on a thread of our own (:func:`_watch_supervisor`). The
-    signal is blocked here first, before any thread starts, so every thread inherits
-    the block and only the watcher's ``sigwait`` ever takes it."""
+    launcher's boot script blocked the signal before any import could start a thread
+    (blocked again here for a worker started otherwise), so every thread inherits the
+    block and only the watcher's ``sigwait`` ever takes it."""
     signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the exit bound's timer ends us
     signal.pthread_sigmask(signal.SIG_BLOCK, {ORPHAN_SIGNAL})
     threading.Thread(target=_watch_supervisor, args=(control, bound_s),
@@ -782,7 +790,15 @@ def _watch_supervisor(control: socket.socket, bound_s: float) -> None:
     leaves; :func:`_leave_no_trace` then removes what the dead engine left behind."""
     signal.sigwait({ORPHAN_SIGNAL})
     signal.setitimer(signal.ITIMER_REAL, bound_s)
-    _ORPHANED.set()
+    _ORPHANED.set()  # from here on the loop runs no task it takes (see serve)
+    record = _WATCHED["record"]
+    held = peek_task(record) if record is not None else None
+    if held is not None and (held[0] != TaskKind.STORE or not _WATCHED["in_engine"]):
+        # Only a dead engine's stores are finished. A load or lookup helps nobody now;
+        # and when only the service died, the engine lives on: it fails the task itself
+        # and may reuse the slot, which a store or load finishing later would read from
+        # or land in. End now, as a killed worker would.
+        os.kill(os.getpid(), signal.SIGKILL)
     with contextlib.suppress(OSError):
         control.shutdown(socket.SHUT_RDWR)
 
@@ -824,7 +840,7 @@ def process_main(boot: dict[str, Any]) -> int:
     from mptier import native
 
     control = socket.socket(fileno=boot["control_socket"])
-    _die_with_parent(boot["parent_pid"], control,
+    _leave_with_parent(boot["parent_pid"], control,
                      min(ORPHAN_EXIT_S, boot.get("io_timeout_s") or ORPHAN_EXIT_S))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the engine's terminal
     slot, role = boot["slot"], boot["role"]
@@ -846,6 +862,7 @@ def process_main(boot: dict[str, Any]) -> int:
                           errno=getattr(exc, "errno", 0) or 0)
         return protocol.EXIT_BOOT_FAILED
     writer.set_state(SlotState.IDLE)
+    _WATCHED["record"], _WATCHED["in_engine"] = writer.record, boot.get("in_engine", True)
     try:
         protocol.send(control, protocol.READY, pid=os.getpid())
         code = _between_sessions(control, writer, role, backend)
