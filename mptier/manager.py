@@ -448,6 +448,10 @@ class FileSystemTier:
             # How long the workers' tasks took (their control-block buckets; an attached
             # engine's service reports its own in its status)
             "task_latency": pool.get("task_latency", {}),
+            # Of the blocks stored: bytes written, and bytes skipped (already on disk).
+            # The pool's figures: in a service, those of every engine it served.
+            "written_bytes": pool.get("written_bytes", 0),
+            "skipped_bytes": pool.get("skipped_bytes", 0),
             # Bytes of blocks under the roots (every cache folder there, other models'
             # too; a lower bound until each root's first walk completed), and the budget
             # (capacity_bytes per root; 0 = unlimited).

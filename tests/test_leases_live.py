@@ -83,7 +83,11 @@ def test_engine_sigkill_mid_store_then_a_new_tier_sweeps_its_temps_not_a_live_ti
         assert all(lease_state(root, tag) == "held" for tag in dead_tags)
         workers = psutil.Process(engine.pid).children()
         assert len(workers) == 2
+        # The whole tree killed (an OOM kill of its container): a worker whose engine
+        # alone died would finish its store and leave nothing (test_engine_exit.py).
         engine.send_signal(signal.SIGKILL)
+        for w in workers:
+            w.send_signal(signal.SIGKILL)
         engine.wait()
     finally:
         if engine.poll() is None:

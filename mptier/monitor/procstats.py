@@ -232,6 +232,8 @@ class Sampler:
                 "corrupt_removed": stats.get("corrupt_removed", 0),
                 "checksum_failures": stats.get("checksum_failures", 0),
                 "bad_entries": stats.get("bad_entries", 0),
+                "written_bytes": stats.get("written_bytes", 0),
+                "skipped_bytes": stats.get("skipped_bytes", 0),
             },
             "rates": rates,
             "latency": _latency(stats.get("latency", {})),
@@ -365,7 +367,7 @@ class Sampler:
 _CONSUMED = frozenset({
     "name", "kind", "pid", "time", "queued_tasks", "jobs_submitted", "jobs_failed",
     "bytes_done", "keys_checked", "keys_found", "corrupt_removed", "checksum_failures",
-    "bad_entries", "counters",
+    "bad_entries", "counters", "written_bytes", "skipped_bytes",
     "capacity_bytes"})
 
 _PROCESS_KEYS = ("cpu_user_s", "cpu_system_s", "rss_bytes", "private_bytes",

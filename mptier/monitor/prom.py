@@ -62,6 +62,10 @@ METRICS: tuple[MetricDef, ...] = (
               "Jobs that finished with at least one block failed, by kind"),
     MetricDef("mptier_transferred_bytes_total", "counter", ("tier", "kind"),
               "Bytes of blocks stored or loaded successfully by finished jobs"),
+    MetricDef("mptier_written_bytes_total", "counter", T,
+              "Bytes of blocks stores wrote to files"),
+    MetricDef("mptier_skipped_bytes_total", "counter", T,
+              "Bytes of blocks stores found on disk already and did not write"),
     MetricDef("mptier_lookup_keys_checked_total", "counter", T,
               "Keys whose existence workers checked (batched lookups)"),
     MetricDef("mptier_lookup_keys_found_total", "counter", T,
@@ -205,6 +209,8 @@ def _fill(fam: dict[str, Metric], f: dict[str, Any]) -> None:
         latency = f.get("latency", {}).get(kind, {})
         put("mptier_job_latency_seconds", latency.get("p50_s"), kind, "0.5")
         put("mptier_job_latency_seconds", latency.get("p99_s"), kind, "0.99")
+    put("mptier_written_bytes_total", totals.get("written_bytes"))
+    put("mptier_skipped_bytes_total", totals.get("skipped_bytes"))
     for kind in ("store", "load", "lookup"):
         tasks = f.get("task_latency", {}).get(kind, {})
         put("mptier_task_latency_seconds", tasks.get("p50_s"), kind, "0.5")

@@ -247,6 +247,8 @@ class ServiceLink(Pool):
         return {"mode": self.mode, "service": self.name, "unavailable": reason,
                 "reattaches": self.reattaches, "counters": figures.get("counters", {}),
                 "workers": figures.get("workers", []),
+                "written_bytes": figures.get("written_bytes", 0),
+                "skipped_bytes": figures.get("skipped_bytes", 0),
                 "service_pid": figures.get("pid"), "service_root": figures.get("root")}
 
     def stop(self, grace_s: float = 10.0,

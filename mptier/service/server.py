@@ -100,7 +100,7 @@ class Service:
         with contextlib.ExitStack() as stack:
             stack.callback(self._close)
             self._claim_name()
-            self._pool = WorkerPool(PoolSettings.from_config(self.config))
+            self._pool = WorkerPool(PoolSettings.from_config(self.config), in_engine=False)
             self._pool.start()
             self._listen()
             self._start_monitoring(stack)
@@ -347,6 +347,7 @@ class Service:
             log.info("mptier service %r: %s detached", self.name, self._engine)
             self._pool.end_session(timeout_s=0)
             self._drop_link()
+            self._remove_leftovers()
             return
         message, fds = got
         messages.close_all(fds)
@@ -358,6 +359,21 @@ class Service:
             self._pool.end_session()
             with contextlib.suppress(OSError):
                 messages.send(self._link, DETACHED, ok=True)
+
+    def _remove_leftovers(self) -> None:
+        """After an engine's end: what a killed one left -- its status socket and lock
+        in this run folder, its buffer in /dev/shm -- is removed now, not at the next
+        start on the machine. Only objects whose lock is free go (the workers' mapping
+        of the buffer stays valid); a few entries of a local folder, quick."""
+        from mptier.monitor.endpoint import remove_stale
+        from mptier.shm import cleanup_stale
+
+        try:
+            remove_stale(os.path.dirname(self.path), trust=self.trust)
+            cleanup_stale()
+        except OSError as exc:  # best effort: the next start removes them too
+            log.warning("mptier service %r: could not remove what %s left: %s", self.name,
+                        "the engine", exc)
 
     def _drop_link(self) -> None:
         if self._link is not None:

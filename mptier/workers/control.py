@@ -24,6 +24,8 @@ attaches. Three parts::
         +0            header: state, started_ns, tasks_done, bytes_done, busy_ns,
                       tasks_failed (u64 each), pid, role (u32 each)
         +SLOT_ROOT_AT   the root the task in hand is on (for a timeout's blame)
+        +SLOT_WRITTEN_AT bytes its stores wrote, and skipped (blocks already there;
+                      folded into the pool header's totals when the slot is emptied)
         +SLOT_STORES_AT per root: blocks this worker created (sorted against the walk's
                       position, see RootMaintainer.record_other_stores) and the bytes it
                       waits to find room for -- read by the root's caretaker
@@ -79,6 +81,9 @@ _ROOT_USAGE_AT = _ROOT_HEALTH.size
 SLOT_ROOT_AT = 960
 # Stores that had to wait for room (capacity_bytes), and the time they waited (u64 each).
 SLOT_WAITS_AT = 968
+# Bytes of blocks this worker's stores wrote, and of blocks they found already on disk
+# and skipped (u64 each; see ControlBlock.store_bytes).
+SLOT_WRITTEN_AT = 984
 SLOT_STORES_AT = 1024
 _SLOT_STORES = struct.Struct("<IIQQQQQ")
 # Per root: stores this worker failed at once because the root is read-only (u64 each).
@@ -94,6 +99,11 @@ _SLOT_LATENCY = struct.Struct(f"<{LATENCY_BUCKETS}I")
 assert SLOT_LATENCY_AT + 3 * _SLOT_LATENCY.size <= RECORD_OFFSET, "past the header page"
 _SLOT_HEADER = struct.Struct("<QQQQQQII")
 _POOL_HEADER = struct.Struct(f"<4sIIiQ{REASON_BYTES}s")
+# After the pool header: the written and skipped bytes of workers whose slots were
+# emptied since (the supervisor folds them in), so the pool's totals never go back when
+# a worker is replaced (u64 each).
+POOL_WRITTEN_AT = 1056
+_BYTE_PAIR = struct.Struct("<QQ")
 _STATE_OFFSET = 8  # the state word's place in the pool header (after magic, version)
 _POOL_MAGIC = b"MPTC"
 _POOL_VERSION = 1
@@ -378,15 +388,34 @@ class ControlBlock:
         base = self._slot_at(slot)
         return self.memory[base:base + SLOT_BYTES]
 
+    def store_bytes(self) -> tuple[int, int]:
+        """``(written, skipped)``: bytes of blocks the pool's stores wrote, and bytes of
+        blocks they found on disk already and did not write, over the pool's life."""
+        written, skipped = _BYTE_PAIR.unpack_from(self.memory, POOL_WRITTEN_AT)
+        for slot in range(self.n_slots):
+            w, k = _BYTE_PAIR.unpack_from(self.memory, self._slot_at(slot) + SLOT_WRITTEN_AT)
+            written, skipped = written + w, skipped + k
+        return written, skipped
+
+    def _retire(self, base: int) -> None:
+        """Fold the byte counts of the slot at ``base`` into the pool's (before it is
+        emptied; the pool header's single writer only)."""
+        w, k = _BYTE_PAIR.unpack_from(self.memory, base + SLOT_WRITTEN_AT)
+        if w or k:
+            written, skipped = _BYTE_PAIR.unpack_from(self.memory, POOL_WRITTEN_AT)
+            _BYTE_PAIR.pack_into(self.memory, POOL_WRITTEN_AT, written + w, skipped + k)
+
     def reset(self, slot: int, role: str) -> None:
         """Empty ``slot`` for a new worker of ``role`` (state BOOTING)."""
         base = self._slot_at(slot)
+        self._retire(base)
         self.memory[base:base + SLOT_BYTES] = bytes(SLOT_BYTES)
         _SLOT_HEADER.pack_into(self.memory, base, SlotState.BOOTING, 0, 0, 0, 0, 0, 0,
                                ROLES.index(role))
 
     def release_slot(self, slot: int) -> None:
         base = self._slot_at(slot)
+        self._retire(base)
         self.memory[base:base + SLOT_BYTES] = bytes(SLOT_BYTES)
 
     def snapshot(self, slot: int) -> SlotSnapshot:
@@ -480,6 +509,11 @@ class SlotWriter:
         waits, total = struct.unpack_from("<QQ", self._mem, SLOT_WAITS_AT)
         struct.pack_into("<QQ", self._mem, SLOT_WAITS_AT, waits + 1, total + ns)
 
+    def count_stored(self, written: int, skipped: int) -> None:
+        """Count bytes of blocks a store wrote, and of blocks it found already there."""
+        w, k = _BYTE_PAIR.unpack_from(self._mem, SLOT_WRITTEN_AT)
+        _BYTE_PAIR.pack_into(self._mem, SLOT_WRITTEN_AT, w + written, k + skipped)
+
     def count_read_only(self, root: int) -> None:
         """Count a store of ``root`` failed at once: the root is read-only."""
         self._bump(SLOT_READ_ONLY_AT + 8 * root)
@@ -518,6 +552,8 @@ class SlotWriter:
                          nbytes)
 
 
+assert _POOL_HEADER.size <= POOL_WRITTEN_AT and POOL_WRITTEN_AT + 16 <= ROOTS_AT
+assert SLOT_WAITS_AT + 16 <= SLOT_WRITTEN_AT and SLOT_WRITTEN_AT + 16 <= SLOT_STORES_AT
 assert _POOL_HEADER.size <= ROOTS_AT and ROOTS_AT + MAX_ROOTS * ROOT_BYTES <= PAGE_BYTES
 assert _ROOT_HEALTH.size + _ROOT_USAGE.size == ROOT_BYTES
 assert SLOT_NO_SPACE_AT + MAX_ROOTS * 8 <= RECORD_OFFSET

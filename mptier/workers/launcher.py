@@ -29,8 +29,13 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(mptier.__file__))
 # working folder ("", unless PYTHONSAFEPATH left it out): it goes. Then the package is
 # imported from its file, so every ``mptier.*`` import follows its ``__path__``, while
 # the rest of sys.path is left as it is (putting site-packages in front could shadow
-# the standard library with an old backport).
+# the standard library with an old backport). First of all the script blocks SIGUSR1
+# (mptier.workers.worker.ORPHAN_SIGNAL), before any import can start a thread (numpy's
+# BLAS pool does): a thread that did not block it would take the signal's default
+# action, death, where the worker means to leave in order.
 _BOOT_SCRIPT = """\
+import signal
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
 import sys
 if sys.path and sys.path[0] == "":
     del sys.path[0]
@@ -54,6 +59,9 @@ class BootSpec:
     backend: str = "native"
     worker_nice: int = default_of("worker_nice")  # the TierConfig fields of these names
     worker_cpus: list[int] = field(default_factory=list)
+    # Also caps how long a worker outlives its supervisor.
+    io_timeout_s: float = default_of("io_timeout_s")
+    in_engine: bool = True  # the supervisor runs in the engine (not in mptier serve)
 
 
 def launch(boot: BootSpec, slot: int, role: str) -> tuple[subprocess.Popen, socket.socket]:
@@ -65,6 +73,7 @@ def launch(boot: BootSpec, slot: int, role: str) -> tuple[subprocess.Popen, sock
             "slot": slot, "role": role, "n_slots": boot.n_slots,
             "control_block": boot.control_block_fd, "control_socket": worker_end.fileno(),
             "backend": boot.backend, "nice": boot.worker_nice, "cpus": boot.worker_cpus,
+            "io_timeout_s": boot.io_timeout_s, "in_engine": boot.in_engine,
             "parent_pid": os.getpid(),
         }
         proc = subprocess.Popen(

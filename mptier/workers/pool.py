@@ -243,6 +243,14 @@ def task_latency(control: ControlBlock) -> dict[str, dict[str, Any]]:
     return out
 
 
+def store_figures(control: ControlBlock) -> dict[str, int]:
+    """``written_bytes``: bytes of blocks the pool's stores wrote; ``skipped_bytes``:
+    bytes of blocks they found on disk already and did not write (over the pool's life,
+    from the control block: a service reports them too)."""
+    written, skipped = control.store_bytes()
+    return {"written_bytes": written, "skipped_bytes": skipped}
+
+
 def root_figures(control: ControlBlock, io: IoSettings) -> list[dict[str, Any]]:
     """Each root's health and usage as ``stats()`` reports them (from the control block:
     never blocks, any process)."""
@@ -330,13 +338,15 @@ class WorkerPool(_ControlDoor, Pool):
 
     mode = "processes"
 
-    def __init__(self, settings: PoolSettings) -> None:
+    def __init__(self, settings: PoolSettings, in_engine: bool = True) -> None:
+        """``in_engine``: this process is the engine whose buffer the workers map (False
+        in ``mptier serve``): a worker outliving it may finish the stores it holds."""
         self.settings = settings
         n_workers = len(settings.roles)
         # A parked (stuck) worker keeps its slot; its replacement needs another.
         self.control = ControlBlock(n_workers + settings.max_stuck_workers)
         boot = BootSpec(n_slots=self.control.n_slots, control_block_fd=self.control.fd,
-                        **_same_fields(BootSpec, settings))
+                        in_engine=in_engine, **_same_fields(BootSpec, settings))
         self._supervisor = Supervisor(SupervisorSettings(
             roles=settings.roles, boot=boot, root_label=settings.root_label,
             roots=settings.roots, **_same_fields(SupervisorSettings, settings)),
@@ -472,6 +482,7 @@ class WorkerPool(_ControlDoor, Pool):
         reason, _ = self.unavailable()
         return {"mode": self.mode, "counters": counters, "unavailable": reason,
                 "workers": self.worker_stats(), "task_latency": task_latency(self.control),
+                **store_figures(self.control),
                 "roots": root_figures(self.control, self.io) if self.io else []}
 
     def stop(self, grace_s: float = STOP_GRACE_S,
@@ -628,6 +639,7 @@ class ThreadWorkers(_ControlDoor, Pool):
             return self._last_stats
         return {"mode": self.mode, "counters": asdict(self.counters), "unavailable": "",
                 "workers": self.worker_stats(), "task_latency": task_latency(self.control),
+                **store_figures(self.control),
                 "roots": root_figures(self.control, self.io) if self.io else []}
 
     def stop(self, grace_s: float = STOP_GRACE_S,

@@ -48,6 +48,7 @@ import signal
 import socket
 import stat
 import termios
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -86,6 +87,24 @@ REPORT_AFTER_LIFELINE_S = 5.0
 _EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 0)
 log = logging.getLogger("mptier.workers")
 _PR_SET_PDEATHSIG = 1
+# What the kernel sends a worker when the thread that started it (the supervisor, in the
+# engine or in ``mptier serve``) ends -- its process SIGKILLed included (vLLM's offline
+# teardown SIGKILLs its EngineCore). Not SIGKILL: the worker finishes the task it holds
+# (the buffer stays mapped here, so a store's bytes are still there), takes no more, and
+# leaves in order (see :func:`_watch_supervisor`). SIGUSR1: no terminal or shell sends it
+# to a process group, so only the kernel (or an operator) means it.
+ORPHAN_SIGNAL = signal.SIGUSR1
+# How long a worker whose supervisor is gone may take to finish its task and leave, from
+# the moment the kernel tells it (io_timeout_s instead when shorter: the longest a task
+# may run before the tier calls the file system hung). One task is at most task_bytes
+# (8 MiB by default: under a second even at 10 MB/s), and leaving is closing files and
+# removing a lease per root, so 10 s leaves room for a loaded machine and a slow network
+# file system, while every worker of a dead engine is gone before a service manager's
+# stop timeout would escalate (docker stop: 10 s; Kubernetes: 30 s; systemd: 90 s). A
+# worker still there then is ended by SIGALRM (its default action; the kernel's timer,
+# whatever the worker is doing): what its unfinished store left (a temporary file, its
+# lease) is swept by the next tier on the root, as after any kill.
+ORPHAN_EXIT_S = 10.0
 # Fault injection for tests: MPTIER_FAULT_STALL="store:0.5,load:2" makes the worker sleep
 # that long at the start of each task of that kind, as a slow or hung file system would.
 STALL_ENV = "MPTIER_FAULT_STALL"
@@ -107,6 +126,12 @@ def _parse_stalls(spec: str) -> dict[TaskKind, float]:
     return stalls
 
 
+# Set by the watcher thread once the supervisor is gone (ORPHAN_SIGNAL).
+_ORPHANED = threading.Event()
+# What the watcher looks at (set at boot): the slot's task record, and whether the
+# supervisor runs in the engine -- then its end is the engine's, whose slots nobody
+# reuses any more; in ``mptier serve`` the engine may live on.
+_WATCHED: dict[str, Any] = {"record": None, "in_engine": False}
 _STALLS = _parse_stalls(os.environ.get(STALL_ENV, ""))
 # Fault injection for tests: a worker fails its boot while the file MPTIER_FAULT_BOOT
 # names exists (a broken installation that may get fixed), and each task makes a worker
@@ -305,6 +330,9 @@ def serve(ctx: WorkerContext, control: socket.socket | None) -> str:
                     if ended:
                         return ended
                 continue
+            if _ORPHANED.is_set():  # taken as the supervisor went: dropped, not run
+                writer.release()
+                return ENDED_SUPERVISOR_GONE
             if _more_waiting(ctx):
                 with contextlib.suppress(BlockingIOError):
                     os.write(ctx.doorbell_write_fd, b"!")
@@ -625,12 +653,13 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
     if root.lease is None:  # before the first temporary name carrying our tag
         root.lease = Lease.create(root.path, tag=ctx.tag.decode())
     block_bytes = ctx.block_bytes
-    new: list[int] = []
     capacity = ctx.io.capacity_bytes
+    # Blocks already there cost this existence check: the store finds them too and only
+    # touches them (names are content hashes), writing nothing; the check counts them
+    # (skipped, not written) and keeps them out of the room a budget must make.
+    statuses = ctx.backend.lookup(fd, paths, block_bytes, 0)
+    new = [i for i, status in enumerate(statuses) if status != native.LOOKUP_PRESENT]
     if capacity:
-        # Blocks already there cost nothing (a store that finds one only touches it).
-        statuses = ctx.backend.lookup(fd, paths, block_bytes, 0)
-        new = [i for i, status in enumerate(statuses) if status != native.LOOKUP_PRESENT]
         need = len(new) * block_bytes
         if need and not _room(ctx, root.index, need):
             usage = ctx.slot_writer.control.usage_bytes(root.index)
@@ -648,8 +677,11 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
                     "removes it once this writer's lease is free",
                     os.path.dirname(f"{root.mapper.blocks_dir}/{paths[index].decode()}"),
                     os.strerror(temp_err))
-    if new:
-        _count_new(ctx, root.index, [paths[i] for i in new if i < n_done])
+    written = [paths[i] for i in new if i < n_done]
+    ctx.slot_writer.count_stored(len(written) * block_bytes,
+                                 (n_done - len(written)) * block_bytes)
+    if capacity:
+        _count_new(ctx, root.index, written)
     return rc, n_done, index, ""
 
 
@@ -731,15 +763,61 @@ def _lookup_on(ctx: WorkerContext, root: RootHandle, keys: list[bytes]) -> bytes
 
 # -- the process -------------------------------------------------------------------------
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL us if the thread that spawned us exits (the supervisor)."""
+def _leave_with_parent(parent_pid: int, control: socket.socket, bound_s: float) -> None:
+    """Ask the kernel for ORPHAN_SIGNAL when the thread that spawned us (the supervisor)
+    ends, and watch for it on a thread of our own (:func:`_watch_supervisor`). The
+    launcher's boot script blocked the signal before any import could start a thread
+    (blocked again here for a worker started otherwise), so every thread inherits the
+    block and only the watcher's ``sigwait`` ever takes it."""
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the exit bound's timer ends us
+    signal.pthread_sigmask(signal.SIG_BLOCK, {ORPHAN_SIGNAL})
+    threading.Thread(target=_watch_supervisor, args=(control, bound_s),
+                     name="mptier-orphan-watch", daemon=True).start()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, ORPHAN_SIGNAL, 0, 0, 0)
     except (OSError, AttributeError):
         pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(0)
+
+
+def _watch_supervisor(control: socket.socket, bound_s: float) -> None:
+    """(The watcher thread.) When ORPHAN_SIGNAL comes -- the supervisor is gone, the
+    engine with it -- arm the kernel's timer for the exit bound, then shut the control
+    socket: the serving loop takes that end of file as the supervisor's (after the task
+    in hand, never during it), drops the tasks still queued, gives up its leases and
+    leaves; :func:`_leave_no_trace` then removes what the dead engine left behind."""
+    signal.sigwait({ORPHAN_SIGNAL})
+    signal.setitimer(signal.ITIMER_REAL, bound_s)
+    _ORPHANED.set()  # from here on the loop runs no task it takes (see serve)
+    record = _WATCHED["record"]
+    held = peek_task(record) if record is not None else None
+    if held is not None and (held[0] != TaskKind.STORE or not _WATCHED["in_engine"]):
+        # Only a dead engine's stores are finished. A load or lookup helps nobody now;
+        # and when only the service died, the engine lives on: it fails the task itself
+        # and may reuse the slot, which a store or load finishing later would read from
+        # or land in. End now, as a killed worker would.
+        os.kill(os.getpid(), signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        control.shutdown(socket.SHUT_RDWR)
+
+
+def _leave_no_trace() -> None:
+    """An orphan's last act: remove the status sockets and locks that dead processes
+    (its engine) left in the run directory, and the mptier objects in /dev/shm nobody
+    holds (its engine's buffer; the mapping here stays valid) -- what the engine's next
+    start would remove, done now. Both take each object's lock first, so nothing live
+    is touched; several workers doing it at once is harmless."""
+    from mptier.monitor.endpoint import remove_stale
+    from mptier.shm import cleanup_stale
+
+    for clean in (remove_stale, cleanup_stale):
+        try:
+            clean()
+        except Exception as exc:  # best effort: the next start removes them anyway
+            log.warning("mptier: a worker leaving after its engine died could not clean "
+                        "up (%s): %s", clean.__name__, _describe(exc))
 
 
 def _batch_policy() -> None:
@@ -761,9 +839,10 @@ def process_main(boot: dict[str, Any]) -> int:
     or the supervisor is gone. Returns the exit code."""
     from mptier import native
 
-    _die_with_parent(boot["parent_pid"])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the engine's terminal
     control = socket.socket(fileno=boot["control_socket"])
+    _leave_with_parent(boot["parent_pid"], control,
+                     min(ORPHAN_EXIT_S, boot.get("io_timeout_s") or ORPHAN_EXIT_S))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the engine's terminal
     slot, role = boot["slot"], boot["role"]
     try:
         fault = os.environ.get(BOOT_FAULT_ENV)
@@ -783,11 +862,15 @@ def process_main(boot: dict[str, Any]) -> int:
                           errno=getattr(exc, "errno", 0) or 0)
         return protocol.EXIT_BOOT_FAILED
     writer.set_state(SlotState.IDLE)
+    _WATCHED["record"], _WATCHED["in_engine"] = writer.record, boot.get("in_engine", True)
     try:
         protocol.send(control, protocol.READY, pid=os.getpid())
-        return _between_sessions(control, writer, role, backend)
+        code = _between_sessions(control, writer, role, backend)
     except (BrokenPipeError, ConnectionResetError):
-        return 0  # the supervisor is gone; nobody to tell
+        code = 0  # the supervisor is gone; nobody to tell
+    if _ORPHANED.is_set():
+        _leave_no_trace()
+    return code
 
 
 def _between_sessions(control: socket.socket, writer: SlotWriter, role: str,
