@@ -103,13 +103,13 @@ def test_hand_out_mode_gives_the_oldest_blocks_and_counts_what_came_back(tmp_pat
     mapper = make_cache(root, block_bytes=BB)
     paths = [write_block(mapper, key_for(i), atime_ns=(1_700_000_000 + i) * 10**9)
              for i in range(20)]
-    m = RootMaintainer(root, capacity_bytes=16 * BB, high_watermark=0.9,
-                       low_watermark=0.5, hand_out=True, sweep=False)
+    m = RootMaintainer(root, capacity_bytes=12 * BB, slack_bytes=4 * BB, hand_out=True,
+                       sweep=False)
     handed = []
     while not m.complete:
         handed += m.step(1000).to_evict
     handed += m.step(1000, walk=False).to_evict
-    # 20 blocks, low mark 8: the 12 oldest handed out, none removed yet.
+    # 20 blocks, capacity - slack 8: the 12 oldest handed out, none removed yet.
     assert [e.path for e in handed] == paths[:12]
     assert all(os.path.exists(p) for p in paths)
     assert m.step(1000, walk=False).to_evict == [], "handed-out bytes count as freed"
@@ -120,6 +120,10 @@ def test_hand_out_mode_gives_the_oldest_blocks_and_counts_what_came_back(tmp_pat
     assert m.refused == 1 and m.evicted_blocks == 11
     assert m.usage_bytes == file_totals(root, BB)[1] == 9 * BB
     assert m.handed_bytes == 0
+    # The one used again is back in the index with its new atime: the youngest, so the
+    # next block out is the oldest of the rest, and it only after them.
+    assert m.rechecked == 1 and m.candidates_left == 9
+    assert [e.path for e in m.step(1000, walk=False).to_evict] == [paths[12]]
 
 
 def test_removed_messages_become_events_and_misses():

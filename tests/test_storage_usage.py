@@ -186,16 +186,16 @@ def test_evict_removes_an_unchanged_block(tmp_path):
     assert evict(entry) is False
 
 
-def test_maintainer_evicts_oldest_down_to_low_and_reports_keys(tmp_path):
+def test_maintainer_evicts_oldest_just_the_excess_and_reports_keys(tmp_path):
     root = str(tmp_path)
     mapper, atimes = _aged_tree(root, 300, seed=7)
-    capacity = 320 * BB     # 300 blocks: past high (288), under the capacity itself
+    capacity = 280 * BB     # 300 blocks: 20 past it, and a slack of 2 blocks
     recent = sorted(atimes, key=atimes.get)[:5]   # the five oldest, then used again
     for path in recent:
         os.utime(path, ns=(T0 + 10**12, os.stat(path).st_mtime_ns))
         atimes[path] = T0 + 10**12
-    maint = RootMaintainer(root, capacity_bytes=capacity, high_watermark=0.9,
-                           low_watermark=0.8, locks_work=True)
+    maint = RootMaintainer(root, capacity_bytes=capacity, slack_bytes=2 * BB,
+                           locks_work=True)
     removed = []
     for _ in range(10_000):
         report = maint.step(64)
@@ -203,15 +203,18 @@ def test_maintainer_evicts_oldest_down_to_low_and_reports_keys(tmp_path):
         if maint.complete and not maint.evicting:
             break
     blocks, total = file_totals(root, BB)
-    assert total <= 0.8 * capacity and maint.usage_bytes == total
+    # Near the budget, not in bands: exactly down to capacity - slack.
+    assert total == capacity - 2 * BB and maint.usage_bytes == total
     assert all(os.path.exists(p) for p in recent), "recently used blocks must survive"
     gone = [p for p in atimes if not os.path.exists(p)]
-    assert len(gone) == len(removed) == 300 - blocks
+    assert len(gone) == len(removed) == 300 - blocks == 22
     survivors_oldest = min(atimes[p] for p in atimes if os.path.exists(p))
     assert max(atimes[p] for p in gone) < survivors_oldest      # LRU order held
     folder = os.path.basename(mapper.blocks_dir)
     assert sorted(removed) == sorted((folder, key_of_block_path(p)) for p in gone)
     assert {key_of_block_path(p) for p in gone} <= {key_for(i) for i in range(300)}
+    # The used blocks were looked at again and went back into the index, newer.
+    assert maint.rechecked >= 0 and maint.candidates_left == blocks
 
 
 def test_maintainer_unlimited_never_evicts_and_counts(tmp_path):
@@ -227,8 +230,7 @@ def test_maintainer_unlimited_never_evicts_and_counts(tmp_path):
 def test_maintainer_over_capacity_at_start_evicts_before_the_first_pass_ends(tmp_path):
     root = str(tmp_path)
     _aged_tree(root, 300, seed=9)
-    maint = RootMaintainer(root, capacity_bytes=200 * BB, high_watermark=0.9,
-                           low_watermark=0.8, locks_work=True)
+    maint = RootMaintainer(root, capacity_bytes=200 * BB, slack_bytes=BB, locks_work=True)
     evicted_early = 0
     while not maint.complete:
         evicted_early += len(maint.step(16).removed)
@@ -238,7 +240,7 @@ def test_maintainer_over_capacity_at_start_evicts_before_the_first_pass_ends(tmp
         if not maint.evicting:
             break
     _blocks, total = file_totals(root, BB)
-    assert total <= 0.8 * 200 * BB and maint.usage_bytes == total
+    assert total == 199 * BB and maint.usage_bytes == total
 
 
 def test_maintainer_sweeps_a_killed_writers_temps_in_its_steps(tmp_path):

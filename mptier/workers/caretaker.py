@@ -105,12 +105,12 @@ INODE_CHECK_S = 1.0
 
 
 def _near_high(m: RootMaintainer, usage: int) -> bool:
-    """Usage at or within URGENT_MARGIN_BYTES (at most half the watermark band) of the
-    high watermark."""
+    """Usage at or within URGENT_MARGIN_BYTES (at most a tenth of the capacity) of the
+    mark eviction keeps it under (capacity - slack)."""
     if not m.capacity_bytes:
         return False
-    margin = min(URGENT_MARGIN_BYTES, (m.high - m.low) * m.capacity_bytes / 2)
-    return usage >= m.high * m.capacity_bytes - margin
+    margin = min(URGENT_MARGIN_BYTES, m.capacity_bytes / 10)
+    return usage >= m.capacity_bytes - m.slack_bytes - margin
 
 
 class _Evictor:
@@ -173,6 +173,10 @@ class _Kept:
     temps_removed: int = 0
     seen: dict[int, tuple[tuple[int, int], tuple[int, int, int, int]]] = field(
         default_factory=dict)
+    # Per slot: (pid, created bytes folded into the usage); their sum is the stamp
+    # published beside the usage (ControlBlock.usage_now).
+    made: dict[int, tuple[int, int]] = field(default_factory=dict)
+    pending: int = 0  # created, not folded, plus reserved: what stores add next
     evictor: _Evictor | None = None
     listing: bytes | None = None  # the listing last published
     folders_base: int = 0
@@ -226,9 +230,11 @@ class Caretaker:
             # What workers counted before now is on disk already: this walk finds it.
             for slot in range(control.n_slots):
                 st = control.slot_stores(slot, index)
-                kept.seen[slot] = ((control.slot_pid(slot), st.pass_id),
+                pid = control.slot_pid(slot)
+                kept.seen[slot] = ((pid, st.pass_id),
                                    (st.ahead_bytes, st.ahead_blocks, st.behind_bytes,
                                     st.behind_blocks))
+                kept.made[slot] = (pid, control.slot_made(slot, index))
             with contextlib.suppress(OSError):  # a root that fails now: the walk says so
                 kept.identity = root_identity(path)
             self.kept[index] = kept
@@ -275,7 +281,8 @@ class Caretaker:
         """Eviction cannot wait for the next gap: past the high watermark (or nearly:
         the stores in flight may take it there before the next step), or a store waits."""
         m = kept.maintainer
-        if m.evicting or _near_high(m, self.ctx.slot_writer.control.usage_bytes(kept.index)):
+        control = self.ctx.slot_writer.control
+        if m.evicting or _near_high(m, control.usage_now(kept.index)):
             return True
         control = self.ctx.slot_writer.control
         if kept.usage_target is not None or \
@@ -292,7 +299,7 @@ class Caretaker:
             return False
         control = self.ctx.slot_writer.control
         while True:
-            if control.usage_bytes(index) + nbytes <= self.ctx.io.capacity_bytes:
+            if control.usage_now(index) <= self.ctx.io.capacity_bytes:
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -312,9 +319,10 @@ class Caretaker:
             kept.next_at = now + REST_CHECK_S  # an operation will probe it, not us
             return
         want = max(want_free, self._collect(kept))
+        want = max(want, kept.pending)
         free = self._watch_space(kept, now)
         freeing = m.evicting or bool(want) or bool(free)
-        urgent = freeing or _near_high(m, m.usage_bytes)
+        urgent = freeing or _near_high(m, m.usage_bytes + want)
         walking = now >= kept.rest_until or (freeing and not m.candidates_left)
         if walking and kept.pass_began is None:
             kept.pass_began = now
@@ -448,23 +456,41 @@ class Caretaker:
 
     def _collect(self, kept: _Kept) -> int:
         """Account other workers' (and this one's) new blocks since the last step;
-        returns the most bytes any of them waits to find room for."""
+        returns the most bytes any of them waits to find room for, and leaves in
+        ``kept.pending`` what stores hold beyond the usage (reserved, or created and
+        not folded yet)."""
         control = self.ctx.slot_writer.control
         index = kept.index
         m = kept.maintainer
         want = 0
+        pending = 0
         for slot in range(control.n_slots):
-            st = control.slot_stores(slot, index)
+            st = control.slot_stores(slot, index)  # before slot_made: never folds more
+            made = control.slot_made(slot, index)  # than the slot says it created
             want = max(want, st.want_free)
-            who = (control.slot_pid(slot), st.pass_id)
+            pid = control.slot_pid(slot)
+            who = (pid, st.pass_id)
             values = (st.ahead_bytes, st.ahead_blocks, st.behind_bytes, st.behind_blocks)
             before = kept.seen.get(slot)
             base = before[1] if before is not None and before[0] == who else (0, 0, 0, 0)
             delta = [v - b for v, b in zip(values, base)]
             kept.seen[slot] = (who, values)
-            if any(delta) and who[0]:
+            if any(delta) and pid:
                 m.record_other_stores(st.pass_id - kept.pass_base, self.folder,
                                       (delta[0], delta[1]), (delta[2], delta[3]))
+            made_pid, folded = kept.made.get(slot, (pid, made))
+            folded += delta[0] + delta[2] if pid else 0
+            if (made_pid != pid or (before is not None and before[0] != who)) \
+                    and made > folded:
+                # Blocks counted in counters that are gone: the slot's last worker died
+                # (the slot was reset), or the worker started a new pass's counts after
+                # our last look. Counted until the walk passes (errs high).
+                m.record_unplaced(self.folder, made - folded,
+                                  (made - folded) // max(1, self.ctx.block_bytes))
+                folded = made
+            kept.made[slot] = (pid, folded)
+            pending += max(0, made - folded) + control.slot_reserved(slot, index)
+        kept.pending = pending
         return want
 
     def _publish(self, kept: _Kept) -> None:
@@ -492,7 +518,8 @@ class Caretaker:
         control.set_root_extra(kept.index, inodes_total=kept.inodes[0],
                                inodes_free=kept.inodes[1],
                                folders_removed=kept.folders_base + m.folders_removed,
-                               flags=ROOT_INODES_LOW if kept.inodes_low else 0)
+                               flags=ROOT_INODES_LOW if kept.inodes_low else 0,
+                               stamp=sum(folded for _, folded in kept.made.values()))
 
     def _send_removed(self, keys: list[bytes]) -> None:
         ctx = self.ctx

@@ -91,7 +91,14 @@ SLOT_NO_SPACE_AT = SLOT_READ_ONLY_AT + MAX_ROOTS * 8
 SLOT_LATENCY_AT = SLOT_NO_SPACE_AT + MAX_ROOTS * 8
 LATENCY_BUCKETS = 32
 _SLOT_LATENCY = struct.Struct(f"<{LATENCY_BUCKETS}I")
-assert SLOT_LATENCY_AT + 3 * _SLOT_LATENCY.size <= RECORD_OFFSET, "past the header page"
+# Per root: bytes of blocks ever created from this slot (u64; kept when the slot passes
+# to a new worker, so a sum over slots never goes back), then per root the bytes the
+# store in hand reserved and has not counted as created yet (u64). With the caretaker's
+# stamp (the created bytes its published usage holds) they make the usage exact at any
+# moment: ControlBlock.usage_now.
+SLOT_MADE_AT = SLOT_LATENCY_AT + 3 * _SLOT_LATENCY.size
+SLOT_RESERVED_AT = SLOT_MADE_AT + MAX_ROOTS * 8
+assert SLOT_RESERVED_AT + MAX_ROOTS * 8 <= RECORD_OFFSET, "past the header page"
 _SLOT_HEADER = struct.Struct("<QQQQQQII")
 _POOL_HEADER = struct.Struct(f"<4sIIiQ{REASON_BYTES}s")
 _STATE_OFFSET = 8  # the state word's place in the pool header (after magic, version)
@@ -133,7 +140,9 @@ LISTING_BYTES = 4096 // 8
 LISTINGS_BYTES = MAX_ROOTS * LISTING_BYTES
 # extras: inodes total, inodes free (statvfs f_files, f_favail), empty folders removed
 # (u64), flags (u32, pad)
-_ROOT_EXTRA = struct.Struct("<QQQII")
+# inodes total, inodes free, folders removed (u64), flags, pad (u32), then the stamp:
+# the bytes of slots' created blocks the published usage holds (u64)
+_ROOT_EXTRA = struct.Struct("<QQQIIQ")
 ROOT_EXTRA_BYTES = _ROOT_EXTRA.size
 EXTRAS_BYTES = MAX_ROOTS * ROOT_EXTRA_BYTES
 ROOT_INODES_LOW = 1  # extras flags: free inodes under the low-inode watermark
@@ -306,7 +315,43 @@ class ControlBlock:
         return values[5], values[6], bool(values[7] & ROOT_LISTED)
 
     def usage_bytes(self, index: int) -> int:
+        """The usage of root ``index`` its caretaker published (see :meth:`usage_now`)."""
         return struct.unpack_from("<Q", self.memory, self._root_at(index) + _ROOT_USAGE_AT)[0]
+
+    def slot_made(self, slot: int, root: int) -> int:
+        """Bytes of blocks ever created on ``root`` from ``slot`` (every worker it had)."""
+        return struct.unpack_from("<Q", self.memory,
+                                  self._slot_at(slot) + SLOT_MADE_AT + 8 * root)[0]
+
+    def slot_reserved(self, slot: int, root: int) -> int:
+        """Bytes the store in hand in ``slot`` reserved on ``root``, not created yet."""
+        return struct.unpack_from("<Q", self.memory,
+                                  self._slot_at(slot) + SLOT_RESERVED_AT + 8 * root)[0]
+
+    def stamp(self, index: int) -> int:
+        """Created bytes (summed over slots) that root ``index``'s published usage
+        holds (its caretaker's last collection)."""
+        return _ROOT_EXTRA.unpack_from(self.memory,
+                                       self._extras_at + index * ROOT_EXTRA_BYTES)[5]
+
+    def pending_bytes(self, index: int, reserved: bool = True) -> tuple[int, int]:
+        """``(created, reserved)``: bytes workers created on root ``index`` that the
+        published usage does not hold yet, and bytes stores reserved there and have not
+        written yet (0 when not ``reserved``). Never blocks (a read per slot)."""
+        made = held = 0
+        for slot in range(self.n_slots):
+            made += self.slot_made(slot, index)
+            if reserved:
+                held += self.slot_reserved(slot, index)
+        return max(0, made - self.stamp(index)), held
+
+    def usage_now(self, index: int, reserved: bool = True) -> int:
+        """Root ``index``'s usage at this moment for this tier's own writes: the
+        published usage, plus blocks created since its caretaker's last collection,
+        plus (``reserved``) the room stores in flight reserved. Readers may see a block
+        twice for an instant (created and still reserved): it errs high, never low."""
+        made, held = self.pending_bytes(index, reserved)
+        return self.usage_bytes(index) + made + held
 
     def slot_stores(self, slot: int, root: int) -> SlotStores:
         """What the worker in ``slot`` created on ``root`` (the caretaker reads it)."""
@@ -327,12 +372,12 @@ class ControlBlock:
         return struct.unpack_from("<QQ", self.memory, self._slot_at(slot) + SLOT_WAITS_AT)
 
     def set_root_extra(self, index: int, *, inodes_total: int, inodes_free: int,
-                       folders_removed: int, flags: int) -> None:
+                       folders_removed: int, flags: int, stamp: int = 0) -> None:
         """(The root's caretaker.)"""
         self._root_at(index)  # range check
         _ROOT_EXTRA.pack_into(self.memory, self._extras_at + index * ROOT_EXTRA_BYTES,
                               max(0, inodes_total), max(0, inodes_free), folders_removed,
-                              flags, 0)
+                              flags, 0, stamp)
 
     def root_extra(self, index: int) -> tuple[int, int, int, int]:
         """``(inodes total, inodes free, folders removed, flags)`` of root ``index``
@@ -378,16 +423,21 @@ class ControlBlock:
         base = self._slot_at(slot)
         return self.memory[base:base + SLOT_BYTES]
 
+    def _clear_slot(self, base: int) -> None:
+        """Zero a slot, except its created-bytes counters (they only grow)."""
+        made = bytes(self.memory[base + SLOT_MADE_AT:base + SLOT_RESERVED_AT])
+        self.memory[base:base + SLOT_BYTES] = bytes(SLOT_BYTES)
+        self.memory[base + SLOT_MADE_AT:base + SLOT_RESERVED_AT] = made
+
     def reset(self, slot: int, role: str) -> None:
         """Empty ``slot`` for a new worker of ``role`` (state BOOTING)."""
         base = self._slot_at(slot)
-        self.memory[base:base + SLOT_BYTES] = bytes(SLOT_BYTES)
+        self._clear_slot(base)
         _SLOT_HEADER.pack_into(self.memory, base, SlotState.BOOTING, 0, 0, 0, 0, 0, 0,
                                ROLES.index(role))
 
     def release_slot(self, slot: int) -> None:
-        base = self._slot_at(slot)
-        self.memory[base:base + SLOT_BYTES] = bytes(SLOT_BYTES)
+        self._clear_slot(self._slot_at(slot))
 
     def snapshot(self, slot: int) -> SlotSnapshot:
         base = self._slot_at(slot)
@@ -511,6 +561,18 @@ class SlotWriter:
                                pass_id, 0, now.ahead_bytes + ahead[0],
                                now.ahead_blocks + ahead[1], now.behind_bytes + behind[0],
                                now.behind_blocks + behind[1], now.want_free)
+
+    def reserve(self, root: int, nbytes: int) -> None:
+        """Reserve ``nbytes`` on ``root`` for the store in hand (0: none any more). Set
+        before the room check, so every later check counts it."""
+        struct.pack_into("<Q", self._mem, SLOT_RESERVED_AT + 8 * root, nbytes)
+
+    def add_made(self, root: int, nbytes: int) -> None:
+        """Count ``nbytes`` of blocks this worker created on ``root`` (before
+        :meth:`add_stores`, so a caretaker reading both never folds more than this)."""
+        at = SLOT_MADE_AT + 8 * root
+        struct.pack_into("<Q", self._mem, at, struct.unpack_from("<Q", self._mem, at)[0]
+                         + nbytes)
 
     def want_free(self, root: int, nbytes: int) -> None:
         """Ask the caretaker of ``root`` for room for ``nbytes`` (0: no longer)."""
