@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import math
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ from conftest import wait_for, wait_results
 
 from mptier import FileSystemTier, LookupResult, SharedKVBuffer, TransferJob, make_key
 from mptier.layout import FileMapper
+from mptier.storage.maintain import EVICT_SLACK_FRACTION
 
 KB = 1 << 10
 BLOCK = 64 * KB
@@ -96,10 +98,15 @@ def root_stats(tier: FileSystemTier, index: int = 0) -> dict:
     return tier.stats()["roots"][index]
 
 
-def settled(tier: FileSystemTier, root: str, cap: int, high: float) -> bool:
+def kept_at(cap: int) -> int:
+    """Blocks eviction leaves: as many as fit under the capacity less its slack."""
+    return (cap - math.floor(EVICT_SLACK_FRACTION * cap)) // BLOCK
+
+
+def settled(tier: FileSystemTier, root: str, cap: int) -> bool:
     r = root_stats(tier)
     _, size, _ = blocks_on_disk(root)
-    return r["usage_complete"] and not r["evicting"] and size <= high * cap
+    return r["usage_complete"] and not r["evicting"] and size <= kept_at(cap) * BLOCK
 
 
 @pytest.mark.slow
@@ -116,18 +123,18 @@ def test_fill_past_the_budget_keeps_recent_blocks_and_evicts_the_oldest(
     for i in range(0, len(recent), 4):
         assert run.load(recent[i:i + 4]).success  # used again: now the newest
     run.store_in_order(new)
-    wait_for(lambda: settled(tier, root, cap, 0.95), 30, "usage back under the high mark")
+    wait_for(lambda: settled(tier, root, cap), 30, "usage back under the budget")
 
     n, size, temps = blocks_on_disk(root)
-    assert size <= 0.95 * cap and not temps
+    assert size == kept_at(cap) * BLOCK and not temps
     present = {k for k in old + new if os.path.exists(tier.path_for(k))}
     assert set(recent) <= present, "recently loaded blocks must survive"
     assert set(new) <= present, "the newest blocks must survive"
     untouched = old[8:]
     gone = [k for k in untouched if k not in present]
-    # Usage went from 64 blocks to under the high mark (45.6): at least 19 evicted, and
-    # exactly the oldest untouched ones, in the order they were stored.
-    assert len(gone) >= 64 - 45
+    # Usage went from 64 blocks to just under the budget less its slack (47): exactly 17
+    # evicted, not a band more, and exactly the oldest untouched ones, in store order.
+    assert len(gone) == 64 - kept_at(cap) == 17
     assert gone == untouched[:len(gone)]
     wait_for(lambda: len(run.evicted()) == len(gone), 10, "removed events for each")
     assert sorted(run.evicted()) == sorted(gone)
@@ -248,7 +255,7 @@ def test_removed_events_only_for_the_tiers_own_folder(make_buffer, make_tier, ro
     run = Driver(tier, buf)
     own = keys_for(b"own", 16)
     run.store_in_order(own)
-    wait_for(lambda: settled(tier, root, cap, 0.95), 30, "usage back under the high mark")
+    wait_for(lambda: settled(tier, root, cap), 30, "usage back under the budget")
     assert not any(os.path.exists(other.path_for(k)) for k in foreign), \
         "the oldest blocks (another model's) go first"
     gone = [k for k in own if not os.path.exists(tier.path_for(k))]
@@ -273,7 +280,7 @@ def test_a_new_caretaker_takes_over_when_the_old_one_dies(make_buffer, make_tier
     keys = keys_for(b"after", 20)
     for i in range(0, len(keys), 2):
         assert run.store(keys[i:i + 2]).success
-    wait_for(lambda: settled(tier, root, cap, 0.95), 30, "eviction by the new caretaker")
+    wait_for(lambda: settled(tier, root, cap), 30, "eviction by the new caretaker")
     assert run.evicted()
 
 
@@ -289,9 +296,9 @@ def test_thread_workers_evict_too(make_tier, root):
     run = Driver(tier, buf)
     keys = keys_for(b"threads", 16)
     run.store_in_order(keys)
-    wait_for(lambda: settled(tier, root, cap, 0.95), 30, "usage back under the high mark")
+    wait_for(lambda: settled(tier, root, cap), 30, "usage back under the budget")
     gone = [k for k in keys if not os.path.exists(tier.path_for(k))]
-    assert gone == keys[:len(gone)] and len(gone) >= 16 - 7
+    assert gone == keys[:len(gone)] and len(gone) == 16 - kept_at(cap)
     wait_for(lambda: sorted(run.evicted()) == sorted(gone), 10, "removed events")
     for key in keys[len(gone):]:
         assert run.load([key]).success
