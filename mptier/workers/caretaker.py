@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from mptier.jobs import MessageType, encode_message, pack_keys
 from mptier.storage import Entry, RootMaintainer, evict
+from mptier.storage.maintain import EVICT_SLACK_FRACTION
 from mptier.storage.roots import root_identity
 from mptier.storage.walk import TOP_PASSED
 from mptier.workers.control import (
@@ -89,6 +90,14 @@ URGENT_BUDGET = 4 * MAINT_BUDGET
 WALK_REST_FACTOR = 4.0
 WALK_REST_MIN_S = 0.5
 WALK_REST_S = 10.0
+# Eviction runs ahead of the stores by a slack (RootMaintainer.slack_bytes): at least
+# EVICT_SLACK_FRACTION of the capacity, and as much as the writers reserved at once lately
+# (the most slots reserving at one look times the largest task's new bytes, over the
+# last SLACK_WINDOW_S), so a store finds its room evicted already instead of waiting for
+# unlinks; at most MAX_SLACK_FRACTION, since the slack is cache the budget does not
+# use (an LRU of capacity - slack).
+MAX_SLACK_FRACTION = 0.10
+SLACK_WINDOW_S = 30.0
 # A store of the caretaker itself, waiting for room, steps this often.
 MAKE_ROOM_POLL_S = 0.005
 # Eviction threads per root a caretaker keeps (see _Evictor): unlinks run in parallel.
@@ -177,6 +186,11 @@ class _Kept:
     # published beside the usage (ControlBlock.usage_now).
     made: dict[int, tuple[int, int]] = field(default_factory=dict)
     pending: int = 0  # created, not folded, plus reserved: what stores add next
+    # The largest task (new bytes) and the most writers at once seen in this window,
+    # and when the window began: the slack is their product (MAX_SLACK_FRACTION).
+    task_peak: int = 0
+    writers_peak: int = 0
+    window_at: float = 0.0
     evictor: _Evictor | None = None
     listing: bytes | None = None  # the listing last published
     folders_base: int = 0
@@ -462,8 +476,7 @@ class Caretaker:
         control = self.ctx.slot_writer.control
         index = kept.index
         m = kept.maintainer
-        want = 0
-        pending = 0
+        want = pending = writers = largest = 0
         for slot in range(control.n_slots):
             st = control.slot_stores(slot, index)  # before slot_made: never folds more
             made = control.slot_made(slot, index)  # than the slot says it created
@@ -489,9 +502,29 @@ class Caretaker:
                                   (made - folded) // max(1, self.ctx.block_bytes))
                 folded = made
             kept.made[slot] = (pid, folded)
-            pending += max(0, made - folded) + control.slot_reserved(slot, index)
+            reserved = control.slot_reserved(slot, index)
+            pending += max(0, made - folded) + reserved
+            task = max(reserved, delta[0] + delta[2])
+            writers += task > 0
+            largest = max(largest, task)
         kept.pending = pending
+        self._set_slack(kept, largest, writers)
         return want
+
+    def _set_slack(self, kept: _Kept, task: int, writers: int) -> None:
+        """Eviction runs ahead by what the writers reserve at once (MAX_SLACK_FRACTION)."""
+        m = kept.maintainer
+        if not m.capacity_bytes:
+            return
+        now = time.monotonic()
+        if now - kept.window_at > SLACK_WINDOW_S:
+            kept.window_at, kept.task_peak, kept.writers_peak = now, 0, 0
+        kept.task_peak = max(kept.task_peak, task)
+        kept.writers_peak = max(kept.writers_peak, writers)
+        cap = m.capacity_bytes
+        m.slack_bytes = min(math.floor(MAX_SLACK_FRACTION * cap),
+                            max(math.floor(EVICT_SLACK_FRACTION * cap),
+                                kept.task_peak * kept.writers_peak))
 
     def _publish(self, kept: _Kept) -> None:
         m = kept.maintainer
