@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from mptier.storage.leases import DEFAULT_STALE_TEMP_S, TempSweeper
 from mptier.storage.names import LEAF_RE, key_of_block_path
-from mptier.storage.usage import UsageTracker, check_watermarks, evict
+from mptier.storage.usage import UsageTracker, check_watermarks, evict, folder_of
 from mptier.storage.walk import Entry, Kind, remove_empty_folder
 
 # Eviction keeps usage (with the room stores have reserved) this far under the capacity,
@@ -48,6 +48,8 @@ DEFAULT_MAX_INDEX = 1_000_000
 # The index's heap is rebuilt once stale tuples (blocks walked again, forgotten) exceed
 # this many times the live ones: amortised O(1) per change.
 HEAP_GARBAGE_FACTOR = 2
+# The inode of a block a writer told about (record_created) before anyone looked at it.
+UNSEEN_INO = 0
 # The walk removes an empty block folder only once it has been unchanged this long: a
 # writer that just made it (and writes an O_TMPFILE block in it, which leaves it empty
 # until the link) is not made to retry. Any older leftover goes; a clock skewed by more
@@ -195,6 +197,14 @@ class RootMaintainer:
         self.evicted_blocks += 1
         self.evicted_bytes += entry.size
         return key_of_block_path(entry.path)
+
+    def record_created(self, path: str, nbytes: int) -> None:
+        """A block this tier just created at ``path`` (its ``lstat`` not known here):
+        indexed at once as made now, and looked at (one ``lstat``) only when it comes
+        up for eviction. Usage is not changed (see :meth:`record_other_stores`)."""
+        if self.index is not None:
+            self.index.know(Entry(path, Kind.BLOCK, nbytes, time.time_ns(), 0, UNSEEN_INO,
+                                  folder_of(self.root, path), None))
 
     def _refused(self, entry: Entry) -> None:
         """A candidate :func:`evict` kept: used since (back in the index with its new
@@ -357,6 +367,11 @@ class RootMaintainer:
             if entry is None:
                 break  # the caretaker walks on: the next blocks found are evictable
             tried += 1
+            if entry.ino == UNSEEN_INO:  # told, not walked: its real atime and inode
+                seen = recheck(entry)
+                if seen is not None:
+                    index.know(seen)
+                continue
             if self.hand_out:
                 report.to_evict.append(entry)
                 self.handed_bytes += entry.size

@@ -69,7 +69,7 @@ class Usage:
                             for k, v in sorted(self.folders.items())}}
 
 
-def _folder_of(root: str, path: str) -> str:
+def folder_of(root: str, path: str) -> str:
     rel = os.path.relpath(path, root)
     return rel.split(os.sep, 1)[0]
 
@@ -130,7 +130,7 @@ class UsageTracker:
         Counted now; counted in the pass in progress only if the walk will not reach it
         (otherwise the walk finds it) — so never twice, never missed.
         """
-        folder = _folder_of(self.root, path)
+        folder = folder_of(self.root, path)
         if self.current is not None:
             self.current.add(folder, nbytes)
         if not self.walker.will_visit(path):
@@ -139,7 +139,7 @@ class UsageTracker:
     def record_remove(self, path: str, nbytes: int) -> None:
         """A block this process removed; uncounted in the pass in progress only if the
         walk will not reach its place (then it was counted, by the walk or a delta)."""
-        folder = _folder_of(self.root, path)
+        folder = folder_of(self.root, path)
         if self.current is not None:
             self.current.add(folder, -nbytes, -1)
         if not self.walker.will_visit(path):

@@ -186,6 +186,7 @@ class _Kept:
     # published beside the usage (ControlBlock.usage_now).
     made: dict[int, tuple[int, int]] = field(default_factory=dict)
     pending: int = 0  # created, not folded, plus reserved: what stores add next
+    ring_at: dict[int, int] = field(default_factory=dict)  # per slot: ring entries read
     # The largest task (new bytes) and the most writers at once seen in this window,
     # and when the window began: the slack is their product (MAX_SLACK_FRACTION).
     task_peak: int = 0
@@ -249,6 +250,7 @@ class Caretaker:
                                    (st.ahead_bytes, st.ahead_blocks, st.behind_bytes,
                                     st.behind_blocks))
                 kept.made[slot] = (pid, control.slot_made(slot, index))
+                kept.ring_at[slot] = control.ring_count(slot)
             with contextlib.suppress(OSError):  # a root that fails now: the walk says so
                 kept.identity = root_identity(path)
             self.kept[index] = kept
@@ -502,6 +504,7 @@ class Caretaker:
                                   (made - folded) // max(1, self.ctx.block_bytes))
                 folded = made
             kept.made[slot] = (pid, folded)
+            self._take_ring(kept, slot)
             reserved = control.slot_reserved(slot, index)
             pending += max(0, made - folded) + reserved
             task = max(reserved, delta[0] + delta[2])
@@ -510,6 +513,25 @@ class Caretaker:
         kept.pending = pending
         self._set_slack(kept, largest, writers)
         return want
+
+    def _take_ring(self, kept: _Kept, slot: int) -> None:
+        """Index the blocks the worker in ``slot`` created on this root since the last
+        look (its ring in the control block): eviction can take them at once, without
+        waiting for the walk to find them."""
+        control = self.ctx.slot_writer.control
+        end = control.ring_count(slot)
+        start = kept.ring_at.get(slot, end)
+        if end == start:
+            return
+        kept.ring_at[slot] = end
+        m = kept.maintainer
+        if m.index is None:
+            return
+        top = os.path.join(m.root, self.folder)
+        size = self.ctx.block_bytes
+        for index, path in control.ring_read(slot, start, end):
+            if index == kept.index:
+                m.record_created(os.path.join(top, path.decode()), size)
 
     def _set_slack(self, kept: _Kept, task: int, writers: int) -> None:
         """Eviction runs ahead by what the writers reserve at once (MAX_SLACK_FRACTION)."""

@@ -146,6 +146,15 @@ _ROOT_EXTRA = struct.Struct("<QQQIIQ")
 ROOT_EXTRA_BYTES = _ROOT_EXTRA.size
 EXTRAS_BYTES = MAX_ROOTS * ROOT_EXTRA_BYTES
 ROOT_INODES_LOW = 1  # extras flags: free inodes under the low-inode watermark
+# After the slots, one ring per slot: the blocks its worker created last (root index,
+# path under the block folder), so the caretaker puts them in its eviction index at once
+# instead of waiting for its walk to find them. A u64 count of entries ever written, then
+# RING_ENTRIES entries. A caretaker that falls more than a ring behind loses the oldest:
+# the walk finds those. 512 entries are a few of the largest tasks (128 blocks of 64 KiB
+# in 8 MiB) and 64 KiB a slot.
+RING_ENTRIES = 512
+_RING_ENTRY = struct.Struct("<HB125s")
+RING_BYTES = PAGE_BYTES + RING_ENTRIES * _RING_ENTRY.size
 
 
 @dataclass
@@ -215,7 +224,8 @@ class ControlBlock:
         self._listings_at = PAGE_BYTES + counters_bytes(n_slots)
         self._extras_at = self._listings_at + LISTINGS_BYTES
         self._slots_at = self._extras_at + EXTRAS_BYTES
-        size = self._slots_at + n_slots * SLOT_BYTES
+        self._rings_at = self._slots_at + n_slots * SLOT_BYTES
+        size = self._rings_at + n_slots * RING_BYTES
         created = fd is None
         if fd is None:
             fd = os.memfd_create("mptier-control", os.MFD_CLOEXEC)
@@ -234,7 +244,7 @@ class ControlBlock:
     @classmethod
     def size_for(cls, n_slots: int) -> int:
         return (PAGE_BYTES + counters_bytes(n_slots) + LISTINGS_BYTES + EXTRAS_BYTES
-                + n_slots * SLOT_BYTES)
+                + n_slots * (SLOT_BYTES + RING_BYTES))
 
     # -- pool header ---------------------------------------------------------------------
 
@@ -429,6 +439,22 @@ class ControlBlock:
         self.memory[base:base + SLOT_BYTES] = bytes(SLOT_BYTES)
         self.memory[base + SLOT_MADE_AT:base + SLOT_RESERVED_AT] = made
 
+    def ring_count(self, slot: int) -> int:
+        """Entries ever written to ``slot``'s ring of created blocks."""
+        return struct.unpack_from("<Q", self.memory, self._rings_at + slot * RING_BYTES)[0]
+
+    def ring_read(self, slot: int, start: int, end: int) -> list[tuple[int, bytes]]:
+        """``(root, path under its block folder)`` of ring entries ``start..end`` of
+        ``slot`` (as many of the newest as the ring still holds)."""
+        base = self._rings_at + slot * RING_BYTES
+        out = []
+        for n in range(max(start, end - RING_ENTRIES), end):
+            root, length, path = _RING_ENTRY.unpack_from(
+                self.memory, base + PAGE_BYTES + (n % RING_ENTRIES) * _RING_ENTRY.size)
+            out.append((n, root, path[:length]))
+        overwritten = self.ring_count(slot) - RING_ENTRIES  # lapped while reading
+        return [(root, path) for n, root, path in out if n >= overwritten]
+
     def reset(self, slot: int, role: str) -> None:
         """Empty ``slot`` for a new worker of ``role`` (state BOOTING)."""
         base = self._slot_at(slot)
@@ -573,6 +599,21 @@ class SlotWriter:
         at = SLOT_MADE_AT + 8 * root
         struct.pack_into("<Q", self._mem, at, struct.unpack_from("<Q", self._mem, at)[0]
                          + nbytes)
+
+    def ring_add(self, root: int, paths: list[bytes]) -> None:
+        """Tell the caretaker which blocks this worker created on ``root`` (paths under
+        its block folder): the entries first, then the count that publishes them."""
+        control = self.control
+        base = control._rings_at + self.slot * RING_BYTES
+        count = control.ring_count(self.slot)
+        for path in paths[-RING_ENTRIES:]:
+            if len(path) > 125:
+                continue  # no block path is this long: the walk finds it
+            _RING_ENTRY.pack_into(control.memory, base + PAGE_BYTES
+                                  + (count % RING_ENTRIES) * _RING_ENTRY.size,
+                                  root, len(path), path)
+            count += 1
+        struct.pack_into("<Q", control.memory, base, count)
 
     def want_free(self, root: int, nbytes: int) -> None:
         """Ask the caretaker of ``root`` for room for ``nbytes`` (0: no longer)."""

@@ -674,6 +674,7 @@ def _count_new(ctx: WorkerContext, index: int, paths: list[bytes]) -> None:
     size = ctx.block_bytes
     writer.add_made(index, len(paths) * size)  # first: usage_now counts it from here
     writer.add_stores(index, pass_id, (ahead * size, ahead), (behind * size, behind))
+    writer.ring_add(index, paths)  # into the caretaker's eviction index at once
 
 
 def _room(ctx: WorkerContext, index: int, nbytes: int) -> bool:
