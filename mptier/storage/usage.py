@@ -100,7 +100,13 @@ class UsageTracker:
 
     @property
     def usage(self) -> Usage:
-        return self.current if self.current is not None else self.building
+        """The last complete pass with deltas since, or the pass in progress where it
+        has already counted more: it is a lower bound of what is there (exact for the
+        part walked), so others' stores it found count before the pass ends."""
+        current = self.current
+        if current is None or self.building.bytes > current.bytes:
+            return self.building
+        return current
 
     @property
     def usage_bytes(self) -> int:
