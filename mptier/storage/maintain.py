@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from mptier.storage.leases import DEFAULT_STALE_TEMP_S, TempSweeper
 from mptier.storage.names import LEAF_RE, key_of_block_path
 from mptier.storage.usage import UsageTracker, check_watermarks, evict, folder_of
-from mptier.storage.walk import Entry, Kind, remove_empty_folder
+from mptier.storage.walk import TOP_NOT_REACHED, Entry, Kind, remove_empty_folder
 
 # Eviction keeps usage (with the room stores have reserved) this far under the capacity,
 # so that a store usually finds room at once instead of waiting for an unlink. Larger
@@ -287,14 +287,20 @@ class RootMaintainer:
         counted ``ahead`` and the new pass will find ``behind``; older, the new pass
         finds everything. Errs high only for blocks in the h3 folder being walked."""
         current = self.tracker.passes
+        # Counts of an older pass reach here late: the pass in progress finds those
+        # blocks only if it has not reached the folder yet. Once it has, they are put in
+        # it too (counted twice, high, if it also lists them) rather than missed (low:
+        # stores would pass the budget).
+        fresh = self.tracker.walker.top_position(folder) == TOP_NOT_REACHED
         if pass_id == current:
             self.tracker.record_counted(folder, *ahead, in_current=True, in_building=False)
             self.tracker.record_counted(folder, *behind, in_current=True, in_building=True)
         elif pass_id == current - 1:
-            self.tracker.record_counted(folder, *behind, in_current=True, in_building=False)
+            self.tracker.record_counted(folder, *behind, in_current=True,
+                                        in_building=not fresh)
         else:
             self.tracker.record_counted(folder, ahead[0] + behind[0], ahead[1] + behind[1],
-                                        in_current=True, in_building=False)
+                                        in_current=True, in_building=not fresh)
 
     @property
     def candidates_left(self) -> int:
