@@ -31,7 +31,9 @@ band of the usage. Both need ``capacity_bytes`` (without it nothing is ever evic
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -132,8 +134,14 @@ class _Evictor:
     (about what the writers stored): EVICTOR_THREADS of them. The unlink releases the
     GIL, as the worker's native I/O does."""
 
-    def __init__(self, path: str, n_threads: int) -> None:
+    def __init__(self, path: str, n_threads: int,
+                 freed: collections.abc.Callable[[int], None] | None = None) -> None:
         self.failures = 0
+        # Bytes removed ever, told to ``freed`` (under the lock) as each unlink returns:
+        # waiting stores see the room at once, not at the caretaker's next step.
+        self.freed_total = 0
+        self._freed = freed
+        self._lock = threading.Lock()
         self._todo: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
         self.done: collections.deque[tuple[Entry, bool]] = collections.deque()
         self._threads = [threading.Thread(target=self._run, name=f"mptier-evict {path}",
@@ -156,6 +164,10 @@ class _Evictor:
                     log.warning("mptier: could not evict %s: %s", entry.path, exc)
                 self.failures += 1
                 removed = False
+            if removed and self._freed is not None:
+                with self._lock:
+                    self.freed_total += entry.size
+                    self._freed(self.freed_total)
             self.done.append((entry, removed))
 
     def stop(self, wait_s: float) -> None:
@@ -187,6 +199,7 @@ class _Kept:
     made: dict[int, tuple[int, int]] = field(default_factory=dict)
     pending: int = 0  # created, not folded, plus reserved: what stores add next
     ring_at: dict[int, int] = field(default_factory=dict)  # per slot: ring entries read
+    freed_folded: int = 0  # bytes the unlink threads removed that the usage holds
     # The largest task (new bytes) and the most writers at once seen in this window,
     # and when the window began: the slack is their product (MAX_SLACK_FRACTION).
     task_peak: int = 0
@@ -239,8 +252,10 @@ class Caretaker:
                          inherited_bytes=0 if fresh else rec.usage_bytes,
                          evicted_base=(rec.evicted_blocks, rec.evicted_bytes),
                          temps_base=rec.temps_removed,
-                         evictor=_Evictor(path, EVICTOR_THREADS) if io.capacity_bytes
-                         else None, folders_base=control.root_extra(index)[2],
+                         evictor=_Evictor(path, EVICTOR_THREADS,
+                                          functools.partial(control.set_freed, index))
+                         if io.capacity_bytes else None,
+                         folders_base=control.root_extra(index)[2],
                          no_space_seen=control.no_space_stores(index))
             # What workers counted before now is on disk already: this walk finds it.
             for slot in range(control.n_slots):
@@ -251,6 +266,8 @@ class Caretaker:
                                     st.behind_blocks))
                 kept.made[slot] = (pid, control.slot_made(slot, index))
                 kept.ring_at[slot] = control.ring_count(slot)
+            control.set_freed(index, 0)  # this caretaker's unlink threads count anew
+            control.set_freed_stamp(index, 0)
             with contextlib.suppress(OSError):  # a root that fails now: the walk says so
                 kept.identity = root_identity(path)
             self.kept[index] = kept
@@ -464,6 +481,7 @@ class Caretaker:
         done = kept.evictor.done
         while done:
             entry, removed = done.popleft()
+            kept.freed_folded += entry.size if removed else 0
             key = m.evicted(entry, removed)
             if key is not None and entry.folder == self.folder:
                 own.append(key)
@@ -563,6 +581,9 @@ class Caretaker:
                 control.set_listing(kept.index, listing)
                 kept.listing = listing
             flags |= ROOT_LISTED
+        # First say which removals the usage below holds: a reader between the two sees
+        # them counted (high), never subtracted twice.
+        control.set_freed_stamp(kept.index, kept.freed_folded)
         control.set_root_usage(
             kept.index, usage_bytes=usage_bytes, usage_blocks=usage.blocks,
             evicted_blocks=kept.evicted_base[0] + m.evicted_blocks,

@@ -141,8 +141,11 @@ LISTINGS_BYTES = MAX_ROOTS * LISTING_BYTES
 # extras: inodes total, inodes free (statvfs f_files, f_favail), empty folders removed
 # (u64), flags (u32, pad)
 # inodes total, inodes free, folders removed (u64), flags, pad (u32), then the stamp:
-# the bytes of slots' created blocks the published usage holds (u64)
-_ROOT_EXTRA = struct.Struct("<QQQIIQ")
+# the bytes of slots' created blocks the published usage holds, the bytes the
+# caretaker's unlink threads removed (ever), and of those the part the published usage
+# holds (u64 each)
+_ROOT_EXTRA = struct.Struct("<QQQIIQQQ")
+_FREED_AT = 40  # the removed bytes' place in a root's extras
 ROOT_EXTRA_BYTES = _ROOT_EXTRA.size
 EXTRAS_BYTES = MAX_ROOTS * ROOT_EXTRA_BYTES
 ROOT_INODES_LOW = 1  # extras flags: free inodes under the low-inode watermark
@@ -344,6 +347,22 @@ class ControlBlock:
         return _ROOT_EXTRA.unpack_from(self.memory,
                                        self._extras_at + index * ROOT_EXTRA_BYTES)[5]
 
+    def set_freed(self, index: int, total: int) -> None:
+        """(The caretaker's unlink threads, under its lock.) Bytes removed ever."""
+        struct.pack_into("<Q", self.memory, self._extras_at + index * ROOT_EXTRA_BYTES
+                         + _FREED_AT, total)
+
+    def set_freed_stamp(self, index: int, stamp: int) -> None:
+        """(The caretaker, before it publishes a usage holding them.)"""
+        struct.pack_into("<Q", self.memory, self._extras_at + index * ROOT_EXTRA_BYTES
+                         + _FREED_AT + 8, stamp)
+
+    def unpublished_freed(self, index: int) -> int:
+        """Bytes unlinked that the published usage still holds."""
+        total, stamp = struct.unpack_from("<QQ", self.memory, self._extras_at
+                                          + index * ROOT_EXTRA_BYTES + _FREED_AT)
+        return max(0, total - stamp)
+
     def pending_bytes(self, index: int, reserved: bool = True) -> tuple[int, int]:
         """``(created, reserved)``: bytes workers created on root ``index`` that the
         published usage does not hold yet, and bytes stores reserved there and have not
@@ -358,10 +377,11 @@ class ControlBlock:
     def usage_now(self, index: int, reserved: bool = True) -> int:
         """Root ``index``'s usage at this moment for this tier's own writes: the
         published usage, plus blocks created since its caretaker's last collection,
-        plus (``reserved``) the room stores in flight reserved. Readers may see a block
-        twice for an instant (created and still reserved): it errs high, never low."""
+        plus (``reserved``) the room stores in flight reserved, less the blocks its
+        unlink threads removed since. Readers may see a block twice for an instant
+        (created and still reserved): it errs high, never low."""
         made, held = self.pending_bytes(index, reserved)
-        return self.usage_bytes(index) + made + held
+        return max(0, self.usage_bytes(index) - self.unpublished_freed(index)) + made + held
 
     def slot_stores(self, slot: int, root: int) -> SlotStores:
         """What the worker in ``slot`` created on ``root`` (the caretaker reads it)."""
@@ -383,11 +403,11 @@ class ControlBlock:
 
     def set_root_extra(self, index: int, *, inodes_total: int, inodes_free: int,
                        folders_removed: int, flags: int, stamp: int = 0) -> None:
-        """(The root's caretaker.)"""
+        """(The root's caretaker.) The removed-bytes fields are left as they are."""
         self._root_at(index)  # range check
-        _ROOT_EXTRA.pack_into(self.memory, self._extras_at + index * ROOT_EXTRA_BYTES,
-                              max(0, inodes_total), max(0, inodes_free), folders_removed,
-                              flags, 0, stamp)
+        struct.pack_into("<QQQIIQ", self.memory, self._extras_at + index * ROOT_EXTRA_BYTES,
+                         max(0, inodes_total), max(0, inodes_free), folders_removed, flags,
+                         0, stamp)
 
     def root_extra(self, index: int) -> tuple[int, int, int, int]:
         """``(inodes total, inodes free, folders removed, flags)`` of root ``index``
