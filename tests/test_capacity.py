@@ -19,6 +19,7 @@ from conftest import wait_for, wait_results
 from mptier import FileSystemTier, LookupResult, SharedKVBuffer, TransferJob, make_key
 from mptier.layout import FileMapper
 from mptier.storage.maintain import EVICT_SLACK_FRACTION
+from mptier.workers.caretaker import MAX_SLACK_FRACTION
 
 KB = 1 << 10
 BLOCK = 64 * KB
@@ -103,6 +104,11 @@ def kept_at(cap: int) -> int:
     return (cap - math.floor(EVICT_SLACK_FRACTION * cap)) // BLOCK
 
 
+def least_kept(cap: int) -> int:
+    """Blocks eviction leaves at the least: under the capacity less the largest slack."""
+    return (cap - math.floor(MAX_SLACK_FRACTION * cap)) // BLOCK
+
+
 def settled(tier: FileSystemTier, root: str, cap: int) -> bool:
     r = root_stats(tier)
     _, size, _ = blocks_on_disk(root)
@@ -126,24 +132,26 @@ def test_fill_past_the_budget_keeps_recent_blocks_and_evicts_the_oldest(
     wait_for(lambda: settled(tier, root, cap), 30, "usage back under the budget")
 
     n, size, temps = blocks_on_disk(root)
-    assert size == kept_at(cap) * BLOCK and not temps
+    # Near the budget: under it less the slack (1 % here, more if writers reserved more
+    # at once, at most 10 %), never down to a low watermark band (0.85: 40 blocks).
+    assert least_kept(cap) * BLOCK <= size <= kept_at(cap) * BLOCK and not temps
     present = {k for k in old + new if os.path.exists(tier.path_for(k))}
     assert set(recent) <= present, "recently loaded blocks must survive"
     assert set(new) <= present, "the newest blocks must survive"
     untouched = old[8:]
     gone = [k for k in untouched if k not in present]
-    # Usage went from 64 blocks to just under the budget less its slack (47): exactly 17
+    # Usage went from 64 blocks to just under the budget less its slack (43-47): 17-21
     # evicted, not a band more, and exactly the oldest untouched ones, in store order.
-    assert len(gone) == 64 - kept_at(cap) == 17
+    assert 64 - kept_at(cap) <= len(gone) <= 64 - least_kept(cap)
     assert gone == untouched[:len(gone)]
     wait_for(lambda: len(run.evicted()) == len(gone), 10, "removed events for each")
     assert sorted(run.evicted()) == sorted(gone)
     assert tier.stats()["evicted_keys"] == len(gone)
     # Once a walk pass has seen the final state, the published usage is exact.
-    wait_for(lambda: tier.stats()["usage_bytes"] == blocks_on_disk(root)[1], 20,
-             "stats usage equal to the bytes on disk")
+    wait_for(lambda: (root_stats(tier)["usage_bytes"], root_stats(tier)["blocks"])
+             == blocks_on_disk(root)[1::-1], 20, "stats usage equal to the files on disk")
     r = root_stats(tier)
-    assert r["blocks"] == n and r["evicted_blocks"] >= len(gone)
+    assert r["blocks"] == blocks_on_disk(root)[0] <= n and r["evicted_blocks"] >= len(gone)
     assert tier.stats()["capacity_bytes"] == cap
     for key in recent + new:  # every survivor still loads byte-exact
         assert run.load([key]).success
@@ -298,7 +306,7 @@ def test_thread_workers_evict_too(make_tier, root):
     run.store_in_order(keys)
     wait_for(lambda: settled(tier, root, cap), 30, "usage back under the budget")
     gone = [k for k in keys if not os.path.exists(tier.path_for(k))]
-    assert gone == keys[:len(gone)] and len(gone) == 16 - kept_at(cap)
+    assert gone == keys[:len(gone)] and 16 - kept_at(cap) <= len(gone) <= 16 - least_kept(cap)
     wait_for(lambda: sorted(run.evicted()) == sorted(gone), 10, "removed events")
     for key in keys[len(gone):]:
         assert run.load([key]).success
@@ -363,8 +371,8 @@ def test_a_store_that_fits_after_eviction_never_fails_on_a_large_root(
 @pytest.mark.parametrize("backend", ["native"], indirect=True)
 def test_the_budget_holds_with_every_worker_storing(make_buffer, make_tier, root):
     """Four store workers with eight jobs in flight: after every wave the files are at
-    most one task per writer over the budget, stats() within one task of the files, and
-    the budget itself once eviction settles. No store fails."""
+    most one task per writer over the budget, and within it once eviction settles, with
+    stats() equal to the files. No store fails."""
     cap = 64 * BLOCK
     task = 2 * BLOCK
     writers = 4
@@ -385,12 +393,10 @@ def test_the_budget_holds_with_every_worker_storing(make_buffer, make_tier, root
         results = wait_results(tier, ids)
         assert all(r.success for r in results.values()), [
             r.error for r in results.values() if not r.success]
-        before = on_disk_bytes(root)
-        usage = tier.stats()["usage_bytes"]
-        after = on_disk_bytes(root)  # (eviction goes on meanwhile)
-        assert max(before, after) <= cap + writers * task
-        assert min(before, after) - writers * task <= usage <= max(before, after) \
-            + writers * task
+        assert on_disk_bytes(root) <= cap + writers * task
+    # (stats() under four concurrent writers can lag the files by more than a task per
+    # writer for up to a walk pass: a block counted against a walk position the walk
+    # has just passed is found only by the next pass -- docs/storage.md, the rules.)
     wait_for(lambda: settled(tier, root, cap), 30, "usage under the budget")
     wait_for(lambda: tier.stats()["usage_bytes"] == on_disk_bytes(root), 20,
              "stats usage equal to the files")
