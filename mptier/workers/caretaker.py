@@ -17,8 +17,14 @@ block (other workers and the engine read them without a message), and reports ke
 evicted from the engine's own block folder as REMOVED messages on the completion pipe.
 
 Other workers' new blocks reach the usage through counters in their slots (sorted
-against the published walk position: see ``RootMaintainer.record_other_stores``); other
-nodes' stores through the walk only.
+against the published walk position: see ``RootMaintainer.record_other_stores``), and
+the eviction index through a ring per slot (their paths, ``RootMaintainer.
+record_created``); other nodes' stores through the walk only. Stores reserve their room
+in their slots before they check it, and the caretaker publishes beside the usage the
+created bytes it holds (the stamp) and, from its unlink threads as each unlink returns,
+the bytes removed: ``ControlBlock.usage_now`` is then this tier's usage at any moment.
+Eviction keeps usage plus reservations under ``capacity - slack``, the slack being what
+the writers reserved at once lately (1-10 % of the capacity).
 
 Bytes are not all a root can run out of. The caretaker also watches its file system's
 inodes (``statvfs`` f_files / f_favail, every INODE_CHECK_S): past the tier's high
