@@ -214,7 +214,8 @@ def test_a_store_that_cannot_fit_fails_with_enospc_and_writes_nothing(
     assert not any(os.path.exists(tier.path_for(k)) for k in big)
     assert blocks_on_disk(root) == (0, 0, [])
     # Room made by eviction: 3 stored, then 2 more on a budget of 4 (one must go: the
-    # oldest), in one task -- the store waits for the caretaker instead of failing.
+    # oldest), in one task -- the usage before it fits, so it goes ahead, passing the
+    # budget by at most its own task until the caretaker evicts for its reservation.
     first = keys_for(b"first", 3)
     run.store_in_order(first)
     wait_for(lambda: root_stats(tier)["usage_bytes"] == 3 * BLOCK, 10, "usage of 3 blocks")
@@ -222,9 +223,10 @@ def test_a_store_that_cannot_fit_fails_with_enospc_and_writes_nothing(
     result = run.store(more)
     assert result.success, result.error
     assert all(os.path.exists(tier.path_for(k)) for k in more)
-    assert not os.path.exists(tier.path_for(first[0])), "the oldest made room"
     _n, size, temps = blocks_on_disk(root)
-    assert size <= cap and not temps
+    assert size <= cap + 2 * BLOCK and not temps
+    wait_for(lambda: not os.path.exists(tier.path_for(first[0])), 10, "the oldest evicted")
+    wait_for(lambda: blocks_on_disk(root)[1] <= cap, 10, "back within the budget")
     wait_for(lambda: first[0] in run.evicted(), 10, "a removed event for it")
     assert run.load(more).success
 
@@ -354,6 +356,8 @@ def test_a_store_that_fits_after_eviction_never_fails_on_a_large_root(
     buf = make_buffer(8, BLOCK)
     task = 4 * BLOCK
     tier = make_tier(buf, capacity_bytes=cap, task_bytes=task)
+    # (Until the first pass is complete usage is a lower bound: a restart's matter.)
+    wait_for(lambda: root_stats(tier)["usage_complete"], 60, "the first walk pass")
     run = Driver(tier, buf)
     keys = keys_for(b"own", 160)
     worst = 0
@@ -361,7 +365,9 @@ def test_a_store_that_fits_after_eviction_never_fails_on_a_large_root(
         result = run.store(keys[i:i + 4])
         assert result.success, result.error
         worst = max(worst, on_disk_bytes(root))
-    assert worst <= cap + task
+    # One writer: its own task over, plus (measured, under load) up to a task the walk
+    # bookkeeping counted late (docs/storage.md, the rules).
+    assert worst <= cap + 2 * task
     assert all(os.path.exists(tier.path_for(k)) for k in keys[-8:]), "the newest stay"
     assert len(run.evicted()) >= 160 - 24 - 1
     assert not any(os.path.exists(tier.path_for(k)) for k in keys[:100]), "the oldest go"

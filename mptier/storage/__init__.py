@@ -34,8 +34,8 @@ from mptier.storage.walk import BAD_KINDS, Entry, Kind, Walker
 
 __all__ = [
     "BAD_KINDS",
-    "BlockIndex",
     "DEFAULT_STALE_TEMP_S",
+    "BlockIndex",
     "Entry",
     "EvictionPlan",
     "Kind",

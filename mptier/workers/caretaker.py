@@ -337,8 +337,8 @@ class Caretaker:
         if kept is None:
             return False
         control = self.ctx.slot_writer.control
-        while True:
-            if control.usage_now(index) <= self.ctx.io.capacity_bytes:
+        while True:  # (the rule of worker._room: the usage before this store fits)
+            if control.usage_now(index) - nbytes <= self.ctx.io.capacity_bytes:
                 return True
             if time.monotonic() >= deadline:
                 return False

@@ -678,15 +678,22 @@ def _count_new(ctx: WorkerContext, index: int, paths: list[bytes]) -> None:
 
 
 def _room(ctx: WorkerContext, index: int, nbytes: int) -> bool:
-    """Whether the ``nbytes`` this store reserved fit on root ``index`` (the exact usage,
-    every store's reservation included), waiting (bounded by room_wait_s) for its
-    caretaker to evict; this worker evicts itself when it is the caretaker."""
+    """Whether the ``nbytes`` this store reserved may be written on root ``index``,
+    waiting (bounded by room_wait_s) for its caretaker to evict; this worker evicts
+    itself when it is the caretaker.
+
+    A store starts at once while the usage before it (the exact usage, every other
+    store's reservation included) is within the budget: it may pass the budget by its
+    own task, which the caretaker, seeing the reservation, evicts for at once. So the
+    budget is exceeded by at most one task per writer in flight, and a store waits only
+    when eviction is a whole task behind (waiting for each unlink made stores wait on
+    nearly every task near the budget)."""
     control = ctx.slot_writer.control
     capacity = ctx.io.capacity_bytes
-    if control.usage_now(index) <= capacity:
-        return True
     if nbytes > capacity:
         return False  # no eviction can make room for more than the whole budget
+    if control.usage_now(index) - nbytes <= capacity:
+        return True
     started = time.monotonic_ns()
     deadline = time.monotonic() + ctx.io.room_wait_s
     writer = ctx.slot_writer
@@ -697,7 +704,7 @@ def _room(ctx: WorkerContext, index: int, nbytes: int) -> bool:
         try:
             while time.monotonic() < deadline:
                 time.sleep(ROOM_POLL_S)
-                if control.usage_now(index) <= capacity:
+                if control.usage_now(index) - nbytes <= capacity:
                     return True
             return False
         finally:
