@@ -182,6 +182,10 @@ class RootMaintainer:
         self.evicted_bytes = 0
         self.hand_out = hand_out
         self.handed_bytes = 0   # handed out, not yet reported back
+        # Handed out: path -> (the walk was still to reach it, pass number), and those
+        # the walk listed while out: what their unlink takes off which count.
+        self._handed: dict[str, tuple[bool, int]] = {}
+        self._walked_handed: set[str] = set()
         self.refused = 0
         self.rechecked = 0      # candidates used since indexed: put back, newer
         self.folders_removed = 0
@@ -190,10 +194,23 @@ class RootMaintainer:
         """A block handed out by :meth:`step` was removed (``removed``) or kept (used
         again, replaced, gone). Returns its key when it was removed."""
         self.handed_bytes -= entry.size
+        ahead, passes = self._handed.pop(entry.path, (False, self.tracker.passes))
+        walked = entry.path in self._walked_handed
+        self._walked_handed.discard(entry.path)
         if not removed:
             self._refused(entry)
             return None
-        self.tracker.record_remove(entry.path, entry.size)
+        tracker = self.tracker
+        if ahead and not walked and (passes != tracker.passes
+                                     or not tracker.walker.will_visit(entry.path)):
+            # The walk passed its place while it was out, after its unlink: the pass
+            # never counted it. Uncounted where it was counted only (record_remove's
+            # rule would take it off the pass twice).
+            if passes == tracker.passes:
+                tracker.record_counted(entry.folder, -entry.size, -1, in_current=True,
+                                       in_building=False)
+        else:
+            tracker.record_remove(entry.path, entry.size)
         self.evicted_blocks += 1
         self.evicted_bytes += entry.size
         return key_of_block_path(entry.path)
@@ -336,6 +353,8 @@ class RootMaintainer:
         index = self.index
         for entry in entries:
             if entry.kind is Kind.BLOCK:
+                if entry.path in self._handed:  # counted by this pass while out
+                    self._walked_handed.add(entry.path)
                 if index is not None:
                     index.know(entry)
             elif entry.kind is Kind.EMPTY_FOLDER:
@@ -381,6 +400,8 @@ class RootMaintainer:
             if self.hand_out:
                 report.to_evict.append(entry)
                 self.handed_bytes += entry.size
+                self._handed[entry.path] = (self.tracker.walker.will_visit(entry.path),
+                                            self.tracker.passes)
                 freed += entry.size
             elif evict(entry):
                 self.tracker.record_remove(entry.path, entry.size)
