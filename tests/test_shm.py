@@ -341,7 +341,7 @@ time.sleep(60)
 """
 
 
-ENGINES_KILLED = 12  # bench/reliability.py's killed_at_start runs 30
+ENGINES_KILLED = 12  # tests/reliability_run.py's killed_at_start runs 30
 
 
 def test_engines_killed_within_a_second_of_start_leave_no_buffer(root):
