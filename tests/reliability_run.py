@@ -1011,7 +1011,7 @@ def killed_at_start(row: Row, root: str, engines: int = 30) -> None:
 
         def leases_left() -> list[str]:
             with contextlib.suppress(FileNotFoundError):
-                return [e for e in os.listdir(N.leases_dir(root))
+                return [e for e in os.listdir(os.path.join(root, N.META_DIR, N.LEASES_DIR))
                         if lease_state(root, e.split(".")[0]) != "held"]
             return []
 
