@@ -111,7 +111,10 @@ def test_hung_task_times_out_and_others_keep_flowing(make_buffer, make_tier, mon
     monkeypatch.setenv("MPTIER_FAULT_STALL", "load:0.3")
     buf = make_buffer(16, 4 * KB)
     fill_random(buf.view, range(4))
-    tier = make_tier(buf, n_load_workers=1, n_store_workers=1, io_timeout_s=1.0)
+    # Long enough that no healthy task of this test reaches it on a loaded machine (a
+    # suite in parallel): only the stopped worker's task does.
+    timeout_s = 5.0
+    tier = make_tier(buf, n_load_workers=1, n_store_workers=1, io_timeout_s=timeout_s)
     stuck = keys_for(1)[0]
     started = time.monotonic()
     tier.submit_load(TransferJob(1, [stuck], [8]))
@@ -121,11 +124,11 @@ def test_hung_task_times_out_and_others_keep_flowing(make_buffer, make_tier, mon
         tier.submit_store(TransferJob(10 + j, [key], [j]))
     stores = wait_results(tier, range(10, 14))
     assert all(r.success for r in stores.values())
-    result = wait_results(tier, [1], timeout=15)[1]
+    result = wait_results(tier, [1], timeout=15 + timeout_s)[1]
     waited = time.monotonic() - started
     assert not result.success and result.errno == errno.ETIMEDOUT
     assert "io_timeout_s" in result.error
-    assert waited >= 1.0
+    assert waited >= timeout_s
     stats = tier.stats()
     assert stats["pool"]["timeouts"] == 1
     wait_for(lambda: full_pool(tier, 2), what="replacement worker")

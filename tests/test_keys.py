@@ -38,7 +38,7 @@ def test_make_key_takes_any_bytes_like_hash_and_refuses_others():
 
 def test_check_key_returns_bytes_and_names_each_fault():
     assert check_key(bytearray(b"hash\0\0\0\1")) == b"hash\0\0\0\1"
-    with pytest.raises(ValueError, match="must be bytes .*got str"):
+    with pytest.raises(ValueError, match=r"must be bytes .*got str"):
         check_key("hash")
     with pytest.raises(ValueError, match=f"longer than {GROUP_IDX_BYTES} bytes.*got 4"):
         check_key(b"\0\0\0\1")
