@@ -48,6 +48,12 @@ def busy_worker(tier, role: str | None = None) -> dict:
     return holder
 
 
+# How long a test waits for a replacement worker to boot: a new process importing mptier
+# has taken 10-20 s on this 2-core machine with a parallel suite and other work on it.
+# Only a wait: nothing here asserts how fast a worker boots.
+BOOT_WAIT_S = 60.0
+
+
 def full_pool(tier, size: int) -> bool:
     workers = tier.stats()["workers"]
     return len(workers) == size and all(w["alive"] and w["ready"] for w in workers)
@@ -69,7 +75,7 @@ def test_sigkill_mid_store_retries_and_replaces(make_buffer, make_tier, monkeypa
     stats = tier.stats()
     assert stats["pool"]["deaths"] == 1 and stats["pool"]["tasks_retried"] == 1
     assert "killed by SIGKILL(-9)" in stats["pool"]["last_deaths"][0]
-    wait_for(lambda: full_pool(tier, 3), what="the pool back at full size")
+    wait_for(lambda: full_pool(tier, 3), BOOT_WAIT_S, what="the pool back at full size")
     assert victim["pid"] not in [w["pid"] for w in tier.stats()["workers"]]
     for key, block_id in zip(keys, range(16)):
         with open(tier.mapper.path_for(key), "rb") as f:
@@ -102,7 +108,7 @@ def test_sigkill_mid_load_fails_that_load_only(make_buffer, make_tier, root, mon
     tier.submit_load(TransferJob(3, [good], [6]))  # the pool still serves
     assert wait_results(tier, [3])[3].success
     assert np.array_equal(buf.view[6], buf.view[0])
-    wait_for(lambda: full_pool(tier, 2), what="replacement worker")
+    wait_for(lambda: full_pool(tier, 2), BOOT_WAIT_S, what="replacement worker")
     assert os.path.exists(path), "a failed load must leave the file alone"
 
 
@@ -131,7 +137,7 @@ def test_hung_task_times_out_and_others_keep_flowing(make_buffer, make_tier, mon
     assert waited >= timeout_s
     stats = tier.stats()
     assert stats["pool"]["timeouts"] == 1
-    wait_for(lambda: full_pool(tier, 2), what="replacement worker")
+    wait_for(lambda: full_pool(tier, 2), BOOT_WAIT_S, what="replacement worker")
     tier.submit_load(TransferJob(2, others, [12, 13, 14, 15]))
     assert wait_results(tier, [2])[2].success
     assert np.array_equal(buf.view[12:16], buf.view[0:4])
