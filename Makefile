@@ -19,7 +19,9 @@ run: $(STAMP)
 # disks rather than compute, so more processes than this machine's 2 cores keep them
 # busy; tests whose timing matters are given room (or an xdist group) to stand the load.
 TEST_JOBS ?= 4
-PYTEST := $(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup
+# More pytest arguments, e.g. PYTEST_ARGS=--durations=30 or PYTEST_ARGS=tests/test_jobs.py
+PYTEST_ARGS ?=
+PYTEST := $(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup $(PYTEST_ARGS)
 
 # Everything but the storms and long fault runs (marker `slow`); `make test-slow` runs
 # those, and .ci/run runs both.
