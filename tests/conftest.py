@@ -175,9 +175,11 @@ def mptier_objects(owners: set[int] | None = None) -> set[str]:
 
 
 def live_children() -> list[psutil.Process]:
+    """Processes below this one that have not exited (zombies aside)."""
     out = []
-    for child in psutil.Process().children(recursive=True):
+    for pid in _descendants(os.getpid()):  # not psutil's scan of every process in /proc
         try:
+            child = psutil.Process(pid)
             if child.status() != psutil.STATUS_ZOMBIE:
                 out.append(child)
         except psutil.NoSuchProcess:
@@ -274,7 +276,7 @@ def no_leaks(tmp_path_factory) -> Iterator[None]:
     new_mounts = mounts_in_test_roots(basetemp) - mounts_before
     for point in new_mounts:
         mounts.unmount(point)
-    owners = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
+    owners = {os.getpid(), *_descendants(os.getpid())}
     _record("pids", owners)
     deadline = time.monotonic() + 5
     while live_children() and time.monotonic() < deadline:
