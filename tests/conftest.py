@@ -39,6 +39,8 @@ from support.fixtures import (  # noqa: F401  (fixtures, registered by being imp
     make_pid_namespace,
 )
 
+from mptier.shm import process_start_ticks
+
 LEAK_DIRS = ("/dev/shm", "/dev/mqueue")
 
 # Status sockets of this test session (every tier makes one, status_socket="auto") go to
@@ -60,6 +62,25 @@ if not os.environ.get(SESSION_ENV) or not IS_XDIST_WORKER:
 SESSION_DIR = os.environ[SESSION_ENV]
 # Time the controller gives the workers' processes to go after the last worker exited.
 SESSION_EXIT_GRACE_S = 10.0
+
+
+def _record_pids(pids) -> None:
+    """Note processes as this run's, by pid and start time (as mptier's shared-memory
+    names carry them), so a pid reused later by someone else's process is not ours."""
+    _record("pids", [f"{p}.{process_start_ticks(p) or 0}" for p in pids])
+
+
+def _recorded_pids() -> tuple[set[int], set[str]]:
+    """This run's processes: their pids, and their ``pid.start_ticks`` identities."""
+    identities = _recorded("pids")
+    return {int(i.split(".")[0]) for i in identities}, identities
+
+
+def _ours(name: str, identities: set[str]) -> bool:
+    """Was object ``name`` made by one of this run's processes? Names of the form
+    ``mptier.<pid>.<start ticks>.…`` must match pid and start time; others the pid."""
+    match = re.match(r"mptier\.(\d+)\.(\d+)\.", os.path.basename(name))
+    return match is None or f"{match[1]}.{match[2]}" in identities
 
 
 def _record(kind: str, values) -> None:
@@ -107,11 +128,11 @@ def _sample_pids() -> None:
         new = _descendants(os.getpid()) - seen
         if new:
             seen |= new
-            _record("pids", new)
+            _record_pids(new)
         time.sleep(PID_SAMPLE_S)
 
 
-_record("pids", [os.getpid()])
+_record_pids([os.getpid()])
 _record("dirs", [RUN_DIR])
 threading.Thread(target=_sample_pids, name="conftest-pid-sampler", daemon=True).start()
 
@@ -235,9 +256,9 @@ def pytest_sessionfinish(session) -> None:
             child.kill()
     if children:
         problems.append(f"processes left at the end of the run: {[c.pid for c in children]}")
-    pids = {int(p) for p in _recorded("pids")}
+    pids, identities = _recorded_pids()
     before = session.config.stash.get(_OBJECTS_AT_START, set())
-    leaked = mptier_objects(pids) - before
+    leaked = {o for o in mptier_objects(pids) - before if _ours(o, identities)}
     if leaked:
         problems.append(f"IPC objects left at the end of the run: {sorted(leaked)}")
     left_mounts = {m for d in _recorded("dirs") for m in mounts.mounts_under(d)}
@@ -277,7 +298,7 @@ def no_leaks(tmp_path_factory) -> Iterator[None]:
     for point in new_mounts:
         mounts.unmount(point)
     owners = {os.getpid(), *_descendants(os.getpid())}
-    _record("pids", owners)
+    _record_pids(owners)
     deadline = time.monotonic() + 5
     while live_children() and time.monotonic() < deadline:
         time.sleep(0.05)
