@@ -246,6 +246,20 @@ def pytest_sessionfinish(session) -> None:
     killed, a worker that crashed)."""
     if IS_XDIST_WORKER:
         return
+    try:
+        problems = _whole_run_leaks(session)
+    except Exception as exc:  # a broken check must fail the run, not hide its summary
+        problems = [f"the end-of-run leak check failed: {exc!r}"]
+    shutil.rmtree(SESSION_DIR, ignore_errors=True)
+    if problems:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        for line in problems:
+            if reporter is not None:
+                reporter.write_line(f"LEAK: {line}", red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _whole_run_leaks(session) -> list[str]:
     problems = []
     deadline = time.monotonic() + SESSION_EXIT_GRACE_S
     while live_children() and time.monotonic() < deadline:
@@ -272,13 +286,7 @@ def pytest_sessionfinish(session) -> None:
     dirs = {d for d in _recorded("dirs") if d != RUN_DIR and os.path.exists(d)}
     if dirs:
         problems.append(f"temporary folders of test processes left: {sorted(dirs)}")
-    shutil.rmtree(SESSION_DIR, ignore_errors=True)
-    if problems:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        for line in problems:
-            if reporter is not None:
-                reporter.write_line(f"LEAK: {line}", red=True, bold=True)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    return problems
 
 
 @pytest.fixture(autouse=True)
