@@ -53,6 +53,7 @@ def run_bench(tmp_path, *extra: str) -> tuple[int, dict]:
     return rc, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_every_design_reports_every_figure_with_consistent_ratios(tmp_path, fake_drop,
                                                                   capsys):
     designs = [*job_designs(), "raw:tool=loop"]

@@ -254,11 +254,6 @@ class ControlBlock:
         if created:
             self.set_pool_state(PoolState.SERVING)
 
-    @classmethod
-    def size_for(cls, n_slots: int) -> int:
-        return (PAGE_BYTES + counters_bytes(n_slots) + LISTINGS_BYTES + EXTRAS_BYTES
-                + n_slots * (SLOT_BYTES + RING_BYTES))
-
     # -- pool header ---------------------------------------------------------------------
 
     def set_pool_state(self, state: PoolState, err: int = 0, reason: str = "") -> None:
@@ -314,12 +309,6 @@ class ControlBlock:
                               max(0, usage_bytes), max(0, usage_blocks), evicted_blocks,
                               evicted_bytes, temps_removed, pass_id, top_position, flags,
                               caretaker_pid)
-
-    def walk_position(self, index: int) -> tuple[int, int]:
-        """``(pass id, h3 position)`` the caretaker of root ``index`` published."""
-        at = self._root_at(index) + _ROOT_USAGE_AT
-        values = _ROOT_USAGE.unpack_from(self.memory, at)
-        return values[5], values[6]
 
     def set_listing(self, index: int, listing: bytes) -> None:
         """(The caretaker.) Publish which <h3> folders the pass listed (before the flag

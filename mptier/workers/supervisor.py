@@ -38,7 +38,8 @@ so io_timeout_s does not run for it; it still answers heartbeats.
 
 Every exit is handled exactly once. No exception leaves the loop: each is logged with
 its traceback and the loop goes on. Workers ask the kernel to kill them if this thread
-exits, so it lives until they have left (see :meth:`Supervisor.stop`).
+exits, so it lives until they have left (:meth:`Supervisor.begin_stop`, then
+:meth:`Supervisor.finish` once the pool has stopped them).
 """
 
 from __future__ import annotations

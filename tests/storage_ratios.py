@@ -1,6 +1,6 @@
 """Issue 12's storage ratios on local disk and on a JuiceFS mount, in one command.
 
-    sudo .venv/bin/python bench/storage_ratios.py --out bench/results/storage \
+    sudo .venv/bin/python tests/storage_ratios.py --out bench/results/storage \
         [--fs local,juicefs] [--local-total 2G --local-load 512M --local-cap 1G] \
         [--jfs-total 768M --jfs-load 128M --jfs-cap 256M] [--rounds 3] \
         [--bench-args=--quick]
@@ -33,10 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+from support.juicefs import JuiceFSVolume
 
-from support.juicefs import JuiceFSVolume  # noqa: E402  (needs the tests folder on the path)
+# Lives beside the JuiceFS helper it uses (tests/support): run as a script, its own folder
+# is first on the import path, so nothing edits sys.path.
+REPO = Path(__file__).resolve().parent.parent
 
 PYTHON = sys.executable
 MPTIER = str(Path(PYTHON).parent / "mptier")

@@ -1,9 +1,9 @@
 """The tier under faults, scenario by scenario: what was run, lost, served wrong, leaked,
 and the slowest engine call meanwhile (issue 9's report; docs/reliability.md).
 
-    sudo .venv/bin/python bench/reliability.py                  # every scenario, ~3-5 min
-    .venv/bin/python bench/reliability.py --only crash_storm,service_restarts
-    .venv/bin/python bench/reliability.py --list
+    sudo .venv/bin/python tests/reliability_run.py                  # every scenario, ~3-5 min
+    .venv/bin/python tests/reliability_run.py --only crash_storm,service_restarts
+    .venv/bin/python tests/reliability_run.py --list
 
 Scenarios (each with real processes, files, mounts and cgroups; one needing what this
 machine lacks -- root, FUSE, a cgroup v1 freezer, a feature not on main yet -- is
@@ -49,7 +49,7 @@ leaked* (after the scenario's teardown: mptier objects in /dev/shm, temporary bl
 files under its root, live child processes, mounts); *slowest call* (the longest single
 engine call -- submit, lookup, on_schedule_end, get_finished_jobs, stats -- during the
 scenario: every one is non-blocking by contract). Writes ``bench/results/
-reliability.json`` and ``bench/results/reliability.md`` (the table).
+reliability.json`` and ``bench/results/reliability.md`` (the table; both untracked).
 """
 
 from __future__ import annotations
@@ -74,13 +74,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent / "tests"
-sys.path.insert(0, str(TESTS))  # the fault machinery lives with the tests
-
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-from reliability_kit import (  # noqa: E402
+import numpy as np
+import psutil
+from reliability_kit import (
     EngineCalls,
     JobBook,
     Service,
@@ -94,13 +90,18 @@ from reliability_kit import (  # noqa: E402
     worker_state,
 )
 
-from mptier import FileSystemTier, LookupResult, SharedKVBuffer, make_key  # noqa: E402
-from mptier.service import link  # noqa: E402
-from mptier.workers.worker import STALL_ENV  # noqa: E402
+from mptier import FileSystemTier, LookupResult, SharedKVBuffer, make_key
+from mptier.service import link
+from mptier.workers.worker import STALL_ENV
+
+# This runner lives beside the fault machinery it drives (reliability_kit, support/):
+# run as a script, its own folder is first on the import path, so bench/ never reaches
+# into tests/ and nothing edits sys.path.
+TESTS = Path(__file__).resolve().parent
 
 KB = 1 << 10
 BLOCK = 64 * KB
-RESULTS = HERE / "results"
+RESULTS = TESTS.parent / "bench" / "results"
 
 
 class Skip(Exception):
@@ -1010,7 +1011,7 @@ def killed_at_start(row: Row, root: str, engines: int = 30) -> None:
 
         def leases_left() -> list[str]:
             with contextlib.suppress(FileNotFoundError):
-                return [e for e in os.listdir(N.leases_dir(root))
+                return [e for e in os.listdir(os.path.join(root, N.META_DIR, N.LEASES_DIR))
                         if lease_state(root, e.split(".")[0]) != "held"]
             return []
 
