@@ -8,6 +8,8 @@
 # pyvenv.cfg) is a real copy, rewritten for each venv.
 #
 # The caller defines step() (progress lines) and gives every path absolute.
+# scripts/vllm-env.sh still has its own copy of these steps: its cache key is its own
+# text, so moving it onto this file makes every machine rebuild that venv once.
 
 # venv_cache_dir: the cache folder ($MPTIER_VLLM_CACHE, else
 # ${XDG_CACHE_HOME:-~/.cache}/mptier); empty when turned off (MPTIER_VLLM_CACHE=none)
