@@ -135,48 +135,71 @@ def marked_processes(mark: str) -> list[psutil.Process]:
     return found
 
 
-def run_plan(workdir: str, name: str, run_dir: str, plan: list[dict],
-             keep: frozenset[str] = frozenset()) -> dict[str, dict]:
-    """Run ``plan``'s engines one after another in one fresh process; returns each
-    engine's results by name. Fails if the process left anything behind: a process, a
-    primary region in /dev/shm, or a live endpoint in ``run_dir`` (but those named in
-    ``keep``: a service's)."""
-    path = os.path.join(workdir, f"{name}.json")
-    with open(path + ".in", "w") as f:
-        json.dump(plan, f)
-    mark = uuid.uuid4().hex
-    # VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes.
-    env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
-           "PYTHONPATH": TESTS, "MPTIER_RUN_DIR": run_dir, MARK_VAR: mark}
-    log_path = os.path.join(workdir, f"{name}.log")
-    with open(log_path, "w") as log:
-        done = subprocess.run([sys.executable, "-m", "support.engine_scenario", path + ".in",
-                               path], cwd=TESTS, env=env, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=PLAN_TIMEOUT_S)
-    with open(log_path) as f:
-        log = f.read()
-    left = marked_processes(mark)
-    for proc in left:
-        proc.kill()
-    regions = [f"/dev/shm/vllm_offload_{e['engine_id']}.mmap" for e in plan]
-    regions_left = [r for r in regions if os.path.exists(r)]
-    for region in regions_left:
-        os.unlink(region)
-    from mptier.monitor.endpoint import discover
+class Plan:
+    """``plan``'s engines, one after another in one fresh process. The process starts at
+    once and imports vLLM, then waits for :meth:`go`: so a plan that needs another's
+    results spends its import while that one runs (vLLM's CPU engine keeps one of the
+    two cores to itself)."""
 
-    # Discovery removes stale entries (of endpoints whose process is gone).
-    endpoints = [e.name for e in discover(run_dir) if e.name not in keep]
-    assert done.returncode == 0, log[-6000:]
-    assert not left, f"processes left behind by {name}: {[p.pid for p in left]}"
-    assert not regions_left, f"primary regions left behind by {name}: {regions_left}"
-    assert not endpoints, f"endpoints still alive after {name}: {endpoints}"
-    with open(path) as f:
-        results = json.load(f)
-    out = {}
-    for sc, result in zip(plan, results):
-        result["log"] = log
-        out[sc["name"]] = result
-    return out
+    def __init__(self, workdir: str, name: str, run_dir: str, plan: list[dict]) -> None:
+        self.name, self.run_dir, self.plan = name, run_dir, plan
+        self.result_path = os.path.join(workdir, f"{name}.json")
+        self.go_path = os.path.join(workdir, f"{name}.go")
+        with open(self.result_path + ".in", "w") as f:
+            json.dump(plan, f)
+        self.mark = uuid.uuid4().hex
+        # VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes.
+        env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
+               "PYTHONPATH": TESTS, "MPTIER_RUN_DIR": run_dir, MARK_VAR: self.mark}
+        self.log_path = os.path.join(workdir, f"{name}.log")
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "support.engine_scenario", self.result_path + ".in",
+                 self.result_path, self.go_path], cwd=TESTS, env=env, stdout=log,
+                stderr=subprocess.STDOUT)
+
+    def go(self) -> None:
+        with open(self.go_path, "w"):
+            pass
+
+    def kill(self) -> None:
+        """Stop the process and everything it started (a test that failed before
+        :meth:`finish`)."""
+        for proc in marked_processes(self.mark):
+            proc.kill()
+        self.proc.wait()
+
+    def finish(self, keep: frozenset[str] = frozenset()) -> dict[str, dict]:
+        """Let the engines run, wait for them; returns each engine's results by name.
+        Fails if the process left anything behind: a process, a primary region in
+        /dev/shm, or a live endpoint in the run directory (but those named in ``keep``:
+        a service's)."""
+        self.go()
+        try:
+            code = self.proc.wait(PLAN_TIMEOUT_S)
+        finally:
+            left = marked_processes(self.mark)
+            for proc in left:
+                proc.kill()
+        with open(self.log_path) as f:
+            log = f.read()
+        regions = [f"/dev/shm/vllm_offload_{e['engine_id']}.mmap" for e in self.plan]
+        regions_left = [r for r in regions if os.path.exists(r)]
+        for region in regions_left:
+            os.unlink(region)
+        # Discovery removes stale entries (of endpoints whose process is gone).
+        endpoints = [e.name for e in _endpoints(self.run_dir) if e.name not in keep]
+        assert code == 0, log[-6000:]
+        assert not left, f"processes left behind by {self.name}: {[p.pid for p in left]}"
+        assert not regions_left, f"primary regions left behind by {self.name}: {regions_left}"
+        assert not endpoints, f"endpoints still alive after {self.name}: {endpoints}"
+        with open(self.result_path) as f:
+            results = json.load(f)
+        out = {}
+        for sc, result in zip(self.plan, results):
+            result["log"] = log
+            out[sc["name"]] = result
+        return out
 
 
 def stats_bytes(result: dict, kind: str) -> int:
@@ -217,26 +240,31 @@ def engines(tmp_path_factory) -> Iterator[dict]:
     out: dict = {"root": root, "workdir": workdir}
     # First process: the token ids without offloading, mptier writing FIRST (and
     # loading it back within the engine), vLLM's fs tier reading it and writing LATER.
-    out.update(run_plan(workdir, "one", run_dir, [
+    one = Plan(workdir, "one", run_dir, [
         engine(workdir, "baseline", None, [FIRST, LATER, LATER2], []),
         engine(workdir, "first", ours, [FIRST, FIRST], [root], SMALL_CPU_BYTES),
         engine(workdir, "fs", fs, [FIRST, LATER], [root]),
-    ]))
-    # A new process: mptier restarted on that root (reading its own blocks and the fs
-    # tier's; asking for KV events while vLLM's are off, which it warns of), mptier
-    # through a service (reading the fs tier's, writing LATER2), vLLM's fs tier reading
-    # what the service wrote.
-    service = ServiceProcess(SERVICE, root, run_dir)
+    ])
+    # A new process (importing vLLM meanwhile): mptier restarted on that root (reading
+    # its own blocks and the fs tier's; asking for KV events while vLLM's are off, which
+    # it warns of), mptier through a service (reading the fs tier's, writing LATER2),
+    # vLLM's fs tier reading what the service wrote.
+    two = Plan(workdir, "two", run_dir, [
+        engine(workdir, "restart", [{**MPTIER, "root_dir": root, "enable_kv_events": True}],
+               [FIRST + LATER], [root]),
+        engine(workdir, "service", [{**MPTIER, "service": SERVICE}], [LATER, LATER2], [root]),
+        engine(workdir, "fs2", fs, [LATER2], [root]),
+    ])
+    service = None
     try:
-        out.update(run_plan(workdir, "two", run_dir, [
-            engine(workdir, "restart", [{**MPTIER, "root_dir": root, "enable_kv_events": True}],
-                   [FIRST + LATER], [root]),
-            engine(workdir, "service", [{**MPTIER, "service": SERVICE}], [LATER, LATER2],
-                   [root]),
-            engine(workdir, "fs2", fs, [LATER2], [root]),
-        ], keep=frozenset(e.name for e in _endpoints(run_dir))))
+        out.update(one.finish())
+        service = ServiceProcess(SERVICE, root, run_dir)
+        out.update(two.finish(keep=frozenset(e.name for e in _endpoints(run_dir))))
     finally:
-        service.stop()
+        one.kill()
+        two.kill()
+        if service is not None:
+            service.stop()
     _endpoints(run_dir)  # removes what the service left stale, if anything
     assert not os.listdir(run_dir), f"left in the run directory: {os.listdir(run_dir)}"
     yield out

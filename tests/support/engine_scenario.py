@@ -3,7 +3,10 @@ through scripted rounds of prompts, and write what each observed as JSON, so man
 assertions share few process starts (importing vLLM and torch costs tens of seconds on
 two cores; an engine in a process that has them costs seconds).
 
-    python -m support.engine_scenario PLAN.json RESULT.json   (cwd: tests/)
+    python -m support.engine_scenario PLAN.json RESULT.json [GO]   (cwd: tests/)
+
+With ``GO``, the process imports vLLM and then waits until the file ``GO`` exists before
+the first engine starts (so its import can overlap another process's engines).
 
 The engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's engine
 core, scheduler, offloading manager and tiers live here, the model runs here too), and
@@ -51,6 +54,8 @@ SETTLE_TIMEOUT_S = 60.0
 # Token ids of the flush prompts: inside the tiny model's vocabulary, apart from the
 # test prompts' ids.
 FLUSH_TOKEN_BASE = 4000
+# How often a process waiting to start its engines looks for its go file.
+GO_POLL_S = 0.1
 
 
 def block_files(root: str) -> list[str]:
@@ -177,10 +182,16 @@ def run_engine(sc: dict) -> dict:
     return result
 
 
-def main(plan_path: str, result_path: str) -> None:
+def main(plan_path: str, result_path: str, go_path: str | None = None) -> None:
     with open(plan_path) as f:
         plan = json.load(f)
+    # The long part of a start, done before waiting.
+    from vllm import LLM  # noqa: F401
+    from vllm.config import KVTransferConfig  # noqa: F401
+
     track_tiers()
+    while go_path is not None and not os.path.exists(go_path):
+        time.sleep(GO_POLL_S)
     results = []
     for sc in plan:
         print(f"== engine {sc['engine_id']}", flush=True)
@@ -192,4 +203,4 @@ def main(plan_path: str, result_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])
