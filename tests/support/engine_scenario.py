@@ -54,6 +54,9 @@ SETTLE_TIMEOUT_S = 60.0
 # Token ids of the flush prompts: inside the tiny model's vocabulary, apart from the
 # test prompts' ids.
 FLUSH_TOKEN_BASE = 4000
+# Workers' figures in a status reply count as settled when unchanged over this long.
+STATUS_SETTLE_S = 1.5
+STATUS_SETTLE_TIMEOUT_S = 20.0
 # How often a process waiting to start its engines looks for its go file.
 GO_POLL_S = 0.1
 
@@ -82,6 +85,20 @@ def counters(llm) -> dict[str, float]:
 
 
 def mptier_status() -> list[dict]:
+    """Every live endpoint's status, once its workers' figures (which they publish every
+    so often, not per task) have stopped changing."""
+    last, deadline = None, time.monotonic() + STATUS_SETTLE_TIMEOUT_S
+    while True:
+        found = _status_once()
+        moved = [sum(w.get("bytes_done", 0) for w in s["reply"]["figures"].get("workers", []))
+                 for s in found if "reply" in s]
+        if moved == last or time.monotonic() > deadline:
+            return found
+        last = moved
+        time.sleep(STATUS_SETTLE_S)
+
+
+def _status_once() -> list[dict]:
     from mptier.monitor.endpoint import discover, query
 
     found = []
