@@ -105,6 +105,12 @@ def read_record(path: str) -> dict | None:
     planted or half-written file is ignored, never trusted or followed)."""
     try:
         data = read_root_file(path, SHARE_FILE_LIMIT)
+        if data is None:
+            # Measured on JuiceFS: a record renamed into place through another mount is
+            # ENOENT by name here (the kernel's entry for the old file) until the
+            # folder is listed again -- even with every FUSE cache timeout at 0.
+            os.listdir(os.path.dirname(path))
+            data = read_root_file(path, SHARE_FILE_LIMIT)
     except (OSError, RootFileError):
         return None
     if data is None:

@@ -330,7 +330,8 @@ class RootMaintainer:
         self.tracker.record_unplaced(folder, nbytes, nblocks)
 
     def step(self, budget: int, want_free: int = 0, walk: bool = True,
-             evict_s: float | None = None, free_bytes: int = 0) -> StepReport:
+             evict_s: float | None = None, free_bytes: int = 0,
+             walk_budget: int | None = None) -> StepReport:
         """Walk at most ``budget`` entries (sweeping and indexing as it goes), then evict
         at most ``budget`` blocks, oldest first, as many as take usage plus
         ``want_free`` to ``capacity - slack_bytes``. Work per call is bounded by
@@ -342,13 +343,14 @@ class RootMaintainer:
         evicting in this step (an unlink can take milliseconds on a busy disk); the rest
         waits for the next step. ``free_bytes``: evict at least this much whatever the
         capacity says (the file system is short of inodes or space the budget does not
-        see)."""
+        see). ``walk_budget``: walk at most this many entries instead (the walk is slow
+        where each entry is a round trip, and eviction should not wait for it)."""
         report = StepReport()
         passes = self.tracker.passes
         if self.sweeper is not None and not self._pass_begun:
             self.sweeper.begin_pass()
             self._pass_begun = True
-        entries = self.tracker.step(budget) if walk else []
+        entries = self.tracker.step(walk_budget or budget) if walk else []
         report.walked = self.tracker.last_visited if walk else 0
         index = self.index
         for entry in entries:

@@ -119,6 +119,15 @@ WALK_REST_S = 10.0
 # use (an LRU of capacity - slack).
 MAX_SLACK_FRACTION = 0.10
 SLACK_WINDOW_S = 30.0
+# Entries a root's elected walker walks per step while it evicts: every tier hands it
+# the blocks it creates, so eviction and the published figure need no walk, and on a
+# distributed file system (an lstat a round trip) a full step's walk took ~1 s under
+# load, stalling the other tiers' stores for room.
+SHARED_WALK_BUDGET = 32
+# And the time it spends evicting per step (each block another tier created is looked
+# at once, an lstat, before it is handed out): the others' blocks are folded and the
+# figure they trust published between two such slices.
+SHARED_EVICT_S = 0.05
 # A store of the caretaker itself, waiting for room, steps this often.
 MAKE_ROOM_POLL_S = 0.005
 # Eviction threads per root a caretaker keeps (see _Evictor): unlinks run in parallel.
@@ -399,7 +408,10 @@ class Caretaker:
             if self._moved(kept):
                 return
             report = m.step(URGENT_BUDGET if urgent else MAINT_BUDGET, want_free=want,
-                            walk=walking, free_bytes=free)
+                            walk=walking, free_bytes=free,
+                            walk_budget=SHARED_WALK_BUDGET if share is not None and freeing
+                            else None,
+                            evict_s=SHARED_EVICT_S if share is not None else None)
         except OSError as exc:
             text = f"walking root {kept.path}: {exc}"
             log.warning("mptier: %s", text)
@@ -649,8 +661,13 @@ class Caretaker:
             usage_bytes, complete = share.usage_for_tier(), share.published_complete
         elif share is not None:
             try:
-                share.publish(time.monotonic(), usage_bytes, usage.blocks, complete,
-                              m.capacity_bytes, held_bytes=kept.pending)
+                # Less what the unlink threads removed since the usage last took it in
+                # (as usage_now does for this tier): the others see the room at once.
+                unfolded = 0 if kept.evictor is None else max(
+                    0, kept.evictor.freed_total - kept.freed_folded)
+                share.publish(time.monotonic(), max(0, usage_bytes - unfolded),
+                              usage.blocks, complete, m.capacity_bytes,
+                              held_bytes=kept.pending)
             except OSError as exc:
                 log.warning("mptier: publishing the usage of root %s: %s", kept.path, exc)
         flags = (ROOT_COMPLETE if complete else 0) | (ROOT_EVICTING if m.evicting else 0)
