@@ -101,6 +101,19 @@ class BlockIndex:
         return None
 
 
+def evict_told(entry: Entry) -> bool:
+    """:func:`evict` for a block that may be told and never looked at (``UNSEEN_INO``):
+    removed only if its file's atime is not past the moment it was told (no use since;
+    its store set the atime before), then with :func:`evict`'s own checks. Runs on an
+    unlink thread, so the look costs the caretaker nothing (RootMaintainer.hand_out_unseen)."""
+    if entry.ino != UNSEEN_INO:
+        return evict(entry)
+    seen = recheck(entry)
+    if seen is None or seen.atime_ns > entry.atime_ns:
+        return False  # gone, or used since: the caretaker indexes it anew (_refused)
+    return evict(seen)
+
+
 def recheck(entry: Entry) -> Entry | None:
     """``entry`` as it is now (one ``lstat``), or None when it is no block of its size
     any more (gone, replaced by something else)."""
@@ -189,6 +202,10 @@ class RootMaintainer:
         self.refused = 0
         self.rechecked = 0      # candidates used since indexed: put back, newer
         self.folders_removed = 0
+        # Hand told blocks out unseen (their look is then evict_told's, on an unlink
+        # thread): for a walker that other tiers hand their blocks to, where every
+        # evicted block is a told one and each look a round trip on a network mount.
+        self.hand_out_unseen = False
 
     def evicted(self, entry: Entry, removed: bool) -> bytes | None:
         """A block handed out by :meth:`step` was removed (``removed``) or kept (used
@@ -394,7 +411,8 @@ class RootMaintainer:
             if entry is None:
                 break  # the caretaker walks on: the next blocks found are evictable
             tried += 1
-            if entry.ino == UNSEEN_INO:  # told, not walked: its real atime and inode
+            if entry.ino == UNSEEN_INO and not (self.hand_out and self.hand_out_unseen):
+                # told, not walked: its real atime and inode
                 seen = recheck(entry)
                 if seen is not None:
                     index.know(seen)

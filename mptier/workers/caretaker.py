@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mptier.jobs import MessageType, encode_message, pack_keys
-from mptier.storage import Entry, RootMaintainer, evict
+from mptier.storage import Entry, RootMaintainer
 from mptier.storage.election import RootShare
-from mptier.storage.maintain import EVICT_SLACK_FRACTION
+from mptier.storage.maintain import EVICT_SLACK_FRACTION, evict_told
 from mptier.storage.roots import root_identity
 from mptier.storage.walk import TOP_PASSED
 from mptier.workers.control import (
@@ -186,7 +186,7 @@ class _Evictor:
             if entry is None:
                 return
             try:
-                removed = evict(entry)
+                removed = evict_told(entry)
             except OSError as exc:  # a failing root: keep the block, say why once
                 if not self.failures:
                     log.warning("mptier: could not evict %s: %s", entry.path, exc)
@@ -407,11 +407,12 @@ class Caretaker:
         try:
             if self._moved(kept):
                 return
+            shared = share is not None and bool(share.cursors)  # others hand us blocks
+            m.hand_out_unseen = shared
             report = m.step(URGENT_BUDGET if urgent else MAINT_BUDGET, want_free=want,
                             walk=walking, free_bytes=free,
-                            walk_budget=SHARED_WALK_BUDGET if share is not None and freeing
-                            else None,
-                            evict_s=SHARED_EVICT_S if share is not None else None)
+                            walk_budget=SHARED_WALK_BUDGET if shared and freeing else None,
+                            evict_s=SHARED_EVICT_S if shared else None)
         except OSError as exc:
             text = f"walking root {kept.path}: {exc}"
             log.warning("mptier: %s", text)
