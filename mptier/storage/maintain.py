@@ -101,6 +101,19 @@ class BlockIndex:
         return None
 
 
+def evict_told(entry: Entry) -> bool:
+    """:func:`evict` for a block that may be told and never looked at (``UNSEEN_INO``):
+    removed only if its file's atime is not past the moment it was told (no use since;
+    its store set the atime before), then with :func:`evict`'s own checks. Runs on an
+    unlink thread, so the look costs the caretaker nothing (RootMaintainer.hand_out_unseen)."""
+    if entry.ino != UNSEEN_INO:
+        return evict(entry)
+    seen = recheck(entry)
+    if seen is None or seen.atime_ns > entry.atime_ns:
+        return False  # gone, or used since: the caretaker indexes it anew (_refused)
+    return evict(seen)
+
+
 def recheck(entry: Entry) -> Entry | None:
     """``entry`` as it is now (one ``lstat``), or None when it is no block of its size
     any more (gone, replaced by something else)."""
@@ -189,6 +202,10 @@ class RootMaintainer:
         self.refused = 0
         self.rechecked = 0      # candidates used since indexed: put back, newer
         self.folders_removed = 0
+        # Hand told blocks out unseen (their look is then evict_told's, on an unlink
+        # thread): for a walker that other tiers hand their blocks to, where every
+        # evicted block is a told one and each look a round trip on a network mount.
+        self.hand_out_unseen = False
 
     def evicted(self, entry: Entry, removed: bool) -> bytes | None:
         """A block handed out by :meth:`step` was removed (``removed``) or kept (used
@@ -330,7 +347,8 @@ class RootMaintainer:
         self.tracker.record_unplaced(folder, nbytes, nblocks)
 
     def step(self, budget: int, want_free: int = 0, walk: bool = True,
-             evict_s: float | None = None, free_bytes: int = 0) -> StepReport:
+             evict_s: float | None = None, free_bytes: int = 0,
+             walk_budget: int | None = None) -> StepReport:
         """Walk at most ``budget`` entries (sweeping and indexing as it goes), then evict
         at most ``budget`` blocks, oldest first, as many as take usage plus
         ``want_free`` to ``capacity - slack_bytes``. Work per call is bounded by
@@ -342,13 +360,14 @@ class RootMaintainer:
         evicting in this step (an unlink can take milliseconds on a busy disk); the rest
         waits for the next step. ``free_bytes``: evict at least this much whatever the
         capacity says (the file system is short of inodes or space the budget does not
-        see)."""
+        see). ``walk_budget``: walk at most this many entries instead (the walk is slow
+        where each entry is a round trip, and eviction should not wait for it)."""
         report = StepReport()
         passes = self.tracker.passes
         if self.sweeper is not None and not self._pass_begun:
             self.sweeper.begin_pass()
             self._pass_begun = True
-        entries = self.tracker.step(budget) if walk else []
+        entries = self.tracker.step(walk_budget or budget) if walk else []
         report.walked = self.tracker.last_visited if walk else 0
         index = self.index
         for entry in entries:
@@ -392,7 +411,8 @@ class RootMaintainer:
             if entry is None:
                 break  # the caretaker walks on: the next blocks found are evictable
             tried += 1
-            if entry.ino == UNSEEN_INO:  # told, not walked: its real atime and inode
+            if entry.ino == UNSEEN_INO and not (self.hand_out and self.hand_out_unseen):
+                # told, not walked: its real atime and inode
                 seen = recheck(entry)
                 if seen is not None:
                     index.know(seen)

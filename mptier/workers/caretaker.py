@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mptier.jobs import MessageType, encode_message, pack_keys
-from mptier.storage import Entry, RootMaintainer, evict
-from mptier.storage.maintain import EVICT_SLACK_FRACTION
+from mptier.storage import Entry, RootMaintainer
+from mptier.storage.election import RootShare
+from mptier.storage.maintain import EVICT_SLACK_FRACTION, evict_told
 from mptier.storage.roots import root_identity
 from mptier.storage.walk import TOP_PASSED
 from mptier.workers.control import (
@@ -118,6 +119,15 @@ WALK_REST_S = 10.0
 # use (an LRU of capacity - slack).
 MAX_SLACK_FRACTION = 0.10
 SLACK_WINDOW_S = 30.0
+# Entries a root's elected walker walks per step while it evicts: every tier hands it
+# the blocks it creates, so eviction and the published figure need no walk, and on a
+# distributed file system (an lstat a round trip) a full step's walk took ~1 s under
+# load, stalling the other tiers' stores for room.
+SHARED_WALK_BUDGET = 32
+# And the time it spends evicting per step (each block another tier created is looked
+# at once, an lstat, before it is handed out): the others' blocks are folded and the
+# figure they trust published between two such slices.
+SHARED_EVICT_S = 0.05
 # A store of the caretaker itself, waiting for room, steps this often.
 MAKE_ROOM_POLL_S = 0.005
 # Eviction threads per root a caretaker keeps (see _Evictor): unlinks run in parallel.
@@ -176,7 +186,7 @@ class _Evictor:
             if entry is None:
                 return
             try:
-                removed = evict(entry)
+                removed = evict_told(entry)
             except OSError as exc:  # a failing root: keep the block, say why once
                 if not self.failures:
                     log.warning("mptier: could not evict %s: %s", entry.path, exc)
@@ -235,6 +245,9 @@ class _Kept:
     # path that leads elsewhere now starts a fresh maintainer: the root is followed by
     # path, and the budget counts what is behind the path.
     identity: tuple[int, int] | None = None
+    # The root's walker election (mptier/storage/election.py); None where locks do not
+    # work (this caretaker then walks and evicts on its own, as every tier's did).
+    share: RootShare | None = None
 
 
 class Caretaker:
@@ -288,6 +301,7 @@ class Caretaker:
             control.set_freed_stamp(index, 0)
             with contextlib.suppress(OSError):  # a root that fails now: the walk says so
                 kept.identity = root_identity(path)
+            kept.share = _share_of(maintainer)
             self.kept[index] = kept
             self._publish(kept)
             log.debug("mptier: worker pid %d takes care of root %s", os.getpid(), path)
@@ -298,6 +312,7 @@ class Caretaker:
         for kept in self.kept.values():
             if kept.evictor is not None:
                 kept.evictor.stop(wait_s)
+            _close_share(kept)
         self.kept.clear()
 
     # -- scheduling --------------------------------------------------------------------
@@ -339,6 +354,8 @@ class Caretaker:
         if kept.usage_target is not None or \
                 control.no_space_stores(kept.index) > kept.no_space_seen:
             return True
+        if kept.share is not None and kept.share.walker and kept.share.others_reserved:
+            return True  # another tier's stores wait for this walker's eviction
         return any(control.slot_stores(slot, kept.index).want_free
                    for slot in range(control.n_slots))
 
@@ -369,8 +386,17 @@ class Caretaker:
         if state == RootState.OUT and time.monotonic_ns() < retry_at:
             kept.next_at = now + REST_CHECK_S  # an operation will probe it, not us
             return
+        share = kept.share
+        if share is not None and not share.walker:
+            if not share.elect(now):
+                self._contribute(kept, now)
+                return
+            # The seat is ours: walk from scratch, trusting the last figure meanwhile.
+            kept.inherited_bytes = max(kept.inherited_bytes, share.last_usage)
+            log.info("mptier: worker pid %d is now the walker of root %s", os.getpid(),
+                     kept.path)
         want = max(want_free, self._collect(kept))
-        want = max(want, kept.pending)
+        want = max(want, kept.pending + self._fold(kept, now))
         free = self._watch_space(kept, now)
         freeing = m.evicting or bool(want) or bool(free)
         urgent = freeing or _near_high(m, m.usage_bytes + want)
@@ -381,8 +407,12 @@ class Caretaker:
         try:
             if self._moved(kept):
                 return
+            shared = share is not None and bool(share.cursors)  # others hand us blocks
+            m.hand_out_unseen = shared
             report = m.step(URGENT_BUDGET if urgent else MAINT_BUDGET, want_free=want,
-                            walk=walking, free_bytes=free)
+                            walk=walking, free_bytes=free,
+                            walk_budget=SHARED_WALK_BUDGET if shared and freeing else None,
+                            evict_s=SHARED_EVICT_S if shared else None)
         except OSError as exc:
             text = f"walking root {kept.path}: {exc}"
             log.warning("mptier: %s", text)
@@ -438,6 +468,7 @@ class Caretaker:
                     identity[1])
         if kept.evictor is not None:
             kept.evictor.stop(EVICTOR_STOP_S)
+        _close_share(kept)
         del self.kept[kept.index]
         self.take([kept.index], fresh=True)
         return True
@@ -561,10 +592,15 @@ class Caretaker:
             return
         kept.ring_at[slot] = end
         m = kept.maintainer
+        size = self.ctx.block_bytes
+        if kept.share is not None and not kept.share.walker:  # for the walker to count
+            for index, path in control.ring_read(slot, start, end):
+                if index == kept.index:
+                    kept.share.created(f"{self.folder}/{path.decode()}", size)
+            return
         if m.index is None:
             return
         top = os.path.join(m.root, self.folder)
-        size = self.ctx.block_bytes
         for index, path in control.ring_read(slot, start, end):
             if index == kept.index:
                 m.record_created(os.path.join(top, path.decode()), size)
@@ -584,12 +620,58 @@ class Caretaker:
                             max(math.floor(EVICT_SLACK_FRACTION * cap),
                                 kept.task_peak * kept.writers_peak))
 
+    def _contribute(self, kept: _Kept, now: float) -> None:
+        """A step of a caretaker that is not its root's walker: no walk, no eviction;
+        hand the walker this tier's new blocks and reservations, and publish the
+        walker's figure plus this tier's blocks it does not hold yet."""
+        share = kept.share
+        assert share is not None
+        self._collect(kept)
+        try:
+            share.contribute(kept.pending)
+            share.refresh(now)
+        except OSError as exc:
+            log.warning("mptier: sharing root %s with its walker: %s", kept.path, exc)
+            kept.next_at = now + ERROR_BACKOFF_S
+            return
+        self._publish(kept)
+        kept.next_at = now + (EVICT_GAP_S if self._urgent(kept) else REST_CHECK_S)
+
+    def _fold(self, kept: _Kept, now: float) -> int:
+        """(The walker.) Other tiers' new blocks into the usage and the index; returns
+        the room their stores hold."""
+        share = kept.share
+        if share is None:
+            return 0
+        m = kept.maintainer
+
+        def record(path: str, nbytes: int) -> None:
+            m.record_store(path, nbytes)
+            m.record_created(path, nbytes)
+
+        return share.fold(now, record)
+
     def _publish(self, kept: _Kept) -> None:
         m = kept.maintainer
         control = self.ctx.slot_writer.control
         usage = m.tracker.usage
         usage_bytes = usage.bytes if m.complete else max(usage.bytes, kept.inherited_bytes)
-        flags = (ROOT_COMPLETE if m.complete else 0) | (ROOT_EVICTING if m.evicting else 0)
+        complete = m.complete
+        share = kept.share
+        if share is not None and not share.walker:
+            usage_bytes, complete = share.usage_for_tier(), share.published_complete
+        elif share is not None:
+            try:
+                # Less what the unlink threads removed since the usage last took it in
+                # (as usage_now does for this tier): the others see the room at once.
+                unfolded = 0 if kept.evictor is None else max(
+                    0, kept.evictor.freed_total - kept.freed_folded)
+                share.publish(time.monotonic(), max(0, usage_bytes - unfolded),
+                              usage.blocks, complete, m.capacity_bytes,
+                              held_bytes=kept.pending)
+            except OSError as exc:
+                log.warning("mptier: publishing the usage of root %s: %s", kept.path, exc)
+        flags = (ROOT_COMPLETE if complete else 0) | (ROOT_EVICTING if m.evicting else 0)
         position = m.top_position(self.folder)
         listing = m.top_listing(self.folder)
         if position == TOP_PASSED:
@@ -625,3 +707,22 @@ class Caretaker:
                 ctx.report(message)  # waits in the worker's list while the pipe is full
             except OSError:
                 return  # the engine is gone; serve() finds out at its next write
+
+
+def _share_of(m: RootMaintainer) -> RootShare | None:
+    """The root's election, where locks prove the walker alive (else None: walk alone)."""
+    try:
+        if m.sweeper is None or not m.sweeper.locks_work:
+            return None
+        return RootShare(m.root)
+    except OSError as exc:
+        log.warning("mptier: root %s: no walker election (%s); this tier walks it alone",
+                    m.root, exc)
+        return None
+
+
+def _close_share(kept: _Kept) -> None:
+    if kept.share is not None:
+        with contextlib.suppress(OSError):
+            kept.share.close()
+        kept.share = None

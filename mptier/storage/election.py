@@ -1,0 +1,456 @@
+"""One walker per root, however many tiers share it (issue 19 item 3).
+
+    every tier's caretaker of a root                 <root>/.mptier/walk/
+    ┌───────────────────────────────────────┐        seat.lock      flock(EX) held by
+    │ RootShare.elect(): flock(EX|NB) on     │◀──────▶               the walker only
+    │   seat.lock, retried every ELECT_GAP_S │        usage.json     the walker's figure
+    │ walker: walks, evicts, folds the       │───────▶               (O_EXCL temp+rename)
+    │   others' logs, publishes usage.json   │        <tag>.alive    flock held by a
+    │ contributor: appends its new blocks to │───────▶               live contributor
+    │   <tag>.<gen>.paths, its reservations  │        <tag>.json     {gen, reserved}
+    │   to <tag>.json; trusts usage.json     │        <tag>.<gen>.paths  "size path\\n"
+    └───────────────────────────────────────┘
+
+The walker is whoever holds the flock on ``seat.lock``: the kernel (or, across nodes, the
+file system: JuiceFS keeps BSD locks in its metadata engine for every client) drops it
+when the holder's process dies, and another caretaker's next try, at most
+:data:`ELECT_GAP_S` later, takes the seat. A node that dies as a whole keeps its locks
+until its file system declares its session dead (JuiceFS: a few missed heartbeats, about
+a minute by default); that is the takeover bound there.
+
+A contributor never walks and never evicts. It hands the walker what only it knows:
+the paths of the blocks its tier created (appended to its log, ``size relpath`` per
+line, so the walker counts each exactly once against its own walk's position and can
+evict it at once) and the room its stores hold reserved (in ``<tag>.json``). The walker
+publishes the root's usage together with how many of each contributor's bytes it holds
+(``folded``): a contributor's figure for its room checks is the published usage plus
+what it created since the walker folded it. Every file here is read bounded
+(:func:`mptier.rootfile.read_root_file`, at most :data:`SHARE_FILE_LIMIT` bytes), every
+record published through a fresh ``O_EXCL`` temporary and a rename.
+
+Where locks do not work (``probe_locks`` false) there is no election: every tier walks
+and evicts as before (the caller does not make a ``RootShare``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mptier.errors import RootFileError
+from mptier.rootfile import read_root_file
+from mptier.storage import names as N
+from mptier.storage.leases import _ensure_meta_dir, new_tag
+
+SHARE_DIR = "walk"
+SEAT_NAME = "seat.lock"
+USAGE_NAME = "usage.json"
+ALIVE_SUFFIX = ".alive"
+STATE_SUFFIX = ".json"
+LOG_SUFFIX = ".paths"
+# A caretaker without the seat tries to take it this often: the takeover bound after a
+# walker's process dies (its lock goes with it), on top of one caretaker step. A try is
+# one open and one flock (a metadata round trip on a network file system).
+ELECT_GAP_S = 0.5
+# The walker reads the contributors' files and publishes its figure at most this often.
+# A contributor's room check trusts a figure this old plus what it created since: the
+# budget is exceeded by what other tiers' evictions would have freed in this time.
+FOLD_GAP_S = 0.02
+PUBLISH_GAP_S = 0.02
+# A contributor reads the published figure at most this often.
+READ_GAP_S = 0.02
+# How often the walker checks that a contributor still holds its ``.alive`` lock (a dead
+# one's reservations stop counting and its files are removed).
+ALIVE_CHECK_S = 1.0
+# The records here are a few hundred bytes (usage.json names each contributor: ~80
+# bytes each); a log is read in pieces of this size.
+SHARE_FILE_LIMIT = 256 << 10
+LOG_READ_BYTES = 256 << 10
+# A contributor starts a new log once the walker folded all of the current one and it
+# is past this size: logs stay small whatever a tier stores.
+LOG_ROTATE_BYTES = 1 << 20
+
+
+def share_dir(root: str) -> str:
+    return f"{root}/{N.META_DIR}/{SHARE_DIR}"
+
+
+def publish_record(path: str, record: dict) -> None:
+    """Write ``record`` as JSON at ``path`` atomically: a fresh ``O_EXCL`` temporary
+    (never a name someone planted), then a rename over the old record."""
+    tmp = f"{path}.{new_tag()}.new"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
+    try:
+        try:
+            os.write(fd, json.dumps(record, separators=(",", ":")).encode())
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_record(path: str) -> dict | None:
+    """A record of this folder, or None when it is missing or not one of ours (a
+    planted or half-written file is ignored, never trusted or followed)."""
+    try:
+        data = read_root_file(path, SHARE_FILE_LIMIT)
+        if data is None:
+            # Measured on JuiceFS: a record renamed into place through another mount is
+            # ENOENT by name here (the kernel's entry for the old file) until the
+            # folder is listed again -- even with every FUSE cache timeout at 0.
+            os.listdir(os.path.dirname(path))
+            data = read_root_file(path, SHARE_FILE_LIMIT)
+    except (OSError, RootFileError):
+        return None
+    if data is None:
+        return None
+    try:
+        record = json.loads(data)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def read_usage(root: str) -> dict | None:
+    """The walker's last publication for ``root`` (``mptier du`` and tests read it)."""
+    return read_record(f"{share_dir(root)}/{USAGE_NAME}")
+
+
+def _locked_fd(path: str, create: bool) -> int | None:
+    """An fd of ``path`` with flock(EX) held, or None when someone else holds it."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    fd = os.open(path, flags | (os.O_CREAT if create else 0), 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file; remove it")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@dataclass
+class _Cursor:
+    gen: int = 0
+    offset: int = 0
+    folded: int = 0          # bytes of blocks folded from this contributor, ever
+    reserved: int = 0        # what its stores hold reserved now (its last record)
+    alive_at: float = 0.0    # when its lock was last seen held
+
+
+@dataclass
+class RootShare:
+    """One tier's part in the election of a root's walker (see the module docstring).
+    Driven by the caretaker's thread; every method blocks on a few metadata calls."""
+
+    root: str
+    host: str = field(default_factory=socket.gethostname)
+    tag: str = field(default_factory=new_tag)
+    walker: bool = False
+    # contributor
+    gen: int = 0
+    sent: int = 0                   # bytes of blocks appended to our logs, ever
+    buffered: list[str] = field(default_factory=list)
+    buffered_bytes: int = 0
+    reserved: int = 0               # last published in our state record
+    log_size: int = 0
+    published: dict | None = None   # the walker's last record we read
+    read_at: float = 0.0
+    # walker
+    cursors: dict[str, _Cursor] = field(default_factory=dict)
+    seq: int = 0
+    others_reserved: int = 0        # the contributors' reservations, at the last fold
+    fold_at: float = 0.0
+    publish_at: float = 0.0
+    elect_at: float = 0.0
+    _seat: int | None = None
+    _alive: int | None = None
+
+    def __post_init__(self) -> None:
+        self.root = os.path.normpath(self.root)
+        self.dir = _ensure_meta_dir(self.root, SHARE_DIR)
+
+    # -- election ----------------------------------------------------------------------
+
+    def elect(self, now: float) -> bool:
+        """Try the seat (at most every ELECT_GAP_S); returns True when this call made
+        this tier the walker. The seat is kept until :meth:`close` or the process ends."""
+        if self.walker or now < self.elect_at:
+            return False
+        self.elect_at = now + ELECT_GAP_S
+        fd = _locked_fd(f"{self.dir}/{SEAT_NAME}", create=True)
+        if fd is None:
+            if self._alive is None:
+                self._start_contributing()
+            return False
+        self._seat = fd
+        self.walker = True
+        last = self.published if self.published is not None else read_usage(self.root)
+        self.published = last
+        # Carry on from what the last walker folded: the rest of each log is new to it.
+        for tag, entry in ((last or {}).get("folded") or {}).items():
+            with contextlib.suppress(TypeError, ValueError, IndexError):
+                self.cursors[str(tag)] = _Cursor(int(entry[0]), int(entry[1]),
+                                                 int(entry[2]), alive_at=now)
+        self._stop_contributing()
+        return True
+
+    @property
+    def last_usage(self) -> int:
+        """The usage the last walker published (0 when none did)."""
+        try:
+            return max(0, int((self.published or {}).get("usage_bytes", 0)))
+        except (TypeError, ValueError):
+            return 0
+
+    # -- contributor -------------------------------------------------------------------
+
+    def _start_contributing(self) -> None:
+        fd = os.open(f"{self.dir}/{self.tag}{ALIVE_SUFFIX}",
+                     os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._alive = fd
+        self._write_state()
+
+    def _stop_contributing(self) -> None:
+        for name in self._own_files():
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+        if self._alive is not None:
+            os.close(self._alive)
+            self._alive = None
+        self.buffered.clear()
+        self.buffered_bytes = 0
+
+    def _own_files(self) -> list[str]:
+        d = self.dir
+        return [f"{d}/{self.tag}{STATE_SUFFIX}", f"{d}/{self.tag}.{self.gen}{LOG_SUFFIX}",
+                f"{d}/{self.tag}{ALIVE_SUFFIX}"]
+
+    def _write_state(self) -> None:
+        publish_record(f"{self.dir}/{self.tag}{STATE_SUFFIX}",
+                       {"gen": self.gen, "reserved": self.reserved, "host": self.host,
+                        "pid": os.getpid()})
+
+    def created(self, relpath: str, nbytes: int) -> None:
+        """(Contributor.) A block this tier created at ``relpath`` under the root."""
+        self.buffered.append(f"{nbytes} {relpath}\n")
+        self.buffered_bytes += nbytes
+
+    def contribute(self, reserved: int) -> None:
+        """(Contributor.) Hand the walker the blocks created since the last call and
+        the room reserved now."""
+        if self.walker:
+            return
+        if self._alive is None:
+            self._start_contributing()
+        if self.buffered:
+            log = f"{self.dir}/{self.tag}.{self.gen}{LOG_SUFFIX}"
+            fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o644)
+            try:
+                data = "".join(self.buffered).encode()
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)  # close-to-open: the walker's next open sees it all
+            self.log_size += len(data)
+            self.sent += self.buffered_bytes
+            self.buffered.clear()
+            self.buffered_bytes = 0
+        rotate = self.log_size >= LOG_ROTATE_BYTES and self._folded_here()[1] == (
+            self.gen, self.log_size)
+        if rotate:
+            with contextlib.suppress(OSError):
+                os.unlink(f"{self.dir}/{self.tag}.{self.gen}{LOG_SUFFIX}")
+            self.gen += 1
+            self.log_size = 0
+        if rotate or reserved != self.reserved:
+            self.reserved = reserved
+            self._write_state()
+
+    def _folded_here(self) -> tuple[int, tuple[int, int]]:
+        entry = ((self.published or {}).get("folded") or {}).get(self.tag)
+        try:
+            gen, offset, folded = entry[:3]  # type: ignore[index]
+            return int(folded), (int(gen), int(offset))
+        except (TypeError, ValueError):
+            return 0, (-1, -1)
+
+    def _held_by_others(self) -> int:
+        """What the other tiers' stores hold beyond the published usage (the walker's
+        figure less this tier's own reservation, which its own count holds)."""
+        record = self.published or {}
+        entry = (record.get("folded") or {}).get(self.tag)
+        try:
+            mine = int(entry[3]) if entry is not None else 0  # type: ignore[index]
+            return max(0, int(record.get("held_bytes", 0)) - mine)
+        except (TypeError, ValueError, IndexError):
+            return 0
+
+    def refresh(self, now: float) -> None:
+        """(Contributor.) Read the walker's publication again (at most every READ_GAP_S)."""
+        if now < self.read_at:
+            return
+        self.read_at = now + READ_GAP_S
+        record = read_usage(self.root)
+        if record is not None:
+            self.published = record
+
+    def usage_for_tier(self) -> int:
+        """(Contributor.) The root's usage as this tier counts it: the walker's figure
+        plus the blocks this tier created that the figure does not hold yet."""
+        folded = self._folded_here()[0]
+        return self.last_usage + self._held_by_others() + max(
+            0, self.sent + self.buffered_bytes - folded)
+
+    @property
+    def published_complete(self) -> bool:
+        return bool((self.published or {}).get("complete"))
+
+    # -- walker ------------------------------------------------------------------------
+
+    def fold(self, now: float, record_store: Callable[[str, int], None]) -> int:
+        """(Walker.) Count the blocks the contributors created since the last fold
+        (``record_store(path, nbytes)`` for each) and return the room their stores hold
+        reserved or created and not folded. At most every FOLD_GAP_S (else the last
+        figure)."""
+        if now < self.fold_at:
+            return self.others_reserved
+        self.fold_at = now + FOLD_GAP_S
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return 0
+        tags = {n[:-len(STATE_SUFFIX)] for n in names
+                if n.endswith(STATE_SUFFIX) and n != USAGE_NAME and "." not in
+                n[:-len(STATE_SUFFIX)]}
+        for tag in tags:
+            if tag == self.tag:
+                continue
+            state = read_record(f"{self.dir}/{tag}{STATE_SUFFIX}")
+            cursor = self.cursors.setdefault(tag, _Cursor(alive_at=now))
+            if state is None:
+                continue
+            try:
+                gen, cursor.reserved = int(state.get("gen", 0)), max(0, int(
+                    state.get("reserved", 0)))
+            except (TypeError, ValueError):
+                continue
+            self._read_log(tag, cursor, record_store)
+            if gen > cursor.gen:  # a new log: the old one was folded to its end
+                cursor.gen, cursor.offset = gen, 0
+                self._read_log(tag, cursor, record_store)
+            if now - cursor.alive_at >= ALIVE_CHECK_S:
+                if self._contributor_alive(tag):
+                    cursor.alive_at = now
+                else:
+                    self._reap(tag, cursor)
+        for tag in [t for t in self.cursors if t not in tags]:
+            if now - self.cursors[tag].alive_at >= ALIVE_CHECK_S:
+                del self.cursors[tag]  # gone (its state record removed): nothing to fold
+        self.others_reserved = sum(c.reserved for c in self.cursors.values())
+        return self.others_reserved
+
+    def _read_log(self, tag: str, cursor: _Cursor,
+                  record_store: Callable[[str, int], None]) -> None:
+        path = f"{self.dir}/{tag}.{cursor.gen}{LOG_SUFFIX}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return
+            while True:
+                data = os.pread(fd, LOG_READ_BYTES, cursor.offset)
+                end = data.rfind(b"\n") + 1
+                if not end:
+                    return
+                for line in data[:end].splitlines():
+                    self._fold_line(line, cursor, record_store)
+                cursor.offset += end
+                if len(data) < LOG_READ_BYTES:
+                    return
+        except OSError:
+            return
+        finally:
+            os.close(fd)
+
+    def _fold_line(self, line: bytes, cursor: _Cursor,
+                   record_store: Callable[[str, int], None]) -> None:
+        size_text, _, rel = line.decode(errors="replace").partition(" ")
+        try:
+            size = int(size_text)
+        except ValueError:
+            return
+        parts = rel.split("/")
+        if size <= 0 or not rel or rel.startswith("/") or ".." in parts \
+                or parts[0] == N.META_DIR:
+            return  # not a block path under the root: ignored
+        cursor.folded += size
+        record_store(f"{self.root}/{rel}", size)
+
+    def _contributor_alive(self, tag: str) -> bool:
+        try:
+            fd = _locked_fd(f"{self.dir}/{tag}{ALIVE_SUFFIX}", create=False)
+        except OSError:
+            return False  # no lock file: the contributor is gone
+        if fd is None:
+            return True
+        os.close(fd)
+        return False
+
+    def _reap(self, tag: str, cursor: _Cursor) -> None:
+        """A contributor whose lock is free died: its reservations stop counting and
+        its files go (what its log still held was folded just before)."""
+        cursor.reserved = 0
+        for name in (f"{tag}{STATE_SUFFIX}", f"{tag}.{cursor.gen}{LOG_SUFFIX}",
+                     f"{tag}{ALIVE_SUFFIX}"):
+            with contextlib.suppress(OSError):
+                os.unlink(f"{self.dir}/{name}")
+        self.cursors.pop(tag, None)
+
+    def publish(self, now: float, usage_bytes: int, usage_blocks: int, complete: bool,
+                capacity_bytes: int, held_bytes: int = 0, force: bool = False) -> None:
+        """(Walker.) Publish the root's usage (at most every PUBLISH_GAP_S) and
+        ``held_bytes``, what the walker's own tier's stores hold beyond it (reserved, or
+        created and not counted yet); the contributors' reservations go beside it."""
+        if not force and now < self.publish_at:
+            return
+        self.publish_at = now + PUBLISH_GAP_S
+        self.seq += 1
+        record = {"walker": self.tag, "host": self.host, "pid": os.getpid(),
+                  "seq": self.seq, "at": time.time(), "usage_bytes": usage_bytes,
+                  "usage_blocks": usage_blocks, "complete": complete,
+                  "capacity_bytes": capacity_bytes,
+                  "held_bytes": held_bytes + self.others_reserved,
+                  "folded": {t: [c.gen, c.offset, c.folded, c.reserved]
+                             for t, c in self.cursors.items()}}
+        publish_record(f"{self.dir}/{USAGE_NAME}", record)
+        self.published = record
+
+    def close(self) -> None:
+        """Give up the seat, or stop contributing (our files go)."""
+        if self._alive is not None or not self.walker:
+            self._stop_contributing()
+        if self._seat is not None:
+            os.close(self._seat)
+            self._seat = None
+        self.walker = False

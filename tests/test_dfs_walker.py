@@ -1,0 +1,149 @@
+"""One walker per root on a real distributed file system (issue 19 item 3): four tiers,
+two on each of two JuiceFS mounts of one volume (two "nodes"), store at full speed into
+one root with one budget. The four elect one walker through the seat's flock (JuiceFS
+keeps BSD locks across clients); it alone walks and evicts, the others hand it their new
+blocks. The root's files stay within 5 % of the budget under the traffic, and end within
+5 % under it once the traffic stops. Half the tiers run the native core, half the pure
+Python twin."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from test_capacity import blocks_on_disk
+
+from mptier.storage.election import read_usage
+
+pytestmark = [pytest.mark.dfs, pytest.mark.slow]
+
+KB = 1 << 10
+BLOCK = 256 * KB
+MB = 1 << 20
+# Large enough that one task (one block) per writer in flight (4 tiers x 2 writers:
+# 2 MiB) is inside 5 % of it.
+CAPACITY = 48 * MB
+STORE_S = 30.0
+SETTLE_S = 8.0
+TOLERANCE = 0.05
+
+# One tier storing distinct blocks as fast as it can for STORE_S (INFLIGHT jobs of JOB
+# blocks at a time), then idling SETTLE_S; prints a JSON summary.
+NODE = textwrap.dedent("""
+    import hashlib, json, sys, time
+    from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
+    root, seconds, settle, capacity, name = (sys.argv[1], float(sys.argv[2]),
+                                             float(sys.argv[3]), int(sys.argv[4]),
+                                             sys.argv[5])
+    BLOCK, INFLIGHT, JOB = {block}, 8, 1
+    buf = SharedKVBuffer.create(INFLIGHT * JOB, BLOCK)
+    buf.view[:] = 7
+    tier = FileSystemTier(buf, root_dir=root, capacity_bytes=capacity,
+                          task_bytes=JOB * BLOCK, n_load_workers=1, n_store_workers=2,
+                          prefault=False, status_socket="")
+    out = dict(stored=0, failed=0, errors={{}})
+    free, pending, n = list(range(INFLIGHT)), {{}}, 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline or pending:
+        for result in tier.get_finished_jobs():
+            free.append(pending.pop(result.job_id))
+            if result.success:
+                out["stored"] += 1
+            else:
+                out["failed"] += 1
+                if len(out["errors"]) < 3:
+                    out["errors"][str(n)] = result.error
+        if free and time.monotonic() < deadline:
+            slot = free.pop()
+            keys = [make_key(hashlib.sha256(f"{{name}}-{{n}}-{{i}}".encode()).digest(), 0)
+                    for i in range(JOB)]
+            n += 1
+            pending[n] = slot
+            tier.submit_store(TransferJob(n, keys, [slot * JOB + i for i in range(JOB)]))
+        else:
+            time.sleep(0.001)
+    until = time.monotonic() + settle
+    while time.monotonic() < until:
+        time.sleep(0.05)
+    out["root"] = tier.stats()["roots"][0]
+    out["pids"] = tier.worker_pids()
+    tier.shutdown()
+    buf.close()
+    buf.unlink()
+    print(json.dumps(out), flush=True)
+""").format(block=BLOCK)
+
+
+def block_bytes(root: str) -> int:
+    """Bytes of block files under ``root`` now (files evicted while walking skipped)."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".bin"):
+                try:
+                    total += os.lstat(os.path.join(dirpath, name)).st_size
+                except FileNotFoundError:
+                    pass
+    return total
+
+
+def test_four_tiers_on_two_mounts_hold_the_budget_within_5_percent(dfs_dirs):
+    mounts = (dfs_dirs.a, dfs_dirs.a, dfs_dirs.b, dfs_dirs.b)
+    nodes = []
+    for i, path in enumerate(mounts):
+        env = dict(os.environ, MPTIER_NATIVE="1" if i % 2 == 0 else "0")
+        nodes.append(subprocess.Popen(
+            [sys.executable, "-c", NODE, str(path), str(STORE_S), str(SETTLE_S),
+             str(CAPACITY), f"tier{i}"], stdout=subprocess.PIPE, text=True, env=env))
+    peak, samples, summaries = 0, [], []
+    try:
+        started = time.monotonic()
+        deadline = started + STORE_S + SETTLE_S + 120
+        while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+            size = block_bytes(str(dfs_dirs.a))  # a walk of the mount: ~1 s under load
+            if time.monotonic() - started < STORE_S + SETTLE_S:
+                peak = max(peak, size)
+                samples.append(size)
+            time.sleep(0.2)
+        for node in nodes:
+            stdout, _ = node.communicate(timeout=60)
+            assert node.returncode == 0, stdout
+            summaries.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    stored = sum(s["stored"] for s in summaries) * BLOCK
+    print(json.dumps([{k: s[k] for k in ("stored", "failed", "errors")} | {
+        "evicted": s["root"]["evicted_blocks"], "passes": s["root"]["walk_passes"]}
+        for s in summaries]))
+    assert stored > 2 * CAPACITY, f"the tiers stored only {stored} bytes: {summaries}"
+    # Not yet at the issue's target of no failed store: at load ~10-20 the other tiers'
+    # stores still wait past room_wait_s for the walker now and then (measured: 0 to 25
+    # of ~1,000-1,300 per run, in bursts: the walker stalls for seconds at times), and
+    # a store across mounts can meet its folder removed by eviction (ENOENT: issue 19
+    # item 1's folder removal; JuiceFS resolves the name through the other mount's old
+    # entry). Those are printed; any other failure fails the test.
+    failures = [e for s in summaries for e in s["errors"].values()]
+    print(json.dumps(failures))
+    assert all("could not make room" in e or "ENOENT" in e for e in failures), failures
+    record = read_usage(str(dfs_dirs.a))
+    assert record is not None
+    walkers = [i for i, s in enumerate(summaries) if s["root"]["evicted_blocks"]]
+    # (The seat may pass on while the tiers shut down one by one: the last record can be
+    # a later walker's, so only the evictions say who walked during the traffic.)
+    assert len(walkers) == 1, f"tiers {walkers} evicted: {summaries}"
+    _, final, temps = blocks_on_disk(str(dfs_dirs.a))
+    assert not temps, temps[:5]
+    figures = {"peak": peak / CAPACITY, "final": final / CAPACITY,
+               "stored": stored / CAPACITY, "samples": len(samples),
+               "published": record["usage_bytes"] / CAPACITY}
+    print(json.dumps(figures))
+    assert peak <= (1 + TOLERANCE) * CAPACITY, figures
+    assert (1 - TOLERANCE) * CAPACITY <= final <= CAPACITY, figures
