@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mptier.config import TierConfig, tomllib
+from mptier.config import TierConfig
 from mptier.errors import ConfigError
 from mptier.integrations.vllm_compat import unsupported_vllm
 
@@ -23,6 +24,11 @@ try:
     from vllm.v1.kv_offload.file_mapper import FileMapper as VllmFileMapper
 except ImportError as _exc:
     raise ImportError(unsupported_vllm(_exc)) from _exc
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
