@@ -39,6 +39,11 @@ vLLM's metrics front end imports it too, to read
 The tier's options are checked and turned into a :class:`~mptier.config.TierConfig` by
 :mod:`mptier.integrations.vllm_options`; what differs between vLLM releases, and how
 mptier's log joins vLLM's, is in :mod:`mptier.integrations.vllm_compat`.
+
+Long because it is one class, vLLM's SecondaryTierManager, whose docstring is the
+contract with vLLM (options, and every way the tier differs from vLLM's fs tier) and
+whose methods vLLM calls; its options and the differences between vLLM releases live in
+vllm_options and vllm_compat.
 """
 
 from __future__ import annotations

@@ -33,8 +33,10 @@ else:  # pragma: no cover - exercised on 3.10 only
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
-# The plug-in's one logger (users and tests filter on its name).
+# The plug-in's one logger (users and tests filter on its name). Records logged here
+# name the plug-in's line that called (stacklevel=2): vLLM's format shows it.
 log = logging.getLogger("mptier.integrations.vllm")
+_CALLER = 2
 
 # Layout fields are vLLM's to decide (model, dtype, parallelism...); a tier config that
 # set them could write a cache vLLM's own fs tier would not find.
@@ -167,7 +169,7 @@ def events_wanted(tier_type: str, enable_kv_events: Any,
     if enable_kv_events and not offloading_spec.kv_events_config.enable_kv_cache_events:
         log.warning("%s: enable_kv_events is ignored because vLLM's KV cache events "
                     "are off (kv_events_config); this tier publishes no events",
-                    tier_type)
+                    tier_type, stacklevel=_CALLER)
         return False
     return enable_kv_events
 
@@ -222,10 +224,12 @@ def choose_config(tier_type: str, offloading_spec: OffloadingSpec,
                         if file_fields[k] != layout[k])
     if overridden:
         log.info("%s: layout fields %s in %s are ignored; the file layout follows "
-                 "vLLM's configuration", tier_type, ", ".join(overridden), config)
+                 "vLLM's configuration", tier_type, ", ".join(overridden), config,
+                 stacklevel=_CALLER)
     if file_fields.get("enable_events") and not events:
         log.warning("%s: enable_events in %s is ignored; events follow the tier's "
-                    "enable_kv_events and vLLM's kv_events_config", tier_type, config)
+                    "enable_kv_events and vLLM's kv_events_config", tier_type, config,
+                    stacklevel=_CALLER)
     if config is not None:
         tier_config = TierConfig.from_toml(config, **options, **fixed)
     else:
