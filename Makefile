@@ -4,7 +4,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 SOURCES := pyproject.toml setup.py mptier/native/build_ffi.py $(wildcard mptier/native/*.c mptier/native/*.h)
 
-.PHONY: run test lint bench vllm-env vllm-test vllm-cpu-env engine-test test-deps dfs-test clean
+.PHONY: run test test-slow lint bench vllm-env vllm-test vllm-cpu-env engine-test test-deps dfs-test clean
 
 $(STAMP): $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,21 @@ $(STAMP): $(SOURCES)
 run: $(STAMP)
 	$(VENV)/bin/mptier run
 
+# Test processes (pytest-xdist). The tests mostly wait on worker processes, pipes and
+# disks rather than compute, so more processes than this machine's 2 cores keep them
+# busy; tests whose timing matters are given room (or an xdist group) to stand the load.
+TEST_JOBS ?= 4
+# More pytest arguments, e.g. PYTEST_ARGS=--durations=30 or PYTEST_ARGS=tests/test_jobs.py
+PYTEST_ARGS ?=
+PYTEST := $(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup $(PYTEST_ARGS)
+
+# Everything but the storms and long fault runs (marker `slow`); `make test-slow` runs
+# those, and .ci/run runs both.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(PYTEST) -m "not slow"
+
+test-slow: $(STAMP)
+	$(PYTEST) -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mptier tests bench

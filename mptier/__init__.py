@@ -5,8 +5,9 @@ The public API::
     from mptier import SharedKVBuffer, FileSystemTier, TierConfig, TransferJob, \
         JobResult, LookupResult, make_key
 
-Names are imported on first use, so worker processes (which import ``mptier.workers``)
-do not pay for numpy or the manager.
+Names are imported on first use, so a process that needs only part of the package (a
+worker imports ``mptier.workers``) does not load the manager, the monitor or the
+integrations.
 """
 
 from __future__ import annotations

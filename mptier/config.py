@@ -42,8 +42,9 @@ class TierConfig:
     # exactly one, chosen by rendezvous hashing of its block hash with a seed from the
     # root's path (mptier.storage.roots). Give root_dir or root_dirs, not both.
     root_dirs: list[str] = field(default_factory=list)
-    # Bytes of blocks each root may hold (0 = unlimited); past high_watermark of it the
-    # least recently used blocks are evicted down to low_watermark of it.
+    # Bytes of blocks each root may hold (0 = unlimited); near it the least recently used
+    # blocks are evicted, just the excess. The watermarks: of inodes in use (eviction for
+    # inodes starts past high and stops under low).
     capacity_bytes: int = 0
     high_watermark: float = 0.95
     low_watermark: float = 0.85

@@ -1,6 +1,6 @@
 """A hostile client of ``mptier serve``, for the security tests
 (``tests/test_security_client.py``) and the scenario runner's ``hostile_client``
-(``bench/reliability.py``): the same attacks in both.
+(``tests/reliability_run.py``): the same attacks in both.
 
 It speaks the wire protocol by hand (:mod:`mptier.messages`: one JSON datagram over a
 ``SOCK_SEQPACKET`` socket, descriptors alongside), as a real engine does in

@@ -191,7 +191,9 @@ def crc32c_reference(data: bytes, value: int = 0) -> int:
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop(native.FAULT_ENV, None)
-    env.pop(native.NATIVE_ENV, None)  # CI runs the suite again with MPTIER_NATIVE=0
+    # The child runs the backend its test asked for, even in a run under MPTIER_NATIVE=0
+    # (README: the whole suite on the pure-Python path).
+    env.pop(native.NATIVE_ENV, None)
     env["PYTHONPATH"] = os.pathsep.join(
         [SRC_ROOT, TESTS_DIR, *filter(None, [env.get("PYTHONPATH")])])
     env.update(extra or {})

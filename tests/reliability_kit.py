@@ -1,5 +1,5 @@
 """What the reliability tests (``tests/test_reliability_*.py``) and the scenario runner
-(``bench/reliability.py``) measure a tier with, under faults:
+(``tests/reliability_run.py``) measure a tier with, under faults:
 
 * :class:`EngineCalls` -- the engine's calls on a tier, each one timed: the slowest one
   is the liveness figure ("never hang the engine");

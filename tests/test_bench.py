@@ -16,7 +16,7 @@ from mptier.bench import cli, harness
 from mptier.bench.designs import parse_designs, parse_spec
 from mptier.bench.engine import MptierDesign, config_overrides
 from mptier.bench.measure import CacheDrop, parse_size
-from mptier.bench.report import FIGURE_KEYS
+from mptier.bench.report import FIGURE_KEYS, fmt
 
 TINY = ["--block-bytes", "64K", "--job-blocks", "4", "--inflight-jobs", "4",
         "--total-bytes", "2M", "--single-job-blocks", "8", "--repeats", "1",
@@ -53,6 +53,7 @@ def run_bench(tmp_path, *extra: str) -> tuple[int, dict]:
     return rc, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_every_design_reports_every_figure_with_consistent_ratios(tmp_path, fake_drop,
                                                                   capsys):
     designs = [*job_designs(), "raw:tool=loop"]
@@ -247,6 +248,18 @@ def test_concurrency_sweep_gives_one_case_per_value_and_a_sweep_table(tmp_path, 
             assert math.isclose(store, round(record["figures"]["store_gbps"], 2))
             assert math.isclose(load, round(record["figures"]["load_gbps"], 2))
     assert "Sweep of jobs in flight" in capsys.readouterr().out
+    # then load job latency against the same values, and the large job alone (timed in
+    # the one-in-flight case)
+    table = text.split("## Load job latency against jobs in flight")[1].split("##")[0]
+    header, _, *rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert header.split("|")[1:-1] == [" design ", " 1 ", " 4 ", " large job alone: load ms "]
+    one = next(c for c in doc["cases"] if c["workload"]["inflight_jobs"] == 1)
+    for case in doc["cases"]:
+        col = 2 if case["workload"]["inflight_jobs"] == 1 else 3
+        for row, record in zip(rows, case["designs"]):
+            assert row.split("|")[col].strip() == fmt(record["figures"]["load_job_p50_ms"], 1)
+    for row, record in zip(rows, one["designs"]):
+        assert row.split("|")[4].strip() == fmt(record["figures"]["single_load_ms"], 1)
 
 
 def test_block_size_sweep_shorthand(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import math
 import os
 import signal
 import time
@@ -17,6 +18,8 @@ from conftest import wait_for, wait_results
 
 from mptier import FileSystemTier, LookupResult, SharedKVBuffer, TransferJob, make_key
 from mptier.layout import FileMapper
+from mptier.storage.maintain import EVICT_SLACK_FRACTION
+from mptier.workers.caretaker import MAX_SLACK_FRACTION
 
 KB = 1 << 10
 BLOCK = 64 * KB
@@ -96,10 +99,20 @@ def root_stats(tier: FileSystemTier, index: int = 0) -> dict:
     return tier.stats()["roots"][index]
 
 
-def settled(tier: FileSystemTier, root: str, cap: int, high: float) -> bool:
+def kept_at(cap: int) -> int:
+    """Blocks eviction leaves: as many as fit under the capacity less its slack."""
+    return (cap - math.floor(EVICT_SLACK_FRACTION * cap)) // BLOCK
+
+
+def least_kept(cap: int) -> int:
+    """Blocks eviction leaves at the least: under the capacity less the largest slack."""
+    return (cap - math.floor(MAX_SLACK_FRACTION * cap)) // BLOCK
+
+
+def settled(tier: FileSystemTier, root: str, cap: int) -> bool:
     r = root_stats(tier)
     _, size, _ = blocks_on_disk(root)
-    return r["usage_complete"] and not r["evicting"] and size <= high * cap
+    return r["usage_complete"] and not r["evicting"] and size <= kept_at(cap) * BLOCK
 
 
 @pytest.mark.slow
@@ -116,27 +129,29 @@ def test_fill_past_the_budget_keeps_recent_blocks_and_evicts_the_oldest(
     for i in range(0, len(recent), 4):
         assert run.load(recent[i:i + 4]).success  # used again: now the newest
     run.store_in_order(new)
-    wait_for(lambda: settled(tier, root, cap, 0.95), 30, "usage back under the high mark")
+    wait_for(lambda: settled(tier, root, cap), 30, "usage back under the budget")
 
     n, size, temps = blocks_on_disk(root)
-    assert size <= 0.95 * cap and not temps
+    # Near the budget: under it less the slack (1 % here, more if writers reserved more
+    # at once, at most 10 %), never down to a low watermark band (0.85: 40 blocks).
+    assert least_kept(cap) * BLOCK <= size <= kept_at(cap) * BLOCK and not temps
     present = {k for k in old + new if os.path.exists(tier.path_for(k))}
     assert set(recent) <= present, "recently loaded blocks must survive"
     assert set(new) <= present, "the newest blocks must survive"
     untouched = old[8:]
     gone = [k for k in untouched if k not in present]
-    # Usage went from 64 blocks to under the high mark (45.6): at least 19 evicted, and
-    # exactly the oldest untouched ones, in the order they were stored.
-    assert len(gone) >= 64 - 45
+    # Usage went from 64 blocks to just under the budget less its slack (43-47): 17-21
+    # evicted, not a band more, and exactly the oldest untouched ones, in store order.
+    assert 64 - kept_at(cap) <= len(gone) <= 64 - least_kept(cap)
     assert gone == untouched[:len(gone)]
     wait_for(lambda: len(run.evicted()) == len(gone), 10, "removed events for each")
     assert sorted(run.evicted()) == sorted(gone)
     assert tier.stats()["evicted_keys"] == len(gone)
     # Once a walk pass has seen the final state, the published usage is exact.
-    wait_for(lambda: tier.stats()["usage_bytes"] == blocks_on_disk(root)[1], 20,
-             "stats usage equal to the bytes on disk")
+    wait_for(lambda: (root_stats(tier)["usage_bytes"], root_stats(tier)["blocks"])
+             == blocks_on_disk(root)[1::-1], 20, "stats usage equal to the files on disk")
     r = root_stats(tier)
-    assert r["blocks"] == n and r["evicted_blocks"] >= len(gone)
+    assert r["blocks"] == blocks_on_disk(root)[0] <= n and r["evicted_blocks"] >= len(gone)
     assert tier.stats()["capacity_bytes"] == cap
     for key in recent + new:  # every survivor still loads byte-exact
         assert run.load([key]).success
@@ -199,7 +214,8 @@ def test_a_store_that_cannot_fit_fails_with_enospc_and_writes_nothing(
     assert not any(os.path.exists(tier.path_for(k)) for k in big)
     assert blocks_on_disk(root) == (0, 0, [])
     # Room made by eviction: 3 stored, then 2 more on a budget of 4 (one must go: the
-    # oldest), in one task -- the store waits for the caretaker instead of failing.
+    # oldest), in one task -- the usage before it fits, so it goes ahead, passing the
+    # budget by at most its own task until the caretaker evicts for its reservation.
     first = keys_for(b"first", 3)
     run.store_in_order(first)
     wait_for(lambda: root_stats(tier)["usage_bytes"] == 3 * BLOCK, 10, "usage of 3 blocks")
@@ -207,9 +223,10 @@ def test_a_store_that_cannot_fit_fails_with_enospc_and_writes_nothing(
     result = run.store(more)
     assert result.success, result.error
     assert all(os.path.exists(tier.path_for(k)) for k in more)
-    assert not os.path.exists(tier.path_for(first[0])), "the oldest made room"
     _n, size, temps = blocks_on_disk(root)
-    assert size <= cap and not temps
+    assert size <= cap + 2 * BLOCK and not temps
+    wait_for(lambda: not os.path.exists(tier.path_for(first[0])), 10, "the oldest evicted")
+    wait_for(lambda: blocks_on_disk(root)[1] <= cap, 10, "back within the budget")
     wait_for(lambda: first[0] in run.evicted(), 10, "a removed event for it")
     assert run.load(more).success
 
@@ -248,7 +265,7 @@ def test_removed_events_only_for_the_tiers_own_folder(make_buffer, make_tier, ro
     run = Driver(tier, buf)
     own = keys_for(b"own", 16)
     run.store_in_order(own)
-    wait_for(lambda: settled(tier, root, cap, 0.95), 30, "usage back under the high mark")
+    wait_for(lambda: settled(tier, root, cap), 30, "usage back under the budget")
     assert not any(os.path.exists(other.path_for(k)) for k in foreign), \
         "the oldest blocks (another model's) go first"
     gone = [k for k in own if not os.path.exists(tier.path_for(k))]
@@ -273,7 +290,7 @@ def test_a_new_caretaker_takes_over_when_the_old_one_dies(make_buffer, make_tier
     keys = keys_for(b"after", 20)
     for i in range(0, len(keys), 2):
         assert run.store(keys[i:i + 2]).success
-    wait_for(lambda: settled(tier, root, cap, 0.95), 30, "eviction by the new caretaker")
+    wait_for(lambda: settled(tier, root, cap), 30, "eviction by the new caretaker")
     assert run.evicted()
 
 
@@ -289,10 +306,103 @@ def test_thread_workers_evict_too(make_tier, root):
     run = Driver(tier, buf)
     keys = keys_for(b"threads", 16)
     run.store_in_order(keys)
-    wait_for(lambda: settled(tier, root, cap, 0.95), 30, "usage back under the high mark")
+    wait_for(lambda: settled(tier, root, cap), 30, "usage back under the budget")
     gone = [k for k in keys if not os.path.exists(tier.path_for(k))]
-    assert gone == keys[:len(gone)] and len(gone) >= 16 - 7
+    assert gone == keys[:len(gone)] and 16 - kept_at(cap) <= len(gone) <= 16 - least_kept(cap)
     wait_for(lambda: sorted(run.evicted()) == sorted(gone), 10, "removed events")
     for key in keys[len(gone):]:
         assert run.load([key]).success
     assert tier.lookup(keys[0], "r") in (LookupResult.RETRY, LookupResult.MISS)
+
+
+def on_disk_bytes(root: str) -> int:
+    return blocks_on_disk(root)[1]
+
+
+def test_usage_without_a_budget_is_exact_after_every_store(make_buffer, make_tier, root):
+    """No budget: stats() counts every block the tier created the moment its job is
+    reported (no walk needed), and blocks already there not at all."""
+    buf = make_buffer(8, BLOCK)
+    tier = make_tier(buf, task_bytes=2 * BLOCK)
+    wait_for(lambda: root_stats(tier)["usage_complete"], 10, "the first (empty) pass")
+    run = Driver(tier, buf)
+    keys = keys_for(b"unbudgeted", 40)
+    task = 2 * BLOCK
+    for i in range(0, len(keys), 4):
+        assert run.store(keys[i:i + 4]).success
+        assert on_disk_bytes(root) == (i + 4) * BLOCK
+        # Near the files: blocks counted against a walk pass that ended meanwhile are
+        # held high (or, passes later, low) until the next pass finds them. Measured
+        # here under load: within two tasks (docs/storage.md).
+        assert abs(tier.stats()["usage_bytes"] - (i + 4) * BLOCK) <= 2 * task
+    assert run.store(keys[:4]).success  # already there: nothing new
+    wait_for(lambda: tier.stats()["usage_bytes"] == on_disk_bytes(root) == 40 * BLOCK, 20,
+             "stats usage equal to the files")
+
+
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_a_store_that_fits_after_eviction_never_fails_on_a_large_root(
+        make_buffer, make_tier, root):
+    """A root whose walk takes many steps (thousands of another model's recently used
+    blocks): the tier's own older blocks are evicted for each store from the index its
+    workers feed, not after a walk pass finds them -- every store succeeds, and the
+    files never pass the budget by more than one task."""
+    small = 4 * KB
+    other = FileMapper(root, model_name="zz-other-model")  # walked after ours
+    other.prepare(small)
+    n_other = 4000
+    write_blocks(other, keys_for(b"busy", n_other), small, atime=time.time() + 3600)
+    cap = n_other * small + 24 * BLOCK
+    buf = make_buffer(8, BLOCK)
+    task = 4 * BLOCK
+    tier = make_tier(buf, capacity_bytes=cap, task_bytes=task)
+    # (Until the first pass is complete usage is a lower bound: a restart's matter.)
+    wait_for(lambda: root_stats(tier)["usage_complete"], 60, "the first walk pass")
+    run = Driver(tier, buf)
+    keys = keys_for(b"own", 160)
+    worst = 0
+    for i in range(0, len(keys), 4):
+        result = run.store(keys[i:i + 4])
+        assert result.success, result.error
+        worst = max(worst, on_disk_bytes(root))
+    # One writer: its own task over, plus (measured, under load) up to a task the walk
+    # bookkeeping counted late (docs/storage.md, the rules).
+    assert worst <= cap + 2 * task
+    assert all(os.path.exists(tier.path_for(k)) for k in keys[-8:]), "the newest stay"
+    assert len(run.evicted()) >= 160 - 24 - 1
+    assert not any(os.path.exists(tier.path_for(k)) for k in keys[:100]), "the oldest go"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_the_budget_holds_with_every_worker_storing(make_buffer, make_tier, root):
+    """Four store workers with eight jobs in flight: after every wave the files are at
+    most one task per writer over the budget, and within it once eviction settles, with
+    stats() equal to the files. No store fails."""
+    cap = 64 * BLOCK
+    task = 2 * BLOCK
+    writers = 4
+    buf = make_buffer(32, BLOCK)
+    tier = make_tier(buf, capacity_bytes=cap, task_bytes=task, n_store_workers=writers,
+                     n_load_workers=1)
+    keys = keys_for(b"wave", 8 * 4 * 12)
+    job = 0
+    for wave in range(12):
+        ids = []
+        for j in range(8):
+            job += 1
+            batch = keys[(wave * 8 + j) * 4:(wave * 8 + j + 1) * 4]
+            for n, key in enumerate(batch):
+                buf.view[j * 4 + n] = content(key)
+            tier.submit_store(TransferJob(job, batch, list(range(j * 4, j * 4 + 4))))
+            ids.append(job)
+        results = wait_results(tier, ids)
+        assert all(r.success for r in results.values()), [
+            r.error for r in results.values() if not r.success]
+        assert on_disk_bytes(root) <= cap + writers * task
+    # (stats() under four concurrent writers can lag the files by more than a task per
+    # writer for up to a walk pass: a block counted against a walk position the walk
+    # has just passed is found only by the next pass -- docs/storage.md, the rules.)
+    wait_for(lambda: settled(tier, root, cap), 30, "usage under the budget")
+    wait_for(lambda: tier.stats()["usage_bytes"] == on_disk_bytes(root), 20,
+             "stats usage equal to the files")

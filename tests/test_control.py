@@ -1,15 +1,23 @@
-"""The control block's own arithmetic: the workers' task-latency buckets and the
-percentiles read from them (the rest of the block is exercised by every pool test)."""
+"""The control block: the workers' task-latency buckets and the percentiles read from
+them, and the block shared with a real worker process -- what a worker killed mid-task
+leaves in its slot for the supervisor, the pool state it reads, root usage, bounds."""
 
 from __future__ import annotations
 
 import math
 import random
+import signal
+import subprocess
+import sys
+
+import pytest
 
 from mptier.jobs import TaskKind
 from mptier.workers.control import (
     LATENCY_BUCKETS,
     ControlBlock,
+    PoolState,
+    SlotState,
     SlotWriter,
     latency_bucket,
     latency_percentiles,
@@ -56,5 +64,70 @@ def test_each_slot_counts_its_tasks_by_kind_and_the_pool_sums_them():
         assert figures["lookup"]["count"] == 0 and figures["lookup"]["p50_s"] is None
         assert 2e-3 / math.sqrt(2) <= figures["store"]["p50_s"] <= 2e-3 * math.sqrt(2)
         assert 0.3e-3 / math.sqrt(2) <= figures["load"]["p99_s"] <= 0.3e-3 * math.sqrt(2)
+    finally:
+        control.close()
+
+
+WORKER = """
+import os, signal, sys, time
+from mptier.jobs import TaskKind, encode_task
+from mptier.workers.control import ControlBlock, SlotState, SlotWriter
+control = ControlBlock(4, fd=int(sys.argv[1]))
+state, err, reason = control.pool_state()
+writer = SlotWriter(control, 2, "load")
+writer.record[:] = encode_task(TaskKind.LOAD, 77, [b"k" * 36], [5], attempt=1).ljust(
+    len(writer.record), b"\\0")
+writer.mark_started(123)
+writer.account(4096, 2_000_000, False, 123, TaskKind.LOAD)
+writer.message_sent(3)
+control.set_root_usage(1, usage_bytes=8192, usage_blocks=2, evicted_blocks=1,
+                       evicted_bytes=4096, temps_removed=0, pass_id=4, top_position=9,
+                       flags=0, caretaker_pid=os.getpid())
+print(state.name, err, reason, flush=True)
+time.sleep(60)  # killed here, mid-task
+"""
+
+
+def test_what_a_worker_writes_in_its_slot_is_what_the_supervisor_reads_after_it_dies():
+    """The block shared with a real worker process: the worker sees the pool state the
+    supervisor published, and once it is SIGKILLed mid-task its slot still says which
+    task it held (kind, id, attempt), its pid and role, and what it counted."""
+    control = ControlBlock(4)
+    try:
+        control.set_pool_state(PoolState.UNAVAILABLE, 5, "no worker could boot")
+        control.reset(2, "load")
+        worker = subprocess.Popen([sys.executable, "-c", WORKER, str(control.fd)],
+                                  pass_fds=(control.fd,), stdout=subprocess.PIPE, text=True)
+        assert worker.stdout.readline().split() == ["UNAVAILABLE", "5", "no", "worker",
+                                                    "could", "boot"]
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(30)
+        worker.stdout.close()
+        snap = control.snapshot(2)
+        assert snap.state == SlotState.BUSY and snap.started_ns == 123
+        assert (snap.pid, snap.role) == (worker.pid, "load")
+        assert (snap.tasks_done, snap.bytes_done, snap.tasks_failed) == (1, 4096, 0)
+        assert snap.held_task == (TaskKind.LOAD, 77, 1)
+        assert sum(control.slot_latency(2, TaskKind.LOAD)) == 1
+        assert control.counters[2] == 3
+        root = control.root(1)
+        assert (root.usage_bytes, root.usage_blocks, root.evicted_bytes) == (8192, 2, 4096)
+        assert root.caretaker_pid == worker.pid and control.walk_state(1)[:2] == (4, 9)
+        assert control.snapshot(0).state == SlotState.EMPTY  # untouched slots stay empty
+        control.release_slot(2)
+        assert control.snapshot(2).held_task is None
+        assert control.snapshot(2).state == SlotState.EMPTY
+    finally:
+        control.close()
+        control.close()  # idempotent
+
+
+def test_slots_and_roots_outside_the_block_are_refused_naming_the_range():
+    control = ControlBlock(2)
+    try:
+        with pytest.raises(IndexError, match=r"slot 2 outside 0\.\.1"):
+            control.snapshot(2)
+        with pytest.raises(IndexError, match="root -1 outside"):
+            control.root(-1)
     finally:
         control.close()

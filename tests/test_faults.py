@@ -47,6 +47,12 @@ def busy_worker(tier, role: str | None = None) -> dict:
     return holder
 
 
+# How long a test waits for a replacement worker to boot: a new process importing mptier
+# has taken 10-20 s on this 2-core machine with a parallel suite and other work on it.
+# Only a wait: nothing here asserts how fast a worker boots.
+BOOT_WAIT_S = 60.0
+
+
 def full_pool(tier, size: int) -> bool:
     workers = tier.stats()["workers"]
     return len(workers) == size and all(w["alive"] and w["ready"] for w in workers)
@@ -68,7 +74,7 @@ def test_sigkill_mid_store_retries_and_replaces(make_buffer, make_tier, monkeypa
     stats = tier.stats()
     assert stats["pool"]["deaths"] == 1 and stats["pool"]["tasks_retried"] == 1
     assert "killed by SIGKILL(-9)" in stats["pool"]["last_deaths"][0]
-    wait_for(lambda: full_pool(tier, 3), what="the pool back at full size")
+    wait_for(lambda: full_pool(tier, 3), BOOT_WAIT_S, what="the pool back at full size")
     assert victim["pid"] not in [w["pid"] for w in tier.stats()["workers"]]
     for key, block_id in zip(keys, range(16)):
         with open(tier.mapper.path_for(key), "rb") as f:
@@ -101,7 +107,7 @@ def test_sigkill_mid_load_fails_that_load_only(make_buffer, make_tier, root, mon
     tier.submit_load(TransferJob(3, [good], [6]))  # the pool still serves
     assert wait_results(tier, [3])[3].success
     assert np.array_equal(buf.view[6], buf.view[0])
-    wait_for(lambda: full_pool(tier, 2), what="replacement worker")
+    wait_for(lambda: full_pool(tier, 2), BOOT_WAIT_S, what="replacement worker")
     assert os.path.exists(path), "a failed load must leave the file alone"
 
 
@@ -110,7 +116,10 @@ def test_hung_task_times_out_and_others_keep_flowing(make_buffer, make_tier, mon
     monkeypatch.setenv("MPTIER_FAULT_STALL", "load:0.3")
     buf = make_buffer(16, 4 * KB)
     fill_random(buf.view, range(4))
-    tier = make_tier(buf, n_load_workers=1, n_store_workers=1, io_timeout_s=1.0)
+    # Long enough that no healthy task of this test reaches it on a loaded machine (a
+    # suite in parallel): only the stopped worker's task does.
+    timeout_s = 5.0
+    tier = make_tier(buf, n_load_workers=1, n_store_workers=1, io_timeout_s=timeout_s)
     stuck = keys_for(1)[0]
     started = time.monotonic()
     tier.submit_load(TransferJob(1, [stuck], [8]))
@@ -120,14 +129,14 @@ def test_hung_task_times_out_and_others_keep_flowing(make_buffer, make_tier, mon
         tier.submit_store(TransferJob(10 + j, [key], [j]))
     stores = wait_results(tier, range(10, 14))
     assert all(r.success for r in stores.values())
-    result = wait_results(tier, [1], timeout=15)[1]
+    result = wait_results(tier, [1], timeout=15 + timeout_s)[1]
     waited = time.monotonic() - started
     assert not result.success and result.errno == errno.ETIMEDOUT
     assert "io_timeout_s" in result.error
-    assert waited >= 1.0
+    assert waited >= timeout_s
     stats = tier.stats()
     assert stats["pool"]["timeouts"] == 1
-    wait_for(lambda: full_pool(tier, 2), what="replacement worker")
+    wait_for(lambda: full_pool(tier, 2), BOOT_WAIT_S, what="replacement worker")
     tier.submit_load(TransferJob(2, others, [12, 13, 14, 15]))
     assert wait_results(tier, [2])[2].success
     assert np.array_equal(buf.view[12:16], buf.view[0:4])

@@ -314,10 +314,10 @@ def test_workers_killed_while_tiers_attach_and_detach(make_buffer, backend, root
 
 
 def test_the_scenario_runner_runs_and_writes_its_table(tmp_path):
-    """bench/reliability.py (the report's figures) keeps working: two quick scenarios,
+    """tests/reliability_run.py (the report's figures) keeps working: two quick scenarios,
     one of which skips with its reason until its feature is on main."""
     out = tmp_path / "reliability.json"
-    bench = os.path.join(os.path.dirname(__file__), "..", "bench", "reliability.py")
+    bench = os.path.join(os.path.dirname(__file__), "reliability_run.py")
     run = subprocess.run([sys.executable, bench, "--only", "pidns_buffer,hostile_entries",
                           "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]

@@ -341,7 +341,7 @@ time.sleep(60)
 """
 
 
-ENGINES_KILLED = 12  # bench/reliability.py's killed_at_start runs 30
+ENGINES_KILLED = 12  # tests/reliability_run.py's killed_at_start runs 30
 
 
 def test_engines_killed_within_a_second_of_start_leave_no_buffer(root):
@@ -394,7 +394,7 @@ def test_engines_killed_within_a_second_of_start_leave_no_buffer(root):
 
         def dead_leases() -> list[str]:
             with contextlib.suppress(FileNotFoundError):
-                return [e for e in os.listdir(N.leases_dir(root))
+                return [e for e in os.listdir(os.path.join(root, N.META_DIR, N.LEASES_DIR))
                         if lease_state(root, e.split(".")[0]) != "held"]
             return []
 

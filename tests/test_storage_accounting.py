@@ -103,13 +103,13 @@ def test_hand_out_mode_gives_the_oldest_blocks_and_counts_what_came_back(tmp_pat
     mapper = make_cache(root, block_bytes=BB)
     paths = [write_block(mapper, key_for(i), atime_ns=(1_700_000_000 + i) * 10**9)
              for i in range(20)]
-    m = RootMaintainer(root, capacity_bytes=16 * BB, high_watermark=0.9,
-                       low_watermark=0.5, hand_out=True, sweep=False)
+    m = RootMaintainer(root, capacity_bytes=12 * BB, slack_bytes=4 * BB, hand_out=True,
+                       sweep=False)
     handed = []
     while not m.complete:
         handed += m.step(1000).to_evict
     handed += m.step(1000, walk=False).to_evict
-    # 20 blocks, low mark 8: the 12 oldest handed out, none removed yet.
+    # 20 blocks, capacity - slack 8: the 12 oldest handed out, none removed yet.
     assert [e.path for e in handed] == paths[:12]
     assert all(os.path.exists(p) for p in paths)
     assert m.step(1000, walk=False).to_evict == [], "handed-out bytes count as freed"
@@ -120,6 +120,10 @@ def test_hand_out_mode_gives_the_oldest_blocks_and_counts_what_came_back(tmp_pat
     assert m.refused == 1 and m.evicted_blocks == 11
     assert m.usage_bytes == file_totals(root, BB)[1] == 9 * BB
     assert m.handed_bytes == 0
+    # The one used again is back in the index with its new atime: the youngest, so the
+    # next block out is the oldest of the rest, and it only after them.
+    assert m.rechecked == 1 and m.candidates_left == 9
+    assert [e.path for e in m.step(1000, walk=False).to_evict] == [paths[12]]
 
 
 def test_removed_messages_become_events_and_misses():
@@ -141,3 +145,33 @@ def test_removed_messages_become_events_and_misses():
     assert {e.extra["reason"] for e in events} == {"evicted"}
     assert ledger.counters.evicted_keys == len(keys)
     assert lookups.lookup(keys[0], "req") is LookupResult.MISS, "a HIT held becomes a MISS"
+
+
+def test_a_block_unlinked_while_handed_out_is_uncounted_once(tmp_path):
+    """Handed out ahead of the walk, unlinked, and the walk passes its place before the
+    unlink is reported: the pass never saw it, so its removal comes off once -- the
+    usage equals the files at the pass's end (it came off twice before)."""
+    root = str(tmp_path)
+    mapper = make_cache(root, block_bytes=BB)
+    keys = [key_for(i) for i in range(30)]
+    paths = [write_block(mapper, k, atime_ns=(1_700_000_000 + i) * 10**9)
+             for i, k in enumerate(keys)]
+    last = max(paths)          # the walk reaches it last; make it the oldest block
+    os.utime(last, ns=(1_600_000_000 * 10**9, os.stat(last).st_mtime_ns))
+    m = RootMaintainer(root, capacity_bytes=100 * BB, hand_out=True, sweep=False)
+    while not m.complete:
+        m.step(1000)
+    passes = m.tracker.passes
+    m.step(4)                  # the next pass has begun, far from the last block
+    m.capacity_bytes = 29 * BB + m.slack_bytes  # one block too many
+    handed = m.step(4, walk=False).to_evict
+    assert [e.path for e in handed] == [last]
+    assert evict(handed[0])    # unlinked by an unlink thread...
+    while m.tracker.passes == passes:
+        m.step(4)              # ...while the walk passes its place
+    m.evicted(handed[0], True)  # reported only now
+    assert m.usage_bytes == file_totals(root, BB)[1] == 29 * BB
+    m.step(1000)               # and the pass after agrees
+    while m.tracker.passes == passes + 1:
+        m.step(1000)
+    assert m.usage_bytes == file_totals(root, BB)[1] == 29 * BB

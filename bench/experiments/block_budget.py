@@ -64,9 +64,9 @@ def part_a(block: int) -> dict[str, float]:
     job = encode_job(TaskKind.STORE, 1, keys, ids, per_task)
     record = memoryview(job)[:4096]
     task = decode_task(record)
-    from mptier.native import _check_batch, _native
+    from mptier.native import _checks, _native
     buf = bytearray(block * 16)
-    paths = [mapper.path_for(k) for k in task.keys]
+    paths = [mapper.relative_path_for(k) for k in task.keys]
     offsets = [b * block for b in task.block_ids]
     encoded = [os.fsencode(p) for p in paths]
     m = len(task.keys)
@@ -75,14 +75,14 @@ def part_a(block: int) -> dict[str, float]:
         "engine: encode 16-block job (per block)": cpu_ns(
             lambda: encode_job(TaskKind.STORE, 1, keys, ids, per_task), 2000) / 16,
         "worker: decode task (per block)": cpu_ns(lambda: decode_task(record), 5000) / m,
-        "worker: path_for (per block)": cpu_ns(lambda: [mapper.path_for(k) for k in task.keys],
-                                               2000) / m,
+        "worker: path_for (per block)": cpu_ns(
+            lambda: [mapper.relative_path_for(k) for k in task.keys], 2000) / m,
         "worker: offsets (per block)": cpu_ns(
             lambda: [b * block for b in task.block_ids], 5000) / m,
         "worker: check args (per block)": cpu_ns(
-            lambda: _check_batch(paths, buf, offsets, block), 2000) / m,
+            lambda: _checks.batch(paths, buf, offsets, block), 2000) / m,
         "worker: cffi call set-up (per block)": cpu_ns(
-            lambda: _native._batch(lambda *a: 0, encoded, buf, offsets, block, 0), 2000) / m,
+            lambda: (_native._blob(encoded), _native._offsets(offsets)), 2000) / m,
         "worker: encode message (per block)": cpu_ns(lambda: encode_message(
             MessageType.DONE, 1, 123, n_done=m, task_id=5, started_ns=1, elapsed_ns=2), 5000) / m,
     }
@@ -98,14 +98,14 @@ buf = mmap.mmap(-1, block * min(n, 256))
 buf.write(b"\x5a" * len(buf))
 names = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(n)]
 # the tier's layout: <h[0:3]>/<h[3:5]>_g0/<h>.bin, so a fresh cache makes most folders
-paths = [f"{root}/{h[:3]}/{h[3:5]}_g0/{h}.bin" for h in names]
+paths = [f"{h[:3]}/{h[3:5]}_g0/{h}.bin" for h in names]
 offs = [(i % 256) * block for i in range(n)]
 import ctypes
 # Samples after this carry the thread name "mpt-batch": the report keeps only those.
 ctypes.CDLL(None).prctl(15, b"mpt-batch", 0, 0, 0)
 r0 = resource.getrusage(resource.RUSAGE_SELF); t0 = time.perf_counter()
 io = native.batch_store if op == "store" else native.batch_load
-io(paths, buf, offs, block, use_o_direct=direct)
+io(root, paths, buf, offs, block, o_direct=direct)
 t = time.perf_counter() - t0; r1 = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"s": t, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime}))
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import array
 import atexit
-import importlib
+import importlib.util
 import os
 import shutil
 import statistics
@@ -80,9 +80,12 @@ def build() -> object:
     ffi.cdef(CDEF)
     ffi.set_source("_mpt_encode_proto", SOURCE.replace("VERSION", str(WIRE_VERSION)),
                    extra_compile_args=["-O2"])
-    ffi.compile(tmpdir=folder, verbose=False)
-    sys.path.insert(0, folder)
-    return importlib.import_module("_mpt_encode_proto")
+    library = ffi.compile(tmpdir=folder, verbose=False)
+    # Loaded from its file: no folder is added to the import path.
+    spec = importlib.util.spec_from_file_location("_mpt_encode_proto", library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> int:

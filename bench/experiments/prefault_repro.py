@@ -138,9 +138,9 @@ def main() -> int:
                 time.sleep(args.sleep)
             folder = f"{root}/p{k}"
             os.makedirs(folder)
-            paths = [f"{folder}/{i}.bin" for i in range(args.blocks)]
+            paths = [f"{i}.bin" for i in range(args.blocks)]
             before = Counters()
-            native.batch_store(paths, mm, offsets, args.block, use_o_direct=args.o_direct)
+            native.batch_store(folder, paths, mm, offsets, args.block, o_direct=args.o_direct)
             show(f"pass {k}", Counters().delta(before), args.blocks * args.block)
             prev = folder
     finally:

@@ -62,11 +62,11 @@ def main() -> None:
                     mmap.mmap(-1, int(args.gib * 1.25 * (1 << 30)), flags=FLAGS).close()
                 t_prep = time.perf_counter() - t_prep
                 os.makedirs(root)
-                paths = [f"{root}/{i}.bin" for i in range(n)]
+                paths = [f"{i}.bin" for i in range(n)]
                 rep0 = reported()
                 r0 = resource.getrusage(resource.RUSAGE_SELF)
                 t0 = time.perf_counter()
-                native.batch_store(paths, src, [i * block for i in range(n)], block)
+                native.batch_store(root, paths, src, [i * block for i in range(n)], block)
                 t = time.perf_counter() - t0
                 r1 = resource.getrusage(resource.RUSAGE_SELF)
                 shutil.rmtree(root)

@@ -474,7 +474,8 @@ def sweep_tables(doc: dict[str, Any]) -> list[dict[str, str]]:
 
     Cases that differ in exactly one of :data:`SWEPT_FIELDS` (and nothing else) form a
     sweep; each gives ``{"title", "markdown", "text"}`` with one row per design and one
-    column per value of the field.
+    column per value of the field. A sweep of jobs in flight also gives a table of load
+    job latency (:func:`_latency_table`).
     """
     out = []
     cases = doc.get("cases", [])
@@ -519,4 +520,38 @@ def sweep_tables(doc: dict[str, Any]) -> list[dict[str, str]]:
                                                  enumerate(r)).rstrip()
                                        for r in [header, *rows])])
             out.append({"title": title, "markdown": markdown, "text": text})
+            if field == "inflight_jobs":
+                out.append(_latency_table(fixed, values, by_value, labels))
     return out
+
+
+def _latency_cell(rec: dict[str, Any] | None, key: str) -> str:
+    if rec is None:
+        return "—"
+    ratio = (rec.get("ratio_to_v") or {}).get(key)
+    return fmt(rec["figures"].get(key), 1) + ("" if ratio is None else f" ({ratio:.2f} v)")
+
+
+def _latency_table(fixed: str, values: list[int], by_value: dict[int, dict[str, Any]],
+                   labels: list[str]) -> dict[str, str]:
+    """Load job latency (p50 ms) against jobs in flight, and the large job alone (timed
+    in each case: the column shows the one-in-flight case's, else the first), each with
+    its ratio to vLLM's tier (v) of the same case where it ran: vLLM runs a whole job on
+    one thread, mptier splits it across workers, so this is where the designs differ."""
+    title = f"Load job latency against jobs in flight ({fixed}): p50 ms (ratio to v)"
+    alone = by_value.get(1) or by_value[values[0]]
+    header = ["design", *(str(v) for v in values), "large job alone: load ms"]
+    rows = []
+    def rec_in(case: dict[str, Any], label: str) -> dict[str, Any] | None:
+        return next((r for r in case["designs"] if r["label"] == label), None)
+
+    for label in labels:
+        rows.append([label, *(_latency_cell(rec_in(by_value[v], label), "load_job_p50_ms")
+                              for v in values),
+                     _latency_cell(rec_in(alone, label), "single_load_ms")])
+    markdown = "\n".join(["| " + " | ".join(header) + " |", "|---" * len(header) + "|",
+                          *("| " + " | ".join(r) + " |" for r in rows)])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    text = "\n".join([title, *("  ".join(c.ljust(widths[i]) for i, c in
+                                         enumerate(r)).rstrip() for r in [header, *rows])])
+    return {"title": title, "markdown": markdown, "text": text}

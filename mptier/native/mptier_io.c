@@ -47,10 +47,11 @@
  * writer's leftovers. With MPT_CHECKSUM the CRC32C record (vLLM's xattr) is set on the
  * temporary file's descriptor before it is published.
  *
- * The native core is five files compiled together: this one, resolve.c (paths beneath
- * the root), crc32c.c, direct.c (checksummed O_DIRECT) and probes.c; mptier_native.h is
- * what they share. _pure.py is
- * the Python twin of them all and must keep the same behaviour, step for step.
+ * The native core is the files build_ffi.py lists in C_FILES, compiled together: this
+ * one, resolve.c (paths beneath the root), crc32c.c, direct.c (checksummed O_DIRECT),
+ * probes.c, uring.c (batches through io_uring) and encode.c (task records);
+ * mptier_native.h is what they share. _pure.py is the Python twin of them all and must
+ * keep the same behaviour, step for step.
  */
 
 #ifndef _GNU_SOURCE

@@ -732,7 +732,9 @@ static int mpt_finish(struct mpt_ubatch *u, size_t i)
         break;
     case MPT_READY:
         if (!u->store) {
-            if (j->present && mpt_crc32c(0, j->p, u->len, MPT_CRC32C_BEST) != j->want) {
+            if (j->present && !j->crc_done)
+                j->crc = mpt_crc32c(0, j->p, u->len, MPT_CRC32C_BEST);
+            if (j->present && j->crc != j->want) {
                 rc = -EBADMSG;
                 mpt_remove_if_same_fd(b->root, j->rel, b->flags, j->fd);
             } else {
@@ -809,6 +811,22 @@ static void mpt_crc_in_flight(struct mpt_ubatch *u, size_t from, size_t to)
             j->crc = mpt_crc32c(0, j->p, u->len, MPT_CRC32C_BEST);
             j->crc_done = 1;
             return; /* one per wake-up: completions are waiting to be handled too */
+        }
+    }
+}
+
+/* Loads with checksums: CRC a later block whose read has arrived while the next block
+ * in batch order is still being read (mpt_finish compares it with the record, in order).
+ * Without it every CRC ran after its block's turn came, the last ones of a task with
+ * nothing left in flight. */
+static void mpt_crc_arrived(struct mpt_ubatch *u, size_t from, size_t to)
+{
+    for (size_t i = from; i < to; i++) {
+        struct mpt_job *j = mpt_job_of(u, i);
+        if (j->state == MPT_READY && j->present && !j->crc_done) {
+            j->crc = mpt_crc32c(0, j->p, u->len, MPT_CRC32C_BEST);
+            j->crc_done = 1;
+            return; /* one per wake-up, as for stores */
         }
     }
 }
@@ -907,6 +925,14 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
                 if (mpt_enter(u.r, 0) != 0)
                     broken = 1;
                 mpt_crc_in_flight(&u, finished, started);
+            } else if ((b->flags & MPT_CHECKSUM) && wait) {
+                /* take what has arrived, CRC one of the later blocks instead of idling */
+                if (mpt_enter(u.r, 0) != 0)
+                    broken = 1;
+                else
+                    mpt_reap(&u);
+                mpt_crc_arrived(&u, finished + 1, started);
+                wait = !mpt_terminal(next) && u.inflight > 0;
             }
             if (!broken && mpt_enter(u.r, wait) != 0)
                 broken = 1;

@@ -3,6 +3,7 @@
     walk.Walker            incremental, layout-aware, never follows a link
     usage.UsageTracker     usage rebuilt by the walk, adjusted by a tier's own deltas
     usage.plan_eviction    LRU by atime with a bounded heap; usage.evict (inode-checked)
+    maintain.BlockIndex    every block walked or told about, oldest atime first
     leases.Lease           a writer's flock-held lease; leases.TempSweeper / sweep_temps
     maintain.RootMaintainer  the one object a worker steps: all of the above per root
     du / scrub / gc        the offline tools behind ``mptier du|scrub|gc``
@@ -19,7 +20,7 @@ from mptier.storage.leases import (
     probe_locks,
     sweep_temps,
 )
-from mptier.storage.maintain import RootMaintainer, StepReport
+from mptier.storage.maintain import BlockIndex, RootMaintainer, StepReport
 from mptier.storage.names import key_of_block_path, temp_name, temp_tag
 from mptier.storage.usage import (
     EvictionPlan,
@@ -34,6 +35,7 @@ from mptier.storage.walk import BAD_KINDS, Entry, Kind, Walker
 __all__ = [
     "BAD_KINDS",
     "DEFAULT_STALE_TEMP_S",
+    "BlockIndex",
     "Entry",
     "EvictionPlan",
     "Kind",

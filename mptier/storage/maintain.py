@@ -1,56 +1,116 @@
 """One object a worker drives to keep a root in shape, a slice at a time.
 
     worker loop (between I/O tasks, never the engine's scheduler thread)
-      report = maintainer.step(budget)        walk <= budget entries
+      report = maintainer.step(budget, want_free=reserved)   walk <= budget entries
         ├─ UsageTracker    usage rebuilt pass by pass, own stores/evictions as deltas
         ├─ TempSweeper     stale temporary files and dead writers' leases removed
-        ├─ OldestBlocks    the oldest blocks of this pass, for the next eviction
-        ├─ evict           past the high watermark: oldest first, down to the low one
-        │                  (or ``free_bytes`` more: the caretaker's inode watch)
+        ├─ BlockIndex      every block the walk saw, oldest atime first (a heap)
+        ├─ evict           usage + want_free past capacity - slack: the oldest in the
+        │                  index, exactly the excess (or ``free_bytes``: inodes, ENOSPC)
         └─ empty folders   <h3> and <h2>_g<group> folders the walk finds empty: removed
       report.removed       -> "removed" events;  maintainer.usage_bytes -> stats()
 
-Eviction uses the candidates of the last complete pass, so it follows LRU over the whole
-root. Before the first pass completes (a tier just started on a full root) it waits,
-unless what the pass has counted so far already exceeds the capacity itself: then it
-evicts the oldest seen so far (LRU approximate, once) rather than fail stores for the
-length of a walk of millions.
+Eviction never waits for a walk pass: a block enters the index the moment the walk
+lists it, and eviction takes the oldest known one. A candidate used since it was
+indexed (its atime moved) is looked at again (one lstat) and put back with its new
+atime, so the order is LRU by atime over every block walked. The walk only reconciles
+the index with what others did (their stores are added as it finds them, their
+evictions are dropped when :func:`evict` finds the file gone). Should the index run dry
+while usage is still over, the caretaker walks on at once: what the next step finds is
+evictable in the same step.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import os
+import stat
 import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from mptier.storage.leases import DEFAULT_STALE_TEMP_S, TempSweeper
 from mptier.storage.names import LEAF_RE, key_of_block_path
-from mptier.storage.usage import (
-    DEFAULT_MAX_CANDIDATES,
-    OldestBlocks,
-    UsageTracker,
-    bytes_to_free,
-    check_watermarks,
-    evict,
-)
-from mptier.storage.walk import Entry, Kind, remove_empty_folder
+from mptier.storage.usage import UsageTracker, check_watermarks, evict, folder_of
+from mptier.storage.walk import TOP_NOT_REACHED, Entry, Kind, remove_empty_folder
 
-# Candidates kept per pass cover this many times the band between the watermarks, so
-# that one pass's candidates outlast some blocks becoming recently used (refused)...
-CANDIDATE_SLACK = 2.0
-# ...and at least this fraction of the capacity: under continuous stores eviction rounds
-# come one after another, and each round without candidates waits for a whole walk pass.
-# Candidates used since the pass are refused by evict(), so a longer list costs memory
-# only (bounded by max_candidates).
-CANDIDATE_MIN_FRACTION = 0.25
+# Eviction keeps usage (with the room stores have reserved) this far under the capacity,
+# so that a store usually finds room at once instead of waiting for an unlink. Larger
+# makes stores wait less but keeps the cache smaller than its budget (the hit ratio of
+# an LRU of capacity * (1 - slack)); 1 % costs about 1 % of the cache.
+EVICT_SLACK_FRACTION = 0.01
+# Blocks the eviction index holds at most (a NamedTuple of ~200 bytes each with its
+# path, so ~200 MB at the bound). Past it, newly walked blocks are left out until
+# evictions make room; they are the youngest anyway, the last LRU would choose.
+DEFAULT_MAX_INDEX = 1_000_000
+# The index's heap is rebuilt once stale tuples (blocks walked again, forgotten) exceed
+# this many times the live ones: amortised O(1) per change.
+HEAP_GARBAGE_FACTOR = 2
+# The inode of a block a writer told about (record_created) before anyone looked at it.
+UNSEEN_INO = 0
 # The walk removes an empty block folder only once it has been unchanged this long: a
 # writer that just made it (and writes an O_TMPFILE block in it, which leaves it empty
 # until the link) is not made to retry. Any older leftover goes; a clock skewed by more
 # (a network file system's server) only brings back the writer's retry.
 FOLDER_GRACE_NS = 10 * 10**9
+
+
+class BlockIndex:
+    """Blocks by atime, oldest first: a heap with lazy deletion and a dict of the
+    latest entry per path. Not thread-safe (the caretaker's thread owns it)."""
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_INDEX) -> None:
+        self.max_entries = max_entries
+        self._known: dict[str, Entry] = {}
+        self._heap: list[tuple[int, int, Entry]] = []
+        self._order = itertools.count()
+        self.left_out = 0  # blocks not indexed because it was full
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def know(self, entry: Entry) -> None:
+        """Index ``entry`` (a walked or re-checked block), replacing what was known of
+        its path."""
+        known = self._known.get(entry.path)
+        if known is not None and known.atime_ns == entry.atime_ns \
+                and known.ino == entry.ino:
+            return  # the walk saw it again, unchanged
+        if known is None and len(self._known) >= self.max_entries:
+            self.left_out += 1
+            return
+        self._known[entry.path] = entry
+        heapq.heappush(self._heap, (entry.atime_ns, next(self._order), entry))
+        if len(self._heap) > HEAP_GARBAGE_FACTOR * len(self._known) + 1024:
+            self._heap = [(e.atime_ns, next(self._order), e) for e in self._known.values()]
+            heapq.heapify(self._heap)
+
+    def forget(self, path: str) -> None:
+        self._known.pop(path, None)
+
+    def pop_oldest(self) -> Entry | None:
+        """The block of the oldest atime, taken out of the index (None: empty)."""
+        heap = self._heap
+        while heap:
+            entry = heapq.heappop(heap)[2]
+            if self._known.get(entry.path) is entry:
+                del self._known[entry.path]
+                return entry
+        return None
+
+
+def recheck(entry: Entry) -> Entry | None:
+    """``entry`` as it is now (one ``lstat``), or None when it is no block of its size
+    any more (gone, replaced by something else)."""
+    try:
+        st = os.lstat(entry.path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+        return None
+    return entry._replace(atime_ns=st.st_atime_ns, mtime_ns=st.st_mtime_ns, ino=st.st_ino)
 
 
 @dataclass
@@ -76,10 +136,14 @@ class StepReport:
 class RootMaintainer:
     """Usage, temporary-file sweeping and LRU eviction for one root.
 
-    ``capacity_bytes`` 0 means unlimited (no eviction). ``block_bytes`` is this tier's
-    block size, used where a cache folder has no ``mptier.json``. ``locks_work`` None
-    probes the root on the first step. Not thread-safe; every call blocks its thread on
-    file-system metadata calls only (no data is read).
+    ``capacity_bytes`` 0 means unlimited (no eviction). Eviction keeps usage (plus the
+    ``want_free`` of :meth:`step`) at or under ``capacity_bytes - slack_bytes`` (default
+    ``EVICT_SLACK_FRACTION`` of the capacity), evicting just the excess, oldest atime
+    first. ``high_watermark`` / ``low_watermark`` are checked and kept for the caller's
+    other resources (the caretaker's inode watch); they no longer make byte eviction
+    run in bands. ``block_bytes`` is this tier's block size, used where a cache folder
+    has no ``mptier.json``. ``locks_work`` None probes the root on the first step. Not
+    thread-safe; every call blocks its thread on file-system metadata calls only.
 
     ``hand_out=True``: :meth:`step` does not remove blocks itself but hands them out
     (``StepReport.to_evict``) for another thread to remove with :func:`evict`, each
@@ -91,43 +155,82 @@ class RootMaintainer:
                  high_watermark: float = 0.95, low_watermark: float = 0.85,
                  block_bytes: int | Mapping[str, int] | None = None,
                  stale_temp_s: float = DEFAULT_STALE_TEMP_S, locks_work: bool | None = None,
-                 sweep: bool = True, max_candidates: int = DEFAULT_MAX_CANDIDATES,
-                 hand_out: bool = False) -> None:
+                 sweep: bool = True, max_index: int = DEFAULT_MAX_INDEX,
+                 hand_out: bool = False, slack_bytes: int | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 (0 = unlimited), got "
                              f"{capacity_bytes}")
         if capacity_bytes:
             check_watermarks(capacity_bytes, high_watermark, low_watermark)
+        if slack_bytes is None:
+            slack_bytes = math.floor(EVICT_SLACK_FRACTION * capacity_bytes)
+        if not 0 <= slack_bytes < max(1, capacity_bytes):
+            raise ValueError(f"slack_bytes={slack_bytes} must be >= 0 and below "
+                             f"capacity_bytes={capacity_bytes}")
         self.root = os.path.normpath(os.fspath(root))
         self.capacity_bytes = capacity_bytes
         self.high = high_watermark
         self.low = low_watermark
-        self.max_candidates = max_candidates
+        self.slack_bytes = slack_bytes
         self.tracker = UsageTracker(self.root, default_block_bytes=block_bytes)
         self.sweeper = TempSweeper(self.root, locks_work=locks_work,
                                    stale_temp_s=stale_temp_s) if sweep else None
-        self._next = self._new_candidates()
-        self._ready: deque[Entry] = deque()  # last complete pass, oldest first, consumed
+        self.index = BlockIndex(max_index) if capacity_bytes else None
         self._pass_begun = False
-        self.evicting = False   # past high, not yet back under low (hysteresis)
+        self.evicting = False   # the last step found usage past capacity - slack
         self.evicted_blocks = 0
         self.evicted_bytes = 0
         self.hand_out = hand_out
         self.handed_bytes = 0   # handed out, not yet reported back
+        # Handed out: path -> (the walk was still to reach it, pass number), and those
+        # the walk listed while out: what their unlink takes off which count.
+        self._handed: dict[str, tuple[bool, int]] = {}
+        self._walked_handed: set[str] = set()
         self.refused = 0
+        self.rechecked = 0      # candidates used since indexed: put back, newer
         self.folders_removed = 0
 
     def evicted(self, entry: Entry, removed: bool) -> bytes | None:
         """A block handed out by :meth:`step` was removed (``removed``) or kept (used
         again, replaced, gone). Returns its key when it was removed."""
         self.handed_bytes -= entry.size
+        ahead, passes = self._handed.pop(entry.path, (False, self.tracker.passes))
+        walked = entry.path in self._walked_handed
+        self._walked_handed.discard(entry.path)
         if not removed:
-            self.refused += 1
+            self._refused(entry)
             return None
-        self.tracker.record_remove(entry.path, entry.size)
+        tracker = self.tracker
+        if ahead and not walked and (passes != tracker.passes
+                                     or not tracker.walker.will_visit(entry.path)):
+            # The walk passed its place while it was out, after its unlink: the pass
+            # never counted it. Uncounted where it was counted only (record_remove's
+            # rule would take it off the pass twice).
+            if passes == tracker.passes:
+                tracker.record_counted(entry.folder, -entry.size, -1, in_current=True,
+                                       in_building=False)
+        else:
+            tracker.record_remove(entry.path, entry.size)
         self.evicted_blocks += 1
         self.evicted_bytes += entry.size
         return key_of_block_path(entry.path)
+
+    def record_created(self, path: str, nbytes: int) -> None:
+        """A block this tier just created at ``path`` (its ``lstat`` not known here):
+        indexed at once as made now, and looked at (one ``lstat``) only when it comes
+        up for eviction. Usage is not changed (see :meth:`record_other_stores`)."""
+        if self.index is not None:
+            self.index.know(Entry(path, Kind.BLOCK, nbytes, time.time_ns(), 0, UNSEEN_INO,
+                                  folder_of(self.root, path), None))
+
+    def _refused(self, entry: Entry) -> None:
+        """A candidate :func:`evict` kept: used since (back in the index with its new
+        atime) or gone / replaced (forgotten; the walk finds a replacement)."""
+        self.refused += 1
+        now = recheck(entry)
+        if now is not None and self.index is not None:
+            self.rechecked += 1
+            self.index.know(now)
 
     def _remove_folder(self, path: str, report: StepReport) -> None:
         """An empty block folder the walk found: removed, and for a <h2>_g<group>
@@ -137,15 +240,6 @@ class RootMaintainer:
             removed += remove_empty_folder(os.path.dirname(path))
         report.folders_removed += removed
         self.folders_removed += removed
-
-    def _new_candidates(self) -> OldestBlocks | None:
-        if not self.capacity_bytes:
-            return None
-        band = (self.high - self.low) * self.capacity_bytes
-        over = max(0, self.tracker.usage_bytes - self.low * self.capacity_bytes)
-        target = max(max(band, over) * CANDIDATE_SLACK,
-                     CANDIDATE_MIN_FRACTION * self.capacity_bytes)
-        return OldestBlocks(math.ceil(target), self.max_candidates)
 
     @property
     def usage_bytes(self) -> int:
@@ -161,19 +255,14 @@ class RootMaintainer:
         return {**self.tracker.usage.as_dict(), "complete": self.complete,
                 "passes": self.tracker.passes, "capacity_bytes": self.capacity_bytes}
 
-    def bytes_to_free(self) -> int:
-        """Bytes to evict now: once usage passed the high watermark, whatever brings it
-        under the low one (and 0 again only when it is there)."""
+    def bytes_to_free(self, want_free: int = 0) -> int:
+        """Bytes to evict now: what takes usage plus ``want_free`` (room reserved by
+        stores about to write) to ``capacity - slack_bytes``; 0 under it."""
         if not self.capacity_bytes:
             return 0
-        if bytes_to_free(self.usage_bytes, self.capacity_bytes, self.high, self.low):
-            self.evicting = True
-        if self.evicting:
-            need = self.usage_bytes - math.floor(self.low * self.capacity_bytes)
-            if need <= 0:
-                self.evicting = False
-            return max(0, need)
-        return 0
+        need = self.usage_bytes + want_free + self.slack_bytes - self.capacity_bytes
+        self.evicting = need > 0
+        return max(0, need)
 
     def fits(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more stay within the capacity (always, when unlimited)."""
@@ -215,19 +304,25 @@ class RootMaintainer:
         counted ``ahead`` and the new pass will find ``behind``; older, the new pass
         finds everything. Errs high only for blocks in the h3 folder being walked."""
         current = self.tracker.passes
+        # Counts of an older pass reach here late: the pass in progress finds those
+        # blocks only if it has not reached the folder yet. Once it has, they are put in
+        # it too (counted twice, high, if it also lists them) rather than missed (low:
+        # stores would pass the budget).
+        fresh = self.tracker.walker.top_position(folder) == TOP_NOT_REACHED
         if pass_id == current:
             self.tracker.record_counted(folder, *ahead, in_current=True, in_building=False)
             self.tracker.record_counted(folder, *behind, in_current=True, in_building=True)
         elif pass_id == current - 1:
-            self.tracker.record_counted(folder, *behind, in_current=True, in_building=False)
+            self.tracker.record_counted(folder, *behind, in_current=True,
+                                        in_building=not fresh)
         else:
             self.tracker.record_counted(folder, ahead[0] + behind[0], ahead[1] + behind[1],
-                                        in_current=True, in_building=False)
+                                        in_current=True, in_building=not fresh)
 
     @property
     def candidates_left(self) -> int:
-        """Eviction candidates of the last complete pass not yet tried."""
-        return len(self._ready)
+        """Blocks in the eviction index."""
+        return len(self.index) if self.index is not None else 0
 
     def record_unplaced(self, folder: str, nbytes: int, nblocks: int) -> None:
         """Blocks created by other processes of this tier, paths unknown: counted high
@@ -236,18 +331,18 @@ class RootMaintainer:
 
     def step(self, budget: int, want_free: int = 0, walk: bool = True,
              evict_s: float | None = None, free_bytes: int = 0) -> StepReport:
-        """Walk at most ``budget`` entries (sweeping and collecting as it goes), then, if
-        past the high watermark, evict at most ``budget`` blocks. Work per call is
-        bounded by ``budget`` metadata calls of each kind; a few hundred to a few
-        thousand keeps a step in the low milliseconds on a local disk.
+        """Walk at most ``budget`` entries (sweeping and indexing as it goes), then evict
+        at most ``budget`` blocks, oldest first, as many as take usage plus
+        ``want_free`` to ``capacity - slack_bytes``. Work per call is bounded by
+        ``budget`` metadata calls of each kind; a few hundred to a few thousand keeps a
+        step in the low milliseconds on a local disk.
 
-        ``want_free``: bytes writers are waiting to store; eviction then also frees
-        what takes usage to ``capacity - want_free`` (when that is below the low
-        watermark). ``walk=False`` only evicts (a pause between passes). ``evict_s``
-        bounds the time spent evicting in this step (an unlink can take milliseconds on
-        a busy disk); the rest waits for the next step. ``free_bytes``: evict at least
-        this much whatever the byte watermarks say (the file system is short of inodes
-        or space the budget does not see)."""
+        ``want_free``: bytes stores have reserved and not written yet. ``walk=False``
+        only evicts (a pause between passes). ``evict_s`` bounds the time spent
+        evicting in this step (an unlink can take milliseconds on a busy disk); the rest
+        waits for the next step. ``free_bytes``: evict at least this much whatever the
+        capacity says (the file system is short of inodes or space the budget does not
+        see)."""
         report = StepReport()
         passes = self.tracker.passes
         if self.sweeper is not None and not self._pass_begun:
@@ -255,10 +350,13 @@ class RootMaintainer:
             self._pass_begun = True
         entries = self.tracker.step(budget) if walk else []
         report.walked = self.tracker.last_visited if walk else 0
+        index = self.index
         for entry in entries:
             if entry.kind is Kind.BLOCK:
-                if self._next is not None:
-                    self._next.offer(entry)
+                if entry.path in self._handed:  # counted by this pass while out
+                    self._walked_handed.add(entry.path)
+                if index is not None:
+                    index.know(entry)
             elif entry.kind is Kind.EMPTY_FOLDER:
                 if time.time_ns() - entry.mtime_ns > FOLDER_GRACE_NS:
                     self._remove_folder(entry.path, report)
@@ -275,9 +373,7 @@ class RootMaintainer:
         if self.tracker.passes != passes:
             report.pass_completed = True
             self._pass_begun = False
-            self._ready = deque(self._next.oldest_first() if self._next is not None else ())
-            self._next = self._new_candidates()
-        if self.capacity_bytes:
+        if index is not None:
             self._evict(budget, report, want_free,
                         None if evict_s is None else time.monotonic() + evict_s, free_bytes)
         report.usage_bytes = self.usage_bytes
@@ -285,28 +381,27 @@ class RootMaintainer:
 
     def _evict(self, budget: int, report: StepReport, want_free: int = 0,
                deadline: float | None = None, free_bytes: int = 0) -> None:
-        need = max(self.bytes_to_free(), free_bytes,
-                   self.usage_bytes + want_free - self.capacity_bytes if want_free else 0)
-        need -= self.handed_bytes  # already on their way out
-        if need <= 0:
-            return
-        if not self._ready and not self.complete and self._next is not None \
-                and (self.usage_bytes + want_free > self.capacity_bytes or free_bytes):
-            # The first pass is still running and what it has counted so far is already
-            # past the capacity: stores would fail. Evict the oldest seen so far rather
-            # than wait for the whole walk (LRU is then approximate, once).
-            self._ready = deque(self._next.oldest_first())
-            self._next = self._new_candidates()
+        need = max(self.bytes_to_free(want_free), free_bytes) - self.handed_bytes
+        index = self.index
         freed = 0
         tried = 0
-        while self._ready and freed < need and tried < budget:
+        while freed < need and tried < budget:
             if deadline is not None and tried and time.monotonic() > deadline:
                 break
-            entry = self._ready.popleft()
+            entry = index.pop_oldest()
+            if entry is None:
+                break  # the caretaker walks on: the next blocks found are evictable
             tried += 1
+            if entry.ino == UNSEEN_INO:  # told, not walked: its real atime and inode
+                seen = recheck(entry)
+                if seen is not None:
+                    index.know(seen)
+                continue
             if self.hand_out:
                 report.to_evict.append(entry)
                 self.handed_bytes += entry.size
+                self._handed[entry.path] = (self.tracker.walker.will_visit(entry.path),
+                                            self.tracker.passes)
                 freed += entry.size
             elif evict(entry):
                 self.tracker.record_remove(entry.path, entry.size)
@@ -317,3 +412,4 @@ class RootMaintainer:
                 self.evicted_bytes += entry.size
             else:
                 report.refused += 1
+                self._refused(entry)

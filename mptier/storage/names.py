@@ -70,10 +70,6 @@ def lease_path(root: str, tag: str) -> str:
     return f"{root}/{META_DIR}/{LEASES_DIR}/{tag}{LEASE_SUFFIX}"
 
 
-def leases_dir(root: str) -> str:
-    return f"{root}/{META_DIR}/{LEASES_DIR}"
-
-
 def key_of_block_path(path: str) -> bytes:
     """The offload key (``block_hash + group.to_bytes(4, "big")``) a block path stores.
 

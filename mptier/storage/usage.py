@@ -69,7 +69,7 @@ class Usage:
                             for k, v in sorted(self.folders.items())}}
 
 
-def _folder_of(root: str, path: str) -> str:
+def folder_of(root: str, path: str) -> str:
     rel = os.path.relpath(path, root)
     return rel.split(os.sep, 1)[0]
 
@@ -100,7 +100,13 @@ class UsageTracker:
 
     @property
     def usage(self) -> Usage:
-        return self.current if self.current is not None else self.building
+        """The last complete pass with deltas since, or the pass in progress where it
+        has already counted more: it is a lower bound of what is there (exact for the
+        part walked), so others' stores it found count before the pass ends."""
+        current = self.current
+        if current is None or self.building.bytes > current.bytes:
+            return self.building
+        return current
 
     @property
     def usage_bytes(self) -> int:
@@ -130,7 +136,7 @@ class UsageTracker:
         Counted now; counted in the pass in progress only if the walk will not reach it
         (otherwise the walk finds it) — so never twice, never missed.
         """
-        folder = _folder_of(self.root, path)
+        folder = folder_of(self.root, path)
         if self.current is not None:
             self.current.add(folder, nbytes)
         if not self.walker.will_visit(path):
@@ -139,7 +145,7 @@ class UsageTracker:
     def record_remove(self, path: str, nbytes: int) -> None:
         """A block this process removed; uncounted in the pass in progress only if the
         walk will not reach its place (then it was counted, by the walk or a delta)."""
-        folder = _folder_of(self.root, path)
+        folder = folder_of(self.root, path)
         if self.current is not None:
             self.current.add(folder, -nbytes, -1)
         if not self.walker.will_visit(path):

@@ -66,10 +66,6 @@ class Kind(enum.Enum):
     FOREIGN = "foreign"          # a name the layout does not use (not descended)
     EMPTY_FOLDER = "empty_folder"  # an <h3> or <h2>_g<group> folder that listed empty
 
-    @property
-    def is_bad(self) -> bool:
-        return self in BAD_KINDS
-
 
 BAD_KINDS = frozenset({Kind.BAD_SYMLINK, Kind.BAD_DIR, Kind.BAD_SPECIAL, Kind.BAD_SIZE,
                        Kind.BAD_NOT_DIR})

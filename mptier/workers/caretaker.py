@@ -17,8 +17,14 @@ block (other workers and the engine read them without a message), and reports ke
 evicted from the engine's own block folder as REMOVED messages on the completion pipe.
 
 Other workers' new blocks reach the usage through counters in their slots (sorted
-against the published walk position: see ``RootMaintainer.record_other_stores``); other
-nodes' stores through the walk only.
+against the published walk position: see ``RootMaintainer.record_other_stores``), and
+the eviction index through a ring per slot (their paths, ``RootMaintainer.
+record_created``); other nodes' stores through the walk only. Stores reserve their room
+in their slots before they check it, and the caretaker publishes beside the usage the
+created bytes it holds (the stamp) and, from its unlink threads as each unlink returns,
+the bytes removed: ``ControlBlock.usage_now`` is then this tier's usage at any moment.
+Eviction keeps usage plus reservations under ``capacity - slack``, the slack being what
+the writers reserved at once lately (1-10 % of the capacity).
 
 Bytes are not all a root can run out of. The caretaker also watches its file system's
 inodes (``statvfs`` f_files / f_favail, every INODE_CHECK_S): past the tier's high
@@ -31,7 +37,9 @@ band of the usage. Both need ``capacity_bytes`` (without it nothing is ever evic
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -44,6 +52,7 @@ from typing import Any, Protocol
 
 from mptier.jobs import MessageType, encode_message, pack_keys
 from mptier.storage import Entry, RootMaintainer, evict
+from mptier.storage.maintain import EVICT_SLACK_FRACTION
 from mptier.storage.roots import root_identity
 from mptier.storage.walk import TOP_PASSED
 from mptier.workers.control import (
@@ -101,6 +110,14 @@ URGENT_BUDGET = 4 * MAINT_BUDGET
 WALK_REST_FACTOR = 4.0
 WALK_REST_MIN_S = 0.5
 WALK_REST_S = 10.0
+# Eviction runs ahead of the stores by a slack (RootMaintainer.slack_bytes): at least
+# EVICT_SLACK_FRACTION of the capacity, and as much as the writers reserved at once lately
+# (the most slots reserving at one look times the largest task's new bytes, over the
+# last SLACK_WINDOW_S), so a store finds its room evicted already instead of waiting for
+# unlinks; at most MAX_SLACK_FRACTION, since the slack is cache the budget does not
+# use (an LRU of capacity - slack).
+MAX_SLACK_FRACTION = 0.10
+SLACK_WINDOW_S = 30.0
 # A store of the caretaker itself, waiting for room, steps this often.
 MAKE_ROOM_POLL_S = 0.005
 # Eviction threads per root a caretaker keeps (see _Evictor): unlinks run in parallel.
@@ -117,12 +134,12 @@ INODE_CHECK_S = 1.0
 
 
 def _near_high(m: RootMaintainer, usage: int) -> bool:
-    """Usage at or within URGENT_MARGIN_BYTES (at most half the watermark band) of the
-    high watermark."""
+    """Usage at or within URGENT_MARGIN_BYTES (at most a tenth of the capacity) of the
+    mark eviction keeps it under (capacity - slack)."""
     if not m.capacity_bytes:
         return False
-    margin = min(URGENT_MARGIN_BYTES, (m.high - m.low) * m.capacity_bytes / 2)
-    return usage >= m.high * m.capacity_bytes - margin
+    margin = min(URGENT_MARGIN_BYTES, m.capacity_bytes / 10)
+    return usage >= m.capacity_bytes - m.slack_bytes - margin
 
 
 class _Evictor:
@@ -135,8 +152,14 @@ class _Evictor:
     (about what the writers stored): EVICTOR_THREADS of them. The unlink releases the
     GIL, as the worker's native I/O does."""
 
-    def __init__(self, path: str, n_threads: int) -> None:
+    def __init__(self, path: str, n_threads: int,
+                 freed: collections.abc.Callable[[int], None] | None = None) -> None:
         self.failures = 0
+        # Bytes removed ever, told to ``freed`` (under the lock) as each unlink returns:
+        # waiting stores see the room at once, not at the caretaker's next step.
+        self.freed_total = 0
+        self._freed = freed
+        self._lock = threading.Lock()
         self._todo: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
         self.done: collections.deque[tuple[Entry, bool]] = collections.deque()
         self._threads = [threading.Thread(target=self._run, name=f"mptier-evict {path}",
@@ -159,6 +182,10 @@ class _Evictor:
                     log.warning("mptier: could not evict %s: %s", entry.path, exc)
                 self.failures += 1
                 removed = False
+            if removed and self._freed is not None:
+                with self._lock:
+                    self.freed_total += entry.size
+                    self._freed(self.freed_total)
             self.done.append((entry, removed))
 
     def stop(self, wait_s: float) -> None:
@@ -185,6 +212,17 @@ class _Kept:
     temps_removed: int = 0
     seen: dict[int, tuple[tuple[int, int], tuple[int, int, int, int]]] = field(
         default_factory=dict)
+    # Per slot: (pid, created bytes folded into the usage); their sum is the stamp
+    # published beside the usage (ControlBlock.usage_now).
+    made: dict[int, tuple[int, int]] = field(default_factory=dict)
+    pending: int = 0  # created, not folded, plus reserved: what stores add next
+    ring_at: dict[int, int] = field(default_factory=dict)  # per slot: ring entries read
+    freed_folded: int = 0  # bytes the unlink threads removed that the usage holds
+    # The largest task (new bytes) and the most writers at once seen in this window,
+    # and when the window began: the slack is their product (MAX_SLACK_FRACTION).
+    task_peak: int = 0
+    writers_peak: int = 0
+    window_at: float = 0.0
     evictor: _Evictor | None = None
     listing: bytes | None = None  # the listing last published
     folders_base: int = 0
@@ -232,15 +270,22 @@ class Caretaker:
                          inherited_bytes=0 if fresh else rec.usage_bytes,
                          evicted_base=(rec.evicted_blocks, rec.evicted_bytes),
                          temps_base=rec.temps_removed,
-                         evictor=_Evictor(path, EVICTOR_THREADS) if io.capacity_bytes
-                         else None, folders_base=control.root_extra(index)[2],
+                         evictor=_Evictor(path, EVICTOR_THREADS,
+                                          functools.partial(control.set_freed, index))
+                         if io.capacity_bytes else None,
+                         folders_base=control.root_extra(index)[2],
                          no_space_seen=control.no_space_stores(index))
             # What workers counted before now is on disk already: this walk finds it.
             for slot in range(control.n_slots):
                 st = control.slot_stores(slot, index)
-                kept.seen[slot] = ((control.slot_pid(slot), st.pass_id),
+                pid = control.slot_pid(slot)
+                kept.seen[slot] = ((pid, st.pass_id),
                                    (st.ahead_bytes, st.ahead_blocks, st.behind_bytes,
                                     st.behind_blocks))
+                kept.made[slot] = (pid, control.slot_made(slot, index))
+                kept.ring_at[slot] = control.ring_count(slot)
+            control.set_freed(index, 0)  # this caretaker's unlink threads count anew
+            control.set_freed_stamp(index, 0)
             with contextlib.suppress(OSError):  # a root that fails now: the walk says so
                 kept.identity = root_identity(path)
             self.kept[index] = kept
@@ -287,7 +332,8 @@ class Caretaker:
         """Eviction cannot wait for the next gap: past the high watermark (or nearly:
         the stores in flight may take it there before the next step), or a store waits."""
         m = kept.maintainer
-        if m.evicting or _near_high(m, self.ctx.slot_writer.control.usage_bytes(kept.index)):
+        control = self.ctx.slot_writer.control
+        if m.evicting or _near_high(m, control.usage_now(kept.index)):
             return True
         control = self.ctx.slot_writer.control
         if kept.usage_target is not None or \
@@ -303,8 +349,8 @@ class Caretaker:
         if kept is None:
             return False
         control = self.ctx.slot_writer.control
-        while True:
-            if control.usage_bytes(index) + nbytes <= self.ctx.io.capacity_bytes:
+        while True:  # (the rule of worker._room: the usage before this store fits)
+            if control.usage_now(index) - nbytes <= self.ctx.io.capacity_bytes:
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -324,9 +370,10 @@ class Caretaker:
             kept.next_at = now + REST_CHECK_S  # an operation will probe it, not us
             return
         want = max(want_free, self._collect(kept))
+        want = max(want, kept.pending)
         free = self._watch_space(kept, now)
         freeing = m.evicting or bool(want) or bool(free)
-        urgent = freeing or _near_high(m, m.usage_bytes)
+        urgent = freeing or _near_high(m, m.usage_bytes + want)
         walking = now >= kept.rest_until or (freeing and not m.candidates_left)
         if walking and kept.pass_began is None:
             kept.pass_began = now
@@ -452,6 +499,7 @@ class Caretaker:
         done = kept.evictor.done
         while done:
             entry, removed = done.popleft()
+            kept.freed_folded += entry.size if removed else 0
             key = m.evicted(entry, removed)
             if key is not None and entry.folder == self.folder:
                 own.append(key)
@@ -460,24 +508,81 @@ class Caretaker:
 
     def _collect(self, kept: _Kept) -> int:
         """Account other workers' (and this one's) new blocks since the last step;
-        returns the most bytes any of them waits to find room for."""
+        returns the most bytes any of them waits to find room for, and leaves in
+        ``kept.pending`` what stores hold beyond the usage (reserved, or created and
+        not folded yet)."""
         control = self.ctx.slot_writer.control
         index = kept.index
         m = kept.maintainer
-        want = 0
+        want = pending = writers = largest = 0
         for slot in range(control.n_slots):
-            st = control.slot_stores(slot, index)
+            st = control.slot_stores(slot, index)  # before slot_made: never folds more
+            made = control.slot_made(slot, index)  # than the slot says it created
             want = max(want, st.want_free)
-            who = (control.slot_pid(slot), st.pass_id)
+            pid = control.slot_pid(slot)
+            who = (pid, st.pass_id)
             values = (st.ahead_bytes, st.ahead_blocks, st.behind_bytes, st.behind_blocks)
             before = kept.seen.get(slot)
             base = before[1] if before is not None and before[0] == who else (0, 0, 0, 0)
             delta = [v - b for v, b in zip(values, base)]
             kept.seen[slot] = (who, values)
-            if any(delta) and who[0]:
+            if any(delta) and pid:
                 m.record_other_stores(st.pass_id - kept.pass_base, self.folder,
                                       (delta[0], delta[1]), (delta[2], delta[3]))
+            made_pid, folded = kept.made.get(slot, (pid, made))
+            folded += delta[0] + delta[2] if pid else 0
+            if (made_pid != pid or (before is not None and before[0] != who)) \
+                    and made > folded:
+                # Blocks counted in counters that are gone: the slot's last worker died
+                # (the slot was reset), or the worker started a new pass's counts after
+                # our last look. Counted until the walk passes (errs high).
+                m.record_unplaced(self.folder, made - folded,
+                                  (made - folded) // max(1, self.ctx.block_bytes))
+                folded = made
+            kept.made[slot] = (pid, folded)
+            self._take_ring(kept, slot)
+            reserved = control.slot_reserved(slot, index)
+            pending += max(0, made - folded) + reserved
+            task = max(reserved, delta[0] + delta[2])
+            writers += task > 0
+            largest = max(largest, task)
+        kept.pending = pending
+        self._set_slack(kept, largest, writers)
         return want
+
+    def _take_ring(self, kept: _Kept, slot: int) -> None:
+        """Index the blocks the worker in ``slot`` created on this root since the last
+        look (its ring in the control block): eviction can take them at once, without
+        waiting for the walk to find them."""
+        control = self.ctx.slot_writer.control
+        end = control.ring_count(slot)
+        start = kept.ring_at.get(slot, end)
+        if end == start:
+            return
+        kept.ring_at[slot] = end
+        m = kept.maintainer
+        if m.index is None:
+            return
+        top = os.path.join(m.root, self.folder)
+        size = self.ctx.block_bytes
+        for index, path in control.ring_read(slot, start, end):
+            if index == kept.index:
+                m.record_created(os.path.join(top, path.decode()), size)
+
+    def _set_slack(self, kept: _Kept, task: int, writers: int) -> None:
+        """Eviction runs ahead by what the writers reserve at once (MAX_SLACK_FRACTION)."""
+        m = kept.maintainer
+        if not m.capacity_bytes:
+            return
+        now = time.monotonic()
+        if now - kept.window_at > SLACK_WINDOW_S:
+            kept.window_at, kept.task_peak, kept.writers_peak = now, 0, 0
+        kept.task_peak = max(kept.task_peak, task)
+        kept.writers_peak = max(kept.writers_peak, writers)
+        cap = m.capacity_bytes
+        m.slack_bytes = min(math.floor(MAX_SLACK_FRACTION * cap),
+                            max(math.floor(EVICT_SLACK_FRACTION * cap),
+                                kept.task_peak * kept.writers_peak))
 
     def _publish(self, kept: _Kept) -> None:
         m = kept.maintainer
@@ -494,6 +599,9 @@ class Caretaker:
                 control.set_listing(kept.index, listing)
                 kept.listing = listing
             flags |= ROOT_LISTED
+        # First say which removals the usage below holds: a reader between the two sees
+        # them counted (high), never subtracted twice.
+        control.set_freed_stamp(kept.index, kept.freed_folded)
         control.set_root_usage(
             kept.index, usage_bytes=usage_bytes, usage_blocks=usage.blocks,
             evicted_blocks=kept.evicted_base[0] + m.evicted_blocks,
@@ -504,7 +612,8 @@ class Caretaker:
         control.set_root_extra(kept.index, inodes_total=kept.inodes[0],
                                inodes_free=kept.inodes[1],
                                folders_removed=kept.folders_base + m.folders_removed,
-                               flags=ROOT_INODES_LOW if kept.inodes_low else 0)
+                               flags=ROOT_INODES_LOW if kept.inodes_low else 0,
+                               stamp=sum(folded for _, folded in kept.made.values()))
 
     def _send_removed(self, keys: list[bytes]) -> None:
         ctx = self.ctx

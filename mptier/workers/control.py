@@ -96,7 +96,14 @@ SLOT_NO_SPACE_AT = SLOT_READ_ONLY_AT + MAX_ROOTS * 8
 SLOT_LATENCY_AT = SLOT_NO_SPACE_AT + MAX_ROOTS * 8
 LATENCY_BUCKETS = 32
 _SLOT_LATENCY = struct.Struct(f"<{LATENCY_BUCKETS}I")
-assert SLOT_LATENCY_AT + 3 * _SLOT_LATENCY.size <= RECORD_OFFSET, "past the header page"
+# Per root: bytes of blocks ever created from this slot (u64; kept when the slot passes
+# to a new worker, so a sum over slots never goes back), then per root the bytes the
+# store in hand reserved and has not counted as created yet (u64). With the caretaker's
+# stamp (the created bytes its published usage holds) they make the usage exact at any
+# moment: ControlBlock.usage_now.
+SLOT_MADE_AT = SLOT_LATENCY_AT + 3 * _SLOT_LATENCY.size
+SLOT_RESERVED_AT = SLOT_MADE_AT + MAX_ROOTS * 8
+assert SLOT_RESERVED_AT + MAX_ROOTS * 8 <= RECORD_OFFSET, "past the header page"
 _SLOT_HEADER = struct.Struct("<QQQQQQII")
 _POOL_HEADER = struct.Struct(f"<4sIIiQ{REASON_BYTES}s")
 # After the pool header: the written and skipped bytes of workers whose slots were
@@ -143,10 +150,24 @@ LISTING_BYTES = 4096 // 8
 LISTINGS_BYTES = MAX_ROOTS * LISTING_BYTES
 # extras: inodes total, inodes free (statvfs f_files, f_favail), empty folders removed
 # (u64), flags (u32, pad)
-_ROOT_EXTRA = struct.Struct("<QQQII")
+# inodes total, inodes free, folders removed (u64), flags, pad (u32), then the stamp:
+# the bytes of slots' created blocks the published usage holds, the bytes the
+# caretaker's unlink threads removed (ever), and of those the part the published usage
+# holds (u64 each)
+_ROOT_EXTRA = struct.Struct("<QQQIIQQQ")
+_FREED_AT = 40  # the removed bytes' place in a root's extras
 ROOT_EXTRA_BYTES = _ROOT_EXTRA.size
 EXTRAS_BYTES = MAX_ROOTS * ROOT_EXTRA_BYTES
 ROOT_INODES_LOW = 1  # extras flags: free inodes under the low-inode watermark
+# After the slots, one ring per slot: the blocks its worker created last (root index,
+# path under the block folder), so the caretaker puts them in its eviction index at once
+# instead of waiting for its walk to find them. A u64 count of entries ever written, then
+# RING_ENTRIES entries. A caretaker that falls more than a ring behind loses the oldest:
+# the walk finds those. 512 entries are a few of the largest tasks (128 blocks of 64 KiB
+# in 8 MiB) and 64 KiB a slot.
+RING_ENTRIES = 512
+_RING_ENTRY = struct.Struct("<HB125s")
+RING_BYTES = PAGE_BYTES + RING_ENTRIES * _RING_ENTRY.size
 
 
 @dataclass
@@ -216,7 +237,8 @@ class ControlBlock:
         self._listings_at = PAGE_BYTES + counters_bytes(n_slots)
         self._extras_at = self._listings_at + LISTINGS_BYTES
         self._slots_at = self._extras_at + EXTRAS_BYTES
-        size = self._slots_at + n_slots * SLOT_BYTES
+        self._rings_at = self._slots_at + n_slots * SLOT_BYTES
+        size = self._rings_at + n_slots * RING_BYTES
         created = fd is None
         if fd is None:
             fd = os.memfd_create("mptier-control", os.MFD_CLOEXEC)
@@ -231,11 +253,6 @@ class ControlBlock:
         self._state_word = self.memory[_STATE_OFFSET:_STATE_OFFSET + 4].cast("I")
         if created:
             self.set_pool_state(PoolState.SERVING)
-
-    @classmethod
-    def size_for(cls, n_slots: int) -> int:
-        return (PAGE_BYTES + counters_bytes(n_slots) + LISTINGS_BYTES + EXTRAS_BYTES
-                + n_slots * SLOT_BYTES)
 
     # -- pool header ---------------------------------------------------------------------
 
@@ -293,12 +310,6 @@ class ControlBlock:
                               evicted_bytes, temps_removed, pass_id, top_position, flags,
                               caretaker_pid)
 
-    def walk_position(self, index: int) -> tuple[int, int]:
-        """``(pass id, h3 position)`` the caretaker of root ``index`` published."""
-        at = self._root_at(index) + _ROOT_USAGE_AT
-        values = _ROOT_USAGE.unpack_from(self.memory, at)
-        return values[5], values[6]
-
     def set_listing(self, index: int, listing: bytes) -> None:
         """(The caretaker.) Publish which <h3> folders the pass listed (before the flag
         that says it is there)."""
@@ -316,7 +327,60 @@ class ControlBlock:
         return values[5], values[6], bool(values[7] & ROOT_LISTED)
 
     def usage_bytes(self, index: int) -> int:
+        """The usage of root ``index`` its caretaker published (see :meth:`usage_now`)."""
         return struct.unpack_from("<Q", self.memory, self._root_at(index) + _ROOT_USAGE_AT)[0]
+
+    def slot_made(self, slot: int, root: int) -> int:
+        """Bytes of blocks ever created on ``root`` from ``slot`` (every worker it had)."""
+        return struct.unpack_from("<Q", self.memory,
+                                  self._slot_at(slot) + SLOT_MADE_AT + 8 * root)[0]
+
+    def slot_reserved(self, slot: int, root: int) -> int:
+        """Bytes the store in hand in ``slot`` reserved on ``root``, not created yet."""
+        return struct.unpack_from("<Q", self.memory,
+                                  self._slot_at(slot) + SLOT_RESERVED_AT + 8 * root)[0]
+
+    def stamp(self, index: int) -> int:
+        """Created bytes (summed over slots) that root ``index``'s published usage
+        holds (its caretaker's last collection)."""
+        return _ROOT_EXTRA.unpack_from(self.memory,
+                                       self._extras_at + index * ROOT_EXTRA_BYTES)[5]
+
+    def set_freed(self, index: int, total: int) -> None:
+        """(The caretaker's unlink threads, under its lock.) Bytes removed ever."""
+        struct.pack_into("<Q", self.memory, self._extras_at + index * ROOT_EXTRA_BYTES
+                         + _FREED_AT, total)
+
+    def set_freed_stamp(self, index: int, stamp: int) -> None:
+        """(The caretaker, before it publishes a usage holding them.)"""
+        struct.pack_into("<Q", self.memory, self._extras_at + index * ROOT_EXTRA_BYTES
+                         + _FREED_AT + 8, stamp)
+
+    def unpublished_freed(self, index: int) -> int:
+        """Bytes unlinked that the published usage still holds."""
+        total, stamp = struct.unpack_from("<QQ", self.memory, self._extras_at
+                                          + index * ROOT_EXTRA_BYTES + _FREED_AT)
+        return max(0, total - stamp)
+
+    def pending_bytes(self, index: int, reserved: bool = True) -> tuple[int, int]:
+        """``(created, reserved)``: bytes workers created on root ``index`` that the
+        published usage does not hold yet, and bytes stores reserved there and have not
+        written yet (0 when not ``reserved``). Never blocks (a read per slot)."""
+        made = held = 0
+        for slot in range(self.n_slots):
+            made += self.slot_made(slot, index)
+            if reserved:
+                held += self.slot_reserved(slot, index)
+        return max(0, made - self.stamp(index)), held
+
+    def usage_now(self, index: int, reserved: bool = True) -> int:
+        """Root ``index``'s usage at this moment for this tier's own writes: the
+        published usage, plus blocks created since its caretaker's last collection,
+        plus (``reserved``) the room stores in flight reserved, less the blocks its
+        unlink threads removed since. Readers may see a block twice for an instant
+        (created and still reserved): it errs high, never low."""
+        made, held = self.pending_bytes(index, reserved)
+        return max(0, self.usage_bytes(index) - self.unpublished_freed(index)) + made + held
 
     def slot_stores(self, slot: int, root: int) -> SlotStores:
         """What the worker in ``slot`` created on ``root`` (the caretaker reads it)."""
@@ -337,12 +401,12 @@ class ControlBlock:
         return struct.unpack_from("<QQ", self.memory, self._slot_at(slot) + SLOT_WAITS_AT)
 
     def set_root_extra(self, index: int, *, inodes_total: int, inodes_free: int,
-                       folders_removed: int, flags: int) -> None:
-        """(The root's caretaker.)"""
+                       folders_removed: int, flags: int, stamp: int = 0) -> None:
+        """(The root's caretaker.) The removed-bytes fields are left as they are."""
         self._root_at(index)  # range check
-        _ROOT_EXTRA.pack_into(self.memory, self._extras_at + index * ROOT_EXTRA_BYTES,
-                              max(0, inodes_total), max(0, inodes_free), folders_removed,
-                              flags, 0)
+        struct.pack_into("<QQQIIQ", self.memory, self._extras_at + index * ROOT_EXTRA_BYTES,
+                         max(0, inodes_total), max(0, inodes_free), folders_removed, flags,
+                         0, stamp)
 
     def root_extra(self, index: int) -> tuple[int, int, int, int]:
         """``(inodes total, inodes free, folders removed, flags)`` of root ``index``
@@ -405,18 +469,40 @@ class ControlBlock:
             written, skipped = _BYTE_PAIR.unpack_from(self.memory, POOL_WRITTEN_AT)
             _BYTE_PAIR.pack_into(self.memory, POOL_WRITTEN_AT, written + w, skipped + k)
 
+    def _clear_slot(self, base: int) -> None:
+        """Zero a slot, except its created-bytes counters (they only grow)."""
+        made = bytes(self.memory[base + SLOT_MADE_AT:base + SLOT_RESERVED_AT])
+        self.memory[base:base + SLOT_BYTES] = bytes(SLOT_BYTES)
+        self.memory[base + SLOT_MADE_AT:base + SLOT_RESERVED_AT] = made
+
+    def ring_count(self, slot: int) -> int:
+        """Entries ever written to ``slot``'s ring of created blocks."""
+        return struct.unpack_from("<Q", self.memory, self._rings_at + slot * RING_BYTES)[0]
+
+    def ring_read(self, slot: int, start: int, end: int) -> list[tuple[int, bytes]]:
+        """``(root, path under its block folder)`` of ring entries ``start..end`` of
+        ``slot`` (as many of the newest as the ring still holds)."""
+        base = self._rings_at + slot * RING_BYTES
+        out = []
+        for n in range(max(start, end - RING_ENTRIES), end):
+            root, length, path = _RING_ENTRY.unpack_from(
+                self.memory, base + PAGE_BYTES + (n % RING_ENTRIES) * _RING_ENTRY.size)
+            out.append((n, root, path[:length]))
+        overwritten = self.ring_count(slot) - RING_ENTRIES  # lapped while reading
+        return [(root, path) for n, root, path in out if n >= overwritten]
+
     def reset(self, slot: int, role: str) -> None:
         """Empty ``slot`` for a new worker of ``role`` (state BOOTING)."""
         base = self._slot_at(slot)
         self._retire(base)
-        self.memory[base:base + SLOT_BYTES] = bytes(SLOT_BYTES)
+        self._clear_slot(base)
         _SLOT_HEADER.pack_into(self.memory, base, SlotState.BOOTING, 0, 0, 0, 0, 0, 0,
                                ROLES.index(role))
 
     def release_slot(self, slot: int) -> None:
         base = self._slot_at(slot)
         self._retire(base)
-        self.memory[base:base + SLOT_BYTES] = bytes(SLOT_BYTES)
+        self._clear_slot(base)
 
     def snapshot(self, slot: int) -> SlotSnapshot:
         base = self._slot_at(slot)
@@ -545,6 +631,33 @@ class SlotWriter:
                                pass_id, 0, now.ahead_bytes + ahead[0],
                                now.ahead_blocks + ahead[1], now.behind_bytes + behind[0],
                                now.behind_blocks + behind[1], now.want_free)
+
+    def reserve(self, root: int, nbytes: int) -> None:
+        """Reserve ``nbytes`` on ``root`` for the store in hand (0: none any more). Set
+        before the room check, so every later check counts it."""
+        struct.pack_into("<Q", self._mem, SLOT_RESERVED_AT + 8 * root, nbytes)
+
+    def add_made(self, root: int, nbytes: int) -> None:
+        """Count ``nbytes`` of blocks this worker created on ``root`` (before
+        :meth:`add_stores`, so a caretaker reading both never folds more than this)."""
+        at = SLOT_MADE_AT + 8 * root
+        struct.pack_into("<Q", self._mem, at, struct.unpack_from("<Q", self._mem, at)[0]
+                         + nbytes)
+
+    def ring_add(self, root: int, paths: list[bytes]) -> None:
+        """Tell the caretaker which blocks this worker created on ``root`` (paths under
+        its block folder): the entries first, then the count that publishes them."""
+        control = self.control
+        base = control._rings_at + self.slot * RING_BYTES
+        count = control.ring_count(self.slot)
+        for path in paths[-RING_ENTRIES:]:
+            if len(path) > 125:
+                continue  # no block path is this long: the walk finds it
+            _RING_ENTRY.pack_into(control.memory, base + PAGE_BYTES
+                                  + (count % RING_ENTRIES) * _RING_ENTRY.size,
+                                  root, len(path), path)
+            count += 1
+        struct.pack_into("<Q", control.memory, base, count)
 
     def want_free(self, root: int, nbytes: int) -> None:
         """Ask the caretaker of ``root`` for room for ``nbytes`` (0: no longer)."""

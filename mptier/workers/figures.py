@@ -60,7 +60,9 @@ def root_figures(control: ControlBlock, io: IoSettings) -> list[dict[str, Any]]:
             "errno": rec.err, "failures": rec.failures, "times_out": rec.outs,
             "probe_in_s": max(0.0, (rec.retry_at_ns - now) / 1e9)
             if rec.state is not RootState.IN else None,
-            "usage_bytes": rec.usage_bytes, "blocks": rec.usage_blocks,
+            # the caretaker's figure plus blocks created since it last looked
+            "usage_bytes": control.usage_now(index, reserved=False),
+            "blocks": rec.usage_blocks,
             "capacity_bytes": io.capacity_bytes,
             "usage_complete": bool(rec.flags & ROOT_COMPLETE),
             "evicting": bool(rec.flags & ROOT_EVICTING),

@@ -20,7 +20,8 @@ parts, one module each (:mod:`~mptier.workers.supervised` declares the state the
 
 No exception leaves the loop: each is logged with its traceback and the loop goes on.
 Workers ask the kernel to kill them if this thread exits, so it lives until they have
-left (see :meth:`~mptier.workers.pool.WorkerPool.stop`).
+left (:meth:`Supervisor.begin_stop`, then :meth:`Supervisor.finish` once the pool has
+stopped them).
 """
 
 from __future__ import annotations

@@ -656,32 +656,37 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
     capacity = ctx.io.capacity_bytes
     # Blocks already there cost this existence check: the store finds them too and only
     # touches them (names are content hashes), writing nothing; the check counts them
-    # (skipped, not written) and keeps them out of the room a budget must make.
+    # (skipped, not written) and keeps them out of the room a budget must make. The new
+    # ones are counted exactly, budget or not, so stats()' usage never lags ours.
     statuses = ctx.backend.lookup(fd, paths, block_bytes, 0)
     new = [i for i, status in enumerate(statuses) if status != native.LOOKUP_PRESENT]
-    if capacity:
-        need = len(new) * block_bytes
-        if need and not _room(ctx, root.index, need):
-            usage = ctx.slot_writer.control.usage_bytes(root.index)
+    need = len(new) * block_bytes
+    writer = ctx.slot_writer
+    writer.reserve(root.index, need)  # before the check: every later check counts it
+    try:
+        if capacity and need and not _room(ctx, root.index, need):
+            usage = writer.control.usage_now(root.index) - need
             return -errno.ENOSPC, 0, 0, (
                 f"root {root.path} is full: storing {len(new)} new block(s) ({need} bytes) "
                 f"would take its usage ({usage} bytes) past capacity_bytes={capacity}, and "
                 f"eviction could not make room within {ctx.io.room_wait_s:g} s; nothing "
                 "was written")
-    rc, n_done, index, temp_err = ctx.backend.store(fd, paths, ctx.memory, offsets,
-                                                    block_bytes, root.flags, ctx.tag)
-    if rc in (-errno.ENOSPC, -errno.EDQUOT):  # out of blocks, inodes or quota: the
-        ctx.slot_writer.count_no_space(root.index)  # caretaker evicts on the rise
-    if temp_err:
-        log.warning("mptier: a temporary file in %s could not be removed (%s); the sweeper "
-                    "removes it once this writer's lease is free",
-                    os.path.dirname(f"{root.mapper.blocks_dir}/{paths[index].decode()}"),
-                    os.strerror(temp_err))
-    written = [paths[i] for i in new if i < n_done]
-    ctx.slot_writer.count_stored(len(written) * block_bytes,
-                                 (n_done - len(written)) * block_bytes)
-    if capacity:
-        _count_new(ctx, root.index, written)
+        rc, n_done, index, temp_err = ctx.backend.store(fd, paths, ctx.memory, offsets,
+                                                        block_bytes, root.flags, ctx.tag)
+        if rc in (-errno.ENOSPC, -errno.EDQUOT):  # out of blocks, inodes or quota: the
+            writer.count_no_space(root.index)  # caretaker evicts on the rise
+        if temp_err:
+            log.warning("mptier: a temporary file in %s could not be removed (%s); the "
+                        "sweeper removes it once this writer's lease is free",
+                        os.path.dirname(f"{root.mapper.blocks_dir}/{paths[index].decode()}"),
+                        os.strerror(temp_err))
+        written = [paths[i] for i in new if i < n_done]
+        writer.count_stored(len(written) * block_bytes,
+                            (n_done - len(written)) * block_bytes)
+        if written:
+            _count_new(ctx, root.index, written)
+    finally:
+        writer.reserve(root.index, 0)  # after the count: for an instant both, never none
     return rc, n_done, index, ""
 
 
@@ -700,18 +705,28 @@ def _count_new(ctx: WorkerContext, index: int, paths: list[bytes]) -> None:
         ahead = sum(1 for top in tops if top > position and control.listed(index, top))
     behind = len(paths) - ahead
     size = ctx.block_bytes
+    writer.add_made(index, len(paths) * size)  # first: usage_now counts it from here
     writer.add_stores(index, pass_id, (ahead * size, ahead), (behind * size, behind))
+    writer.ring_add(index, paths)  # into the caretaker's eviction index at once
 
 
 def _room(ctx: WorkerContext, index: int, nbytes: int) -> bool:
-    """Whether ``nbytes`` more fit on root ``index``, waiting (bounded by room_wait_s)
-    for its caretaker to evict; this worker evicts itself when it is the caretaker."""
+    """Whether the ``nbytes`` this store reserved may be written on root ``index``,
+    waiting (bounded by room_wait_s) for its caretaker to evict; this worker evicts
+    itself when it is the caretaker.
+
+    A store starts at once while the usage before it (the exact usage, every other
+    store's reservation included) is within the budget: it may pass the budget by its
+    own task, which the caretaker, seeing the reservation, evicts for at once. So the
+    budget is exceeded by at most one task per writer in flight, and a store waits only
+    when eviction is a whole task behind (waiting for each unlink made stores wait on
+    nearly every task near the budget)."""
     control = ctx.slot_writer.control
     capacity = ctx.io.capacity_bytes
-    if control.usage_bytes(index) + nbytes <= capacity:
-        return True
     if nbytes > capacity:
         return False  # no eviction can make room for more than the whole budget
+    if control.usage_now(index) - nbytes <= capacity:
+        return True
     started = time.monotonic_ns()
     deadline = time.monotonic() + ctx.io.room_wait_s
     writer = ctx.slot_writer
@@ -722,7 +737,7 @@ def _room(ctx: WorkerContext, index: int, nbytes: int) -> bool:
         try:
             while time.monotonic() < deadline:
                 time.sleep(ROOM_POLL_S)
-                if control.usage_bytes(index) + nbytes <= capacity:
+                if control.usage_now(index) - nbytes <= capacity:
                     return True
             return False
         finally:
