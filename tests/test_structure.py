@@ -91,7 +91,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_imports_inside_functions_and_for_types():
     graph = import_graph()
-    assert "mptier.workers.caretaker" in graph["mptier.workers.worker"]  # in a function
+    assert "mptier.workers.caretaker" in graph["mptier.workers.context"]  # in a function
     assert "mptier.workers.session" in graph["mptier.workers.contract"]  # TYPE_CHECKING
 
 

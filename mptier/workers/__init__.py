@@ -21,10 +21,12 @@ Inside: ``contract`` (the door), ``pool`` (the process pool and ``open_pool``),
 settings), ``probe`` (preparing roots), ``figures`` (stats from the control block),
 ``supervisor`` (the thread that keeps the pool, in parts: ``spawning``, ``held``,
 ``watchdog``, ``assignment`` over ``supervised``), ``worker`` (the process: boot,
-sessions, the task loop), ``launcher`` (starting one process), ``protocol`` (supervisor
-<-> worker control messages), ``session`` (what an engine hands over), ``control`` (the
-shared control block). Names are imported on first use so that worker processes, which
-import ``mptier.workers.worker``, do not pay for the pool's modules.
+sessions; ``serving``, the task loop, over ``context`` and ``rootio``, the keys on
+roots; ``orphan``, leaving after the supervisor), ``launcher`` (starting one process),
+``protocol`` (supervisor <-> worker control messages), ``session`` (what an engine hands
+over), ``control`` (the shared control block). Names are imported on first use so that
+worker processes, which import ``mptier.workers.worker``, do not pay for the pool's
+modules.
 """
 
 from __future__ import annotations

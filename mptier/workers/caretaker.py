@@ -349,7 +349,7 @@ class Caretaker:
         if kept is None:
             return False
         control = self.ctx.slot_writer.control
-        while True:  # (the rule of worker._room: the usage before this store fits)
+        while True:  # (the rule of rootio._room: the usage before this store fits)
             if control.usage_now(index) - nbytes <= self.ctx.io.capacity_bytes:
                 return True
             if time.monotonic() >= deadline:

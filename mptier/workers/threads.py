@@ -1,5 +1,5 @@
 """The pool on threads of the engine, for a buffer other processes cannot map: the same
-serving loop as a worker process (:func:`~mptier.workers.worker.serve`), one thread per
+serving loop as a worker process (:func:`~mptier.workers.serving.serve`), one thread per
 role, and nothing supervising them (see :class:`ThreadWorkers`).
 """
 
@@ -15,15 +15,16 @@ from dataclasses import asdict
 from typing import Any
 
 from mptier import native
+from mptier.workers.context import WorkerContext
 from mptier.workers.contract import Pool
 from mptier.workers.control import ControlBlock, SlotWriter
 from mptier.workers.figures import room_waits, root_figures, store_figures, task_latency
 from mptier.workers.health import RootHealth
 from mptier.workers.poolbase import DETACH_GRACE_S, STOP_GRACE_S, ControlDoor, PoolSettings
 from mptier.workers.probe import bounded, prepare_io
+from mptier.workers.serving import serve
 from mptier.workers.session import IoSettings, Session, WorkerSession
 from mptier.workers.supervised import PoolCounters
-from mptier.workers.worker import WorkerContext, serve
 
 log = logging.getLogger("mptier.workers")
 
