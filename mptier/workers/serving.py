@@ -57,7 +57,7 @@ log = logging.getLogger("mptier.workers")
 IDLE_POLL_S = 1.0
 # How long a report still waiting for room in the completion pipe is kept trying once
 # the engine closed its lifeline: an engine shutting down reads its pipe while its
-# workers detach (for up to mptier.workers.pool.DETACH_GRACE_S), one that is gone never
+# workers detach (for up to mptier.workers.poolbase.DETACH_GRACE_S), one that is gone never
 # will. After this the report is dropped and the engine fails the task itself.
 REPORT_AFTER_LIFELINE_S = 5.0
 _EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 0)
