@@ -100,6 +100,8 @@ class Supervisor(Spawning, HeldTasks, Watchdog, Assignment):
         self._thread = threading.Thread(target=self._run, name="mptier-supervisor",
                                         daemon=True)
 
+    # -- called from other threads -----------------------------------------------------
+
     def start(self) -> None:
         """Start the thread, which spawns every worker; returns at once."""
         self._thread.start()
@@ -139,6 +141,8 @@ class Supervisor(Spawning, HeldTasks, Watchdog, Assignment):
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._wake_r = self._wake_w = -1
+
+    # -- the thread --------------------------------------------------------------------
 
     def _run(self) -> None:
         for role in self.settings.roles:
@@ -212,6 +216,8 @@ class Supervisor(Spawning, HeldTasks, Watchdog, Assignment):
                                 else select.POLLIN)
                 watched[fd] = entry
 
+    # -- messages from workers ---------------------------------------------------------
+
     def _read_messages(self, w: Worker, poller: select.poll,
                        watched: dict[int, tuple[Any, str]]) -> None:
         while True:
@@ -279,6 +285,8 @@ class Supervisor(Spawning, HeldTasks, Watchdog, Assignment):
         elif op == protocol.ROOT_PROBE:
             self.health.probing(int(message.get("root", -1)))
         self._notify()
+
+    # -- state -------------------------------------------------------------------------
 
     def _set_unavailable(self, reason: str, err: int) -> None:
         if reason != self._unavailable:
