@@ -52,7 +52,6 @@ import errno
 import inspect
 import logging
 import os
-import re
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -77,26 +76,6 @@ from mptier.integrations.vllm_options import (
     vllm_file_mapper,
 )
 
-def _release(version: str) -> tuple[int, int] | None:
-    """``(major, minor)`` of a version string ("0.32.0", "0.33.1.dev4+g1234"), None when
-    it does not start with two numbers."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return (int(match[1]), int(match[2])) if match else None
-
-
-def _check_vllm_release() -> None:
-    """Refuse a vLLM older than the oldest supported release by its version, before
-    any import of it could fail in a way that does not say so (or, worse, pass)."""
-    version = _installed_vllm_version()
-    release = _release(version)
-    oldest = _release(SUPPORTED_VLLM[0])
-    if release is not None and oldest is not None and release < oldest:
-        raise ImportError(_unsupported_vllm(
-            f"vLLM {version} is older than {SUPPORTED_VLLM[0]}, the first release whose "
-            "secondary-tier interface this plug-in implements"))
-
-
-_check_vllm_release()
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
         OffloadingConnectorStats,

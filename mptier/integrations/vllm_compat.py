@@ -2,14 +2,16 @@
 (else an ``ImportError`` naming what to install), the names that differ between
 releases, and a place in vLLM's log for mptier's records.
 
-Importing this module imports no vLLM; :mod:`mptier.integrations.vllm` and
-:mod:`mptier.integrations.vllm_options` import vLLM's classes themselves and raise
-:func:`unsupported_vllm`'s message when they cannot.
+Importing this module imports no vLLM; :mod:`mptier.integrations.vllm_options` (which
+the plug-in imports first) refuses an older vLLM by its version
+(:func:`check_vllm_release`), and it and :mod:`mptier.integrations.vllm` import vLLM's
+classes themselves and raise :func:`unsupported_vllm`'s message when they cannot.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 # The vLLM releases this plug-in was checked against (its tests run on both).
 SUPPORTED_VLLM = ("0.32", "0.33")
@@ -39,6 +41,25 @@ def unsupported_vllm(exc: BaseException) -> str:
         "such environments on a machine without a GPU). The rest of mptier works "
         "without vLLM.")
 
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a version string ("0.32.0", "0.33.1.dev4+g1234"), None when
+    it does not start with two numbers."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def check_vllm_release() -> None:
+    """Refuse a vLLM older than the oldest supported release by its version, before
+    any import of it could fail in a way that does not say so (or, worse, pass)."""
+    version = _installed_vllm_version()
+    release = _release(version)
+    oldest = _release(SUPPORTED_VLLM[0])
+    if release is not None and oldest is not None and release < oldest:
+        raise ImportError(unsupported_vllm(
+            f"vLLM {version} is older than {SUPPORTED_VLLM[0]}, the first release whose "
+            "secondary-tier interface this plug-in implements"))
 
 # vLLM after 0.33 reports blocks that failed their CRC32C check: a JobResult field the
 # tiering manager counts, under a tiering metric the tier declares when its checksums

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from mptier.config import TierConfig
 from mptier.errors import ConfigError
-from mptier.integrations.vllm_compat import unsupported_vllm
+from mptier.integrations.vllm_compat import check_vllm_release, unsupported_vllm
 
+# The first import of vLLM in the plug-in (vllm.py imports this module first).
+check_vllm_release()
 try:
     from vllm.v1.kv_offload.base import Locality
     from vllm.v1.kv_offload.file_mapper import FileMapper as VllmFileMapper
