@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mptier.config import TierConfig
+from mptier.config import TierConfig, tomllib
 from mptier.errors import ConfigError
 from mptier.integrations.vllm_compat import check_vllm_release, unsupported_vllm
 
@@ -26,11 +25,6 @@ try:
     from vllm.v1.kv_offload.file_mapper import FileMapper as VllmFileMapper
 except ImportError as _exc:
     raise ImportError(unsupported_vllm(_exc)) from _exc
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
