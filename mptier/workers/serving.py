@@ -87,6 +87,7 @@ _STALLS = _parse_stalls(os.environ.get(STALL_ENV, ""))
 GROW_FAULT_ENV = "MPTIER_FAULT_GROW"
 _GROW = int(os.environ.get(GROW_FAULT_ENV, "0") or 0)
 _leaked: list[bytearray] = []
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def serve(ctx: WorkerContext, control: socket.socket | None) -> str:
@@ -265,7 +266,9 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
     if _STALLS and task.kind in _STALLS:
         time.sleep(_STALLS[task.kind])
     if _GROW:
-        _leaked.append(bytearray(b"\1" * _GROW))
+        grown = bytearray(_GROW)  # each page written once: private, resident, and
+        grown[::_PAGE] = b"\1" * len(range(0, _GROW, _PAGE))  # never twice the size
+        _leaked.append(grown)
     err = 0
     n_done = len(task.keys)
     payload: bytes | str = b""
