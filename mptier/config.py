@@ -10,6 +10,9 @@ workers and a service are built from (``mptier.workers.PoolSettings``,
 does and take their defaults from :func:`default_of`; tests/test_settings.py fails when
 two places disagree. Which fields a service takes from its own configuration is derived
 too (:data:`SERVICE_FIELDS`: all but the engine's own, :data:`ENGINE_FIELDS`).
+
+Long because it is the one home of every default: each field carries its reason and its
+check, and the derived sets (the service's fields) sit next to them.
 """
 
 from __future__ import annotations

@@ -32,6 +32,11 @@ Every job appears in ``get_finished_jobs()`` exactly once: task ids are unique, 
 report of a task counts and any later one (a retried store's twin) is ignored. When the
 pool cannot serve (workers cannot boot, the file system stopped responding) jobs fail at
 once with the reason, and lookups answer MISS: never silence.
+
+Long because it is the engine's one object: every public method's contract (never
+blocks, which thread) is written where it is done, and submitting, lookups, completions
+and stats share one ledger and one set of queues; the parts that stand alone live
+elsewhere (ledger, lookup, channels, the pool).
 """
 
 from __future__ import annotations

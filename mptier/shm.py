@@ -20,6 +20,10 @@ is refused, a temporary name locked and then linked to the real one), so no proc
 sees an unlocked live object and no grace period is needed: an engine killed a moment
 after its start leaves nothing that the next sweep keeps. Names carry the creator's pid
 and start time for the reader, not for liveness.
+
+Long because the three ways to come by a buffer (create, attach, adopt from
+/proc/self/maps) share the naming, locking and stale-object rules that make them safe
+together.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ from reliability_kit import (
 
 from mptier import FileSystemTier, LookupResult, SharedKVBuffer, make_key
 from mptier.service import link
-from mptier.workers.worker import STALL_ENV
+from mptier.workers.serving import STALL_ENV
 
 # This runner lives beside the fault machinery it drives (reliability_kit, support/):
 # run as a script, its own folder is first on the import path, so bench/ never reaches

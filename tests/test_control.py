@@ -22,7 +22,7 @@ from mptier.workers.control import (
     latency_bucket,
     latency_percentiles,
 )
-from mptier.workers.pool import task_latency
+from mptier.workers.figures import task_latency
 
 
 def test_latency_buckets_are_powers_of_two_of_microseconds():

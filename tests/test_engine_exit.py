@@ -28,7 +28,7 @@ import pytest
 from conftest import mptier_objects, wait_for
 from test_service import start_service  # noqa: F401  (a fixture)
 
-from mptier.workers.worker import ORPHAN_EXIT_S
+from mptier.workers.orphan import ORPHAN_EXIT_S
 
 BLOCK = 64 << 10
 N_JOBS = 8

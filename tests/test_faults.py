@@ -164,7 +164,7 @@ def test_engine_sigkill_workers_leave_and_clean_up_after_it(root):
     """Idle workers of a SIGKILLed engine leave within their exit bound, and remove what
     the engine could not: its buffer in /dev/shm (its lock is free) -- nobody else calls
     ``cleanup_stale`` here. (Held stores: tests/test_engine_exit.py.)"""
-    from mptier.workers.worker import ORPHAN_EXIT_S
+    from mptier.workers.orphan import ORPHAN_EXIT_S
 
     engine = subprocess.Popen([sys.executable, "-c", ENGINE, root], stdout=subprocess.PIPE,
                               text=True)

@@ -15,7 +15,7 @@ from mptier import FileSystemTier, LookupResult, TierConfig, TransferJob, make_k
 from mptier.service import ServiceLink
 from mptier.workers import Pool, PoolSettings, WorkerPool, open_pool
 from mptier.workers.contract import POOL_MEMBERS
-from mptier.workers.pool import ThreadWorkers
+from mptier.workers.threads import ThreadWorkers
 
 KB = 1 << 10
 MANAGER = pathlib.Path(__file__).parent.parent / "mptier" / "manager.py"

@@ -32,7 +32,7 @@ from reliability_kit import (
 )
 
 from mptier import FileSystemTier, LookupResult, MptierError, make_key
-from mptier.workers import supervisor
+from mptier.workers import spawning
 
 KB = 1 << 10
 BLOCK = 64 * KB
@@ -51,8 +51,8 @@ def full_pool(tier, size: int) -> bool:
 
 OUT_OF_FDS = textwrap.dedent("""
     import json, os, resource, signal, sys, time
-    from mptier.workers import supervisor
-    supervisor.BOOT_COOLDOWN_S = 1.0  # the test waits for the cool-down to end
+    from mptier.workers import spawning
+    spawning.BOOT_COOLDOWN_S = 1.0  # the test waits for the cool-down to end
     from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
 
     def say(**fields):
@@ -138,7 +138,7 @@ def test_a_worker_the_supervisor_cannot_watch_does_not_stop_supervision(
         return real(pid, flags)
 
     tier_started = threading.Event()
-    monkeypatch.setattr(supervisor.os, "pidfd_open", pidfd_open)
+    monkeypatch.setattr(spawning.os, "pidfd_open", pidfd_open)
     buf = make_buffer(8, BLOCK)
     tier = make_tier(buf, n_load_workers=1, n_store_workers=1)
     tier_started.set()

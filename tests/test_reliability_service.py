@@ -32,7 +32,7 @@ from reliability_kit import (
 from mptier import FileSystemTier, LookupResult, make_key
 from mptier.service import link
 from mptier.shm import cleanup_stale
-from mptier.workers.worker import STALL_ENV
+from mptier.workers.serving import STALL_ENV
 
 KB = 1 << 10
 BLOCK = 64 * KB

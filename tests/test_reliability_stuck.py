@@ -32,7 +32,7 @@ from support import mounts
 
 from mptier import LookupResult, make_key, native
 from mptier.workers import supervisor
-from mptier.workers.worker import STALL_ENV
+from mptier.workers.serving import STALL_ENV
 
 KB = 1 << 10
 BLOCK = 16 * KB

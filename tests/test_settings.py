@@ -10,7 +10,8 @@ import pytest
 
 from mptier.config import ENGINE_FIELDS, LAYOUT_FIELDS, SERVICE_FIELDS, TierConfig, default_of
 from mptier.workers.launcher import BootSpec
-from mptier.workers.pool import PoolSettings, prepare_io
+from mptier.workers.poolbase import PoolSettings
+from mptier.workers.probe import prepare_io
 from mptier.workers.session import IoSettings
 from mptier.workers.supervisor import SupervisorSettings
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import wait_for, wait_results
 
 from mptier import LookupResult, TransferJob, make_key
-from mptier.workers import supervisor
+from mptier.workers import spawning
 
 KB = 1 << 10
 BLOCK = 16 * KB
@@ -138,7 +138,7 @@ def test_crash_storm_loses_nothing_and_serves_no_wrong_byte(make_buffer, make_ti
 
 def test_deaths_while_booting_are_replaced_not_counted_as_boot_failures(
         make_buffer, make_tier, monkeypatch):
-    monkeypatch.setattr(supervisor, "BACKOFF_MAX_S", 0.4)
+    monkeypatch.setattr(spawning, "BACKOFF_MAX_S", 0.4)
     buf = make_buffer(4, BLOCK)
     tier = make_tier(buf, n_load_workers=1, n_store_workers=0)
     killed = while_booting = 0
@@ -164,7 +164,7 @@ def test_boot_failures_make_the_pool_unavailable_then_it_tries_again(
         make_buffer, make_tier, monkeypatch, tmp_path):
     broken = tmp_path / "broken-install"
     monkeypatch.setenv("MPTIER_FAULT_BOOT", str(broken))
-    monkeypatch.setattr(supervisor, "BOOT_COOLDOWN_S", 1.0)
+    monkeypatch.setattr(spawning, "BOOT_COOLDOWN_S", 1.0)
     buf = make_buffer(8, BLOCK)
     tier = make_tier(buf, n_load_workers=1, n_store_workers=1)
     keys = [make_key(bytes([i]) * 32) for i in range(3)]

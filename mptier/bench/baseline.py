@@ -19,6 +19,9 @@ the engine process:
 Like the reference, a finishing job wakes every thread waiting on the shared condition
 (``notify_all``), O_DIRECT is probed once per root, block paths are computed on the
 scheduler thread inside ``submit_*``, and offsets are checked on the I/O thread.
+
+Long because it rebuilds one whole design, vLLM's in-process thread pool, in both its
+variants, to be measured against; kept whole so it can be compared with its original.
 """
 
 from __future__ import annotations

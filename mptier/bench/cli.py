@@ -2,6 +2,10 @@
 
 Entry points: :func:`main` (``python -m mptier.bench``) and :func:`add_arguments` +
 :func:`run` for the ``mptier`` command's ``bench`` subcommand.
+
+Long because every bench option, workload and sweep is declared here for both entry
+points (mptier bench and python -m mptier.bench); the measuring and the tables live in
+measure, harness and report.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ apply, e.g. job latency for fio), and every figure also as a ratio to the baseli
 to vLLM's own tier (v, when it ran) and to the raw limit (d) of the same case:
 ``ratio = value / value of (b, v or d)``. Whether higher or lower is better is stated
 per figure.
+
+Long because a run's figures go from design records to ratios to the terminal and
+Markdown tables here, all from one table of figures (FIGURES: key, unit, which way is
+better), so the two tables cannot disagree.
 """
 
 from __future__ import annotations

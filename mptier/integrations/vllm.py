@@ -35,6 +35,15 @@ module imports vLLM (``import mptier`` alone never does) and raises an ``ImportE
 saying what to install when vLLM is missing. It creates nothing when imported, because
 vLLM's metrics front end imports it too, to read
 :meth:`MPFileSystemTierManager.build_metric_definitions`.
+
+The tier's options are checked and turned into a :class:`~mptier.config.TierConfig` by
+:mod:`mptier.integrations.vllm_options`; what differs between vLLM releases, and how
+mptier's log joins vLLM's, is in :mod:`mptier.integrations.vllm_compat`.
+
+Long because it is one class, vLLM's SecondaryTierManager, whose docstring is the
+contract with vLLM (options, and every way the tier differs from vLLM's fs tier) and
+whose methods vLLM calls; its options and the differences between vLLM releases live in
+vllm_options and vllm_compat.
 """
 
 from __future__ import annotations
@@ -43,70 +52,35 @@ import errno
 import inspect
 import logging
 import os
-import re
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mptier import jobs as mjobs
-from mptier.config import TierConfig, tomllib
 from mptier.errors import ConfigError, MptierError, errno_name
+from mptier.integrations.vllm_compat import (
+    CHECKSUM_FLAG,
+    CHECKSUM_METRIC_ATTR,
+    join_vllm_logging,
+    unsupported_vllm,
+)
+from mptier.integrations.vllm_options import (
+    ChosenConfig,
+    check_options,
+    choose_config,
+    events_wanted,
+    layout_from_spec,
+    parse_checksum,
+    parse_locality,
+    requested_checksums,
+    vllm_file_mapper,
+)
 
-# The vLLM releases this plug-in was checked against (its tests run on both).
-SUPPORTED_VLLM = ("0.32", "0.33")
-
-
-def _installed_vllm_version() -> str:
-    """The installed vLLM's version as its distribution says (``vllm`` or the CPU build
-    ``vllm-cpu``), read without importing vLLM; "not installed" without one."""
-    from importlib import metadata
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return "not installed"
-
-
-def _unsupported_vllm(exc: BaseException) -> str:
-    return (
-        f"mptier.integrations.vllm is the vLLM plug-in of mptier and needs vLLM "
-        f"{SUPPORTED_VLLM[0]} to {SUPPORTED_VLLM[-1]} (vllm, or vllm-cpu on a machine "
-        f"without a GPU) with tiered KV offloading; the installed vLLM "
-        f"({_installed_vllm_version()}) cannot provide it: {exc}. Install one of those "
-        "releases in the environment that runs vLLM, e.g. 'pip install vllm==0.33.0' "
-        "(scripts/vllm-env.sh and scripts/vllm-cpu-env.sh in the mptier repository make "
-        "such environments on a machine without a GPU). The rest of mptier works "
-        "without vLLM.")
-
-
-def _release(version: str) -> tuple[int, int] | None:
-    """``(major, minor)`` of a version string ("0.32.0", "0.33.1.dev4+g1234"), None when
-    it does not start with two numbers."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return (int(match[1]), int(match[2])) if match else None
-
-
-def _check_vllm_release() -> None:
-    """Refuse a vLLM older than the oldest supported release by its version, before
-    any import of it could fail in a way that does not say so (or, worse, pass)."""
-    version = _installed_vllm_version()
-    release = _release(version)
-    oldest = _release(SUPPORTED_VLLM[0])
-    if release is not None and oldest is not None and release < oldest:
-        raise ImportError(_unsupported_vllm(
-            f"vLLM {version} is older than {SUPPORTED_VLLM[0]}, the first release whose "
-            "secondary-tier interface this plug-in implements"))
-
-
-_check_vllm_release()
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
         OffloadingConnectorStats,
     )
     from vllm.v1.kv_offload.base import (
-        Locality,
         LookupResult,
         Medium,
         OffloadingCounterMetadata,
@@ -118,7 +92,6 @@ try:
         RequestOffloadingContext,
         ScheduleEndContext,
     )
-    from vllm.v1.kv_offload.file_mapper import FileMapper as VllmFileMapper
     from vllm.v1.kv_offload.tiering import base as _tiering_base
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
     from vllm.v1.kv_offload.tiering.base import (
@@ -128,7 +101,7 @@ try:
         TransferJob,
     )
 except ImportError as _exc:
-    raise ImportError(_unsupported_vllm(_exc)) from _exc
+    raise ImportError(unsupported_vllm(_exc)) from _exc
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -137,60 +110,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# vLLM configures only its own logger ("vllm": its handlers, its format, no
-# propagation); mptier's records would otherwise end at Python's last-resort handler
-# (warnings only, bare) or nowhere. See join_vllm_logging().
-VLLM_LOGGER = "vllm"
-MPTIER_LOGGER = "mptier"
-
-
-class _ToVllmLog(logging.Handler):
-    """Hands each mptier record to vLLM's logger, as if mptier were a child of it: vLLM's
-    handlers, their levels and vLLM's format apply, and they are looked up per record,
-    so vLLM reconfiguring its logging later is followed."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        logging.getLogger(VLLM_LOGGER).handle(record)
-
-
-def join_vllm_logging() -> bool:
-    """Send the ``mptier`` logger's records to vLLM's log, once, unless somebody already
-    decided where they go. Returns whether mptier's records now reach vLLM's handlers.
-
-    Joins only when vLLM has configured its logger (it has handlers: not with
-    ``VLLM_CONFIGURE_LOGGING=0``) and mptier logging is left alone: the ``mptier``
-    logger has no handler and no level of its own, and the root logger has no handler
-    (a user who called ``logging.basicConfig`` already gets mptier's records there).
-    mptier's level becomes vLLM's (``VLLM_LOGGING_LEVEL``); records still propagate
-    to the root logger as before. Idempotent; never raises."""
-    ours = logging.getLogger(MPTIER_LOGGER)
-    if any(isinstance(h, _ToVllmLog) for h in ours.handlers):
-        return True
-    vllm_log = logging.getLogger(VLLM_LOGGER)
-    if not vllm_log.handlers or ours.handlers or ours.level != logging.NOTSET:
-        return False
-    if logging.getLogger().handlers:
-        return False
-    ours.addHandler(_ToVllmLog())
-    ours.setLevel(vllm_log.getEffectiveLevel())
-    return True
 
 # The label vLLM's tiering metrics carry the tier's name under: vLLM 0.33 exports it as
 # TIER_LABEL; 0.32 has no such name and writes "tier" where it is used.
 TIER_LABEL: str = getattr(_tiering_base, "TIER_LABEL", "tier")
 
-# Layout fields are vLLM's to decide (model, dtype, parallelism...); a tier config that
-# set them could write a cache vLLM's own fs tier would not find.
-_LAYOUT_KEYS = frozenset({
-    "model_name", "tokens_per_hash", "blocks_per_file", "tp_size", "pp_size", "pcp_size",
-    "dcp_size", "rank", "dtype", "kv_cache_groups", "inference_engine", "parallel_agnostic",
-    "replicated_layout", "canonical_format"})
-# Options of vLLM's fs tier that mean something else here.
-_RENAMED = {
-    "n_read_threads": "n_load_workers (worker processes, default 2, not threads)",
-    "n_write_threads": "n_store_workers (worker processes, default 2, not threads)",
-    "enable_events": "enable_kv_events (as for vLLM's fs tier)",
-}
 
 _LOOKUP = {
     mjobs.LookupResult.HIT: LookupResult.HIT,
@@ -209,12 +133,6 @@ METRIC_TASKS_RETRIED = "vllm:kv_offload_mptier_tasks_retried"
 METRIC_TASKS_LOST = "vllm:kv_offload_mptier_tasks_lost"
 METRIC_QUEUED_TASKS = "vllm:kv_offload_mptier_queued_tasks"
 
-# vLLM after 0.33 reports blocks that failed their CRC32C check: a JobResult field the
-# tiering manager counts, under a tiering metric the tier declares when its checksums
-# are on. vLLM 0.33 has neither. Both are looked up when used, not at import, so the
-# installed vLLM is judged by what it has (see vllm_reports_checksum_failures()).
-CHECKSUM_FLAG = "checksum_failed"
-CHECKSUM_METRIC_ATTR = "CHECKSUM_FAILURES"
 
 # metric name -> where its value sits in FileSystemTier.stats()
 _COUNTERS = {
@@ -225,46 +143,6 @@ _COUNTERS = {
 }
 
 
-def vllm_file_mapper(offloading_spec: OffloadingSpec, root_dir: str) -> VllmFileMapper:
-    """vLLM's own ``FileMapper`` for this engine, built with the arguments vLLM's fs tier
-    passes: one file per chunk (``blocks_per_file=spec.blocks_per_chunk``) and the
-    parallel-agnostic opt-in, which vLLM grants only to parallelism-invariant or
-    replicated layouts. Pure computation: creates nothing."""
-    return VllmFileMapper.from_offloading_spec(
-        root_dir, offloading_spec, blocks_per_file=offloading_spec.blocks_per_chunk,
-        parallel_agnostic=True)
-
-
-def _layout_fields(mapper: VllmFileMapper) -> dict[str, Any]:
-    """The :class:`TierConfig` layout fields that make mptier's mapper equal ``mapper``."""
-    fields = mapper.get_run_config()
-    return {
-        "model_name": fields["model_name"],
-        "tokens_per_hash": fields["tokens_per_hash"],
-        "blocks_per_file": fields["blocks_per_file"],
-        "tp_size": fields["tp_size"],
-        "pp_size": fields["pp_size"],
-        "pcp_size": fields["pcp_size"],
-        "dcp_size": fields["dcp_size"],
-        "rank": mapper.rank,
-        "dtype": fields["dtype"],
-        "kv_cache_groups": fields["kv_cache_groups"],
-        "inference_engine": fields["inference_engine"],
-        # vLLM writes "parallel_agnostic": false only when the cache is *not* agnostic.
-        "parallel_agnostic": "parallel_agnostic" not in fields,
-        "replicated_layout": bool(fields.get("replicated_layout", False)),
-        "canonical_format": fields.get("canonical_format"),
-    }
-
-
-def layout_from_spec(offloading_spec: OffloadingSpec, root_dir: str
-                     ) -> tuple[dict[str, Any], str]:
-    """The :class:`TierConfig` layout fields vLLM's fs tier would use for this engine,
-    and the base folder vLLM's fs tier computes for them (see :func:`vllm_file_mapper`)."""
-    mapper = vllm_file_mapper(offloading_spec, root_dir)
-    return _layout_fields(mapper), mapper.base_path
-
-
 def vllm_reports_checksum_failures() -> tuple[bool, str | None]:
     """What the installed vLLM can be told about a block that failed its checksum:
     whether its ``JobResult`` takes ``checksum_failed``, and the name of its
@@ -272,58 +150,6 @@ def vllm_reports_checksum_failures() -> tuple[bool, str | None]:
     ``(False, None)`` on vLLM 0.33."""
     takes_flag = CHECKSUM_FLAG in inspect.signature(JobResult).parameters
     return takes_flag, getattr(TieringOffloadingMetrics, CHECKSUM_METRIC_ATTR, None)
-
-
-def _parse_checksum(tier_type: str, value: Any) -> bool | str | None:
-    """``checksum_blocks`` as given in the tier config: True, False, "auto", or None
-    when absent. Raises ``ConfigError`` for anything else."""
-    if value is None or isinstance(value, bool) or value == "auto":
-        return value
-    raise ConfigError(f"{tier_type}: checksum_blocks {value!r} is not accepted; use true "
-                      "or false (vLLM's meaning: write and verify a CRC32C per block, or "
-                      'not), or "auto" (mptier\'s: on where the root keeps user extended '
-                      "attributes, off with a warning elsewhere)")
-
-
-def requested_checksums(tier_config: Mapping[str, Any]) -> bool | str:
-    """What a tier's entry in ``secondary_tiers`` asks of ``checksum_blocks``: its own
-    value, else its ``config`` file's, else False (vLLM's default: no checksums).
-
-    Read where the tier is not built (vLLM's metrics front end), so it never raises: a
-    value or file it cannot read answers "auto", which declares the checksum metric
-    (a declared metric that stays at zero is harmless; an undeclared one that is
-    reported is not)."""
-    tier_type = str(tier_config.get("type", "mptier"))
-    try:
-        value = _parse_checksum(tier_type, tier_config.get("checksum_blocks"))
-        path = tier_config.get("config")
-        if value is None and path is not None:
-            in_file = _toml_fields(os.fspath(path)).get("checksum_blocks")
-            if in_file is not None:  # normalised ("true" -> True) and validated
-                value = TierConfig.from_dict({"checksum_blocks": in_file}).checksum_blocks
-    except (OSError, ValueError, TypeError, tomllib.TOMLDecodeError):
-        return "auto"
-    return False if value is None else value
-
-
-def _toml_fields(path: str) -> dict[str, Any]:
-    """The fields a ``config`` file sets, read the way ``TierConfig.from_toml`` reads it
-    (flat keys, or under a ``[tier]`` table). Call after ``from_toml`` accepted it."""
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
-    table = data.get("tier")
-    return table if isinstance(table, dict) else data
-
-
-def _parse_locality(tier_type: str, value: Any) -> Locality | None:
-    if value is None:
-        return None
-    try:
-        return Locality(value)
-    except ValueError:
-        accepted = " or ".join(repr(m.value) for m in Locality)
-        raise ConfigError(f"{tier_type}: locality {value!r} is not a vLLM Locality; "
-                          f"use exactly {accepted}") from None
 
 
 class MPFileSystemTierManager(SecondaryTierManager):
@@ -429,78 +255,39 @@ class MPFileSystemTierManager(SecondaryTierManager):
         # load with its size.
         self._jobs: dict[int, tuple[int, bool]] = {}
         # Validate everything before any worker starts.
-        self.locality = _parse_locality(tier_type, locality)
-        checksums = _parse_checksum(tier_type, checksum_blocks)
-        if service is not None and not isinstance(service, str):
-            raise ConfigError(f"{tier_type}: service must be the name of a running "
-                              f"`mptier serve --name NAME`, not {service!r}")
-        for key in options:
-            if key in _RENAMED:
-                raise ConfigError(f"{tier_type}: unknown option {key!r}; use "
-                                  f"{_RENAMED[key]}")
-            if key in _LAYOUT_KEYS:
-                raise ConfigError(f"{tier_type}: option {key!r} cannot be set here; the "
-                                  "file layout follows vLLM's configuration")
-        if not isinstance(enable_kv_events, bool):
-            raise ConfigError(f"{tier_type}: enable_kv_events must be true or false, not "
-                              f"{enable_kv_events!r}")
-        events = enable_kv_events
-        if events and not offloading_spec.kv_events_config.enable_kv_cache_events:
-            log.warning("%s: enable_kv_events is ignored because vLLM's KV cache events "
-                        "are off (kv_events_config); this tier publishes no events",
-                        tier_type)
-            events = False
+        self.locality = parse_locality(tier_type, locality)
+        checksums = parse_checksum(tier_type, checksum_blocks)
+        check_options(tier_type, service, options)
+        events = events_wanted(tier_type, enable_kv_events, offloading_spec)
         # vLLM's attribute: None when events are off, else the events not yet taken
         # (filled by get_finished_jobs, emptied by take_events).
         self.events: list[OffloadingEvent] | None = [] if events else None
+        chosen = choose_config(tier_type, offloading_spec, root_dir, config, service,
+                               checksums, events, options)
+        self._tier = tier = self._open_tier(primary_kv_view, offloading_spec, tier_type,
+                                            chosen)
+        # Failed checks go to vLLM only where it has the field and the metric was
+        # declared for this tier (build_metric_definitions reads the same settings).
+        takes_flag, _ = vllm_reports_checksum_failures()
+        self._report_checksums = takes_flag and chosen.checksums is not False
+        self._root_label = (tier.mapper.root_dir,)
+        self._stats_due = 0.0
+        self._reported: dict[str, float] = {}
+        self._log_started(offloading_spec, tier_type, chosen)
 
-        file_fields: dict[str, Any] = {}
-        file_root = ""
-        if config is not None:
-            config = os.fspath(config)
-            from_file = TierConfig.from_toml(config)  # ConfigError naming the file or key
-            file_fields = _toml_fields(config)
-            file_root = from_file.root_dir
-            service = service or from_file.service or None
-            if checksums is None and "checksum_blocks" in file_fields:
-                checksums = from_file.checksum_blocks
-        explicit_checksums = checksums is not None
-        if checksums is None:
-            checksums = False  # vLLM's default
-        given_root = os.fspath(root_dir) if root_dir is not None else ""
-        if not service and not (given_root or file_root):
-            raise ConfigError(f"{tier_type}: root_dir is required (the folder the block "
-                              "files go into), in the tier config or in its config file, "
-                              "unless the tier attaches to a `mptier serve` service")
-        # The layout does not depend on the root; the base folder does, so vLLM's mapper
-        # for this tier is made once the root is known (a service's is known on attach).
-        layout = _layout_fields(vllm_file_mapper(offloading_spec, given_root or "/"))
-        fixed = {**layout, "enable_events": events, "checksum_blocks": checksums,
-                 "service": service or "",
-                 # A service's root is its own (a root here is only checked against it).
-                 "root_dir": "" if service else (given_root or file_root)}
-        # A copy of configs/default.toml lists every layout field: routine, not alarming.
-        overridden = sorted(k for k in _LAYOUT_KEYS & file_fields.keys()
-                            if file_fields[k] != layout[k])
-        if overridden:
-            log.info("%s: layout fields %s in %s are ignored; the file layout follows "
-                     "vLLM's configuration", tier_type, ", ".join(overridden), config)
-        if file_fields.get("enable_events") and not events:
-            log.warning("%s: enable_events in %s is ignored; events follow the tier's "
-                        "enable_kv_events and vLLM's kv_events_config", tier_type, config)
-        if config is not None:
-            tier_config = TierConfig.from_toml(config, **options, **fixed)
-        else:
-            tier_config = TierConfig.from_dict({**options, **fixed})
-
+    def _open_tier(self, primary_kv_view: memoryview, offloading_spec: OffloadingSpec,
+                   tier_type: str, chosen: ChosenConfig) -> FileSystemTier:
+        """Start the engine (its workers, or its link to the service), check what this
+        tier asked of a service, and build vLLM's own mapper (:attr:`file_mapper`) for
+        the root; the engine is shut down again if any of it fails."""
         from mptier.manager import FileSystemTier
 
-        tier = FileSystemTier(primary_kv_view, tier_config)
+        tier = FileSystemTier(primary_kv_view, chosen.tier_config)
         try:
             root = tier.mapper.root_dir
-            if service:
-                self._check_service(tier, tier_type, service, given_root, checksums,
-                                    explicit_checksums)
+            if chosen.service:
+                self._check_service(tier, tier_type, chosen.service, chosen.given_root,
+                                    chosen.checksums, chosen.explicit_checksums)
             # vLLM's own mapper, as vLLM's fs tier has it (get_file_name/base_path).
             self.file_mapper = vllm_file_mapper(offloading_spec, root)
             if tier.mapper.base_path != self.file_mapper.base_path:
@@ -511,20 +298,17 @@ class MPFileSystemTierManager(SecondaryTierManager):
         except BaseException:
             tier.shutdown()
             raise
-        self._tier = tier
+        return tier
+
+    def _log_started(self, offloading_spec: OffloadingSpec, tier_type: str,
+                     chosen: ChosenConfig) -> None:
+        tier, tier_config, service = self.tier, chosen.tier_config, chosen.service
         if tier.mode == "threads":
             log.warning("%s: vLLM's primary buffer is not a shared file (expected "
                         "/dev/shm/vllm_offload_%s.mmap), so mptier cannot hand it to "
                         "worker processes; its I/O runs on %d threads in this process",
                         tier_type, offloading_spec.config.engine_id,
                         tier_config.n_load_workers + tier_config.n_store_workers)
-        # Failed checks go to vLLM only where it has the field and the metric was
-        # declared for this tier (build_metric_definitions reads the same settings).
-        takes_flag, _ = vllm_reports_checksum_failures()
-        self._report_checksums = takes_flag and checksums is not False
-        self._root_label = (root,)
-        self._stats_due = 0.0
-        self._reported: dict[str, float] = {}
         if service:
             log.info("mptier tier %r: attached to service %r, blocks under %s, %d-byte "
                      "blocks, checksums %s", tier_type, service, tier.mapper.base_path,

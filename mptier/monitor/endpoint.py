@@ -37,6 +37,10 @@ most :data:`~mptier.monitor.bounded.MAX_CLIENTS` clients at once, each for at mo
 Protocol: the client sends one line of JSON, ``{"op": "status"}`` (or ``"ping"``), and
 reads one line of JSON back: ``{"ok": true, "name", "pid", "kind", "version",
 "figures"}`` (``figures`` only for ``status``), or ``{"ok": false, "error": "..."}``.
+
+Long because both ends of one small protocol live here -- the serving thread and the
+clients (query, discover, remove_stale) -- with the run-directory names and the lock
+that tell a live endpoint from a stale one.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ Paths resolve beneath the root with the component walk only (the C core's fallba
 ``os.write`` and ``os.readv`` hand the memoryview's own address to the kernel, so
 O_DIRECT works from here too when a block's address and size are aligned. Keep this
 file and the C files in step: a change of behaviour goes into both.
+
+Long because it mirrors the C core function for function (store, load, lookup, the
+probes) with the same steps and return codes, so the two are read side by side and
+changed together.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ member, else it is closed unread and the refusal logged with the peer's uid and 
 Blocking: the main thread blocks in ``poll()`` on the listening socket, the attached
 engine's link and a signal pipe; an attach blocks it until the workers have taken the
 session (bounded by ``worker_start_timeout_s``).
+
+Long because the service's accept loop, the attach handshake (descriptors over the
+socket, checks of what the engine sends) and the status replies share one engine-at-a-
+time state.
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@ The probe is one-node: it proves that two open files conflict here, not that ano
 node's lock is seen. Every node that sweeps a root must agree on whether locks work
 (configure it when unsure); a node that wrongly takes a live lease for dead makes that
 writer's store fail cleanly (its rename finds no file), never publishes wrong bytes.
+
+Long because the lease and the sweeper are two halves of one rule (a temporary file is
+removed only when the lock of its writer's lease is free, or by age where locks do not
+work), and the rule is easier to check with both halves in view.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ the index with what others did (their stores are added as it finds them, their
 evictions are dropped when :func:`evict` finds the file gone). Should the index run dry
 while usage is still over, the caretaker walks on at once: what the next step finds is
 evictable in the same step.
+
+Long because RootMaintainer is the one object that ties walk, usage, sweep, index and
+eviction together step by step; the parts themselves live in walk, usage, leases and the
+index above.
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ a full walk. Facts it relies on:
 it never raises ``OSError`` for entries or folders below the root; it raises the
 ``OSError`` of listing the root itself (missing, unmounted) at every step until the
 root can be listed.
+
+Long because the Walker is one state machine (a stack of listings resumed across calls)
+whose every branch classifies one kind of entry of the layout; the helpers after it are
+the few that act on what it found.
 """
 
 from __future__ import annotations

@@ -16,13 +16,17 @@ What else it exports is for the other side of a service: :class:`WorkerPool` (wh
 socket), :class:`ControlBlock`, :class:`PoolState` and :func:`root_figures` (the
 service's control block, as its :class:`~mptier.service.ServiceLink` maps and reads it).
 
-Inside: ``contract`` (the door), ``pool`` (the pool kinds in this process),
-``supervisor`` (the thread that keeps the pool: deaths, hangs, stuck workers,
-heartbeats), ``worker`` (the process: boot, sessions, the task loop), ``launcher``
-(starting one process), ``protocol`` (supervisor <-> worker control messages),
-``session`` (what an engine hands over), ``control`` (the shared control block). Names
-are imported on first use so that worker processes, which import
-``mptier.workers.worker``, do not pay for the pool's modules.
+Inside: ``contract`` (the door), ``pool`` (the process pool and ``open_pool``),
+``threads`` (the pool on the engine's threads), ``poolbase`` (what both share: their
+settings), ``probe`` (preparing roots), ``figures`` (stats from the control block),
+``supervisor`` (the thread that keeps the pool, in parts: ``spawning``, ``held``,
+``watchdog``, ``assignment`` over ``supervised``), ``worker`` (the process: boot,
+sessions; ``serving``, the task loop, over ``context`` and ``rootio``, the keys on
+roots; ``orphan``, leaving after the supervisor), ``launcher`` (starting one process),
+``protocol`` (supervisor <-> worker control messages), ``session`` (what an engine hands
+over), ``control`` (the shared control block). Names are imported on first use so that
+worker processes, which import ``mptier.workers.worker``, do not pay for the pool's
+modules.
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "Pool": "mptier.workers.contract",
     "WorkerPool": "mptier.workers.pool",
-    "PoolSettings": "mptier.workers.pool",
+    "PoolSettings": "mptier.workers.poolbase",
     "open_pool": "mptier.workers.pool",
-    "root_figures": "mptier.workers.pool",
+    "root_figures": "mptier.workers.figures",
     "Session": "mptier.workers.session",
     "IoSettings": "mptier.workers.session",
     "ControlBlock": "mptier.workers.control",
@@ -67,5 +71,7 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from mptier.workers.contract import Pool
     from mptier.workers.control import ControlBlock, PoolState
-    from mptier.workers.pool import PoolSettings, WorkerPool, open_pool, root_figures
+    from mptier.workers.figures import root_figures
+    from mptier.workers.pool import WorkerPool, open_pool
+    from mptier.workers.poolbase import PoolSettings
     from mptier.workers.session import IoSettings, Session

@@ -32,28 +32,28 @@ watermark of inodes in use it evicts as many blocks (one inode each) as bring th
 the low one. And a store the file system refused for space (ENOSPC while the budget has
 room, or EDQUOT: counted in the worker's slot) starts eviction at once: one watermark
 band of the usage. Both need ``capacity_bytes`` (without it nothing is ever evicted).
+
+Long because the caretaker's schedule (when to step, rest, hurry) and what it publishes
+after each step read one root's state (_Kept) together, and each tunable above carries
+the measurement behind it; its unlink threads are in evictor.
 """
 
 from __future__ import annotations
 
-import collections
-import collections.abc
 import contextlib
 import functools
 import logging
 import math
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mptier.jobs import MessageType, encode_message, pack_keys
-from mptier.storage import Entry, RootMaintainer
+from mptier.storage import RootMaintainer
 from mptier.storage.election import RootShare
-from mptier.storage.maintain import EVICT_SLACK_FRACTION, evict_told
+from mptier.storage.maintain import EVICT_SLACK_FRACTION
 from mptier.storage.roots import root_identity
 from mptier.storage.walk import TOP_PASSED
 from mptier.workers.control import (
@@ -63,6 +63,7 @@ from mptier.workers.control import (
     ROOT_LISTED,
     RootState,
 )
+from mptier.workers.evictor import EVICTOR_STOP_S, EVICTOR_THREADS, Evictor
 from mptier.workers.health import is_fault
 
 
@@ -130,10 +131,6 @@ SHARED_WALK_BUDGET = 32
 SHARED_EVICT_S = 0.05
 # A store of the caretaker itself, waiting for room, steps this often.
 MAKE_ROOM_POLL_S = 0.005
-# Eviction threads per root a caretaker keeps (see _Evictor): unlinks run in parallel.
-EVICTOR_THREADS = 4
-# How long the end of a session waits for the eviction threads to finish their unlinks.
-EVICTOR_STOP_S = 2.0
 # How often a resting or unhealthy root is looked at.
 REST_CHECK_S = 0.1
 ERROR_BACKOFF_S = 1.0
@@ -150,60 +147,6 @@ def _near_high(m: RootMaintainer, usage: int) -> bool:
         return False
     margin = min(URGENT_MARGIN_BYTES, m.capacity_bytes / 10)
     return usage >= m.capacity_bytes - m.slack_bytes - margin
-
-
-class _Evictor:
-    """Threads that remove the blocks a root's maintainer hands out (``evict``: an
-    lstat and an unlink each), so eviction goes on while the worker runs its tasks.
-    Measured here (2 MiB blocks, ext4 on a shared VM disk): an unlink took 1-8 ms while
-    stores wrote beside it; removing between tasks only, the caretaker fell behind and
-    stores waited for room (52 waits, 6 s, per 3 GiB stored past a 1 GiB budget). With
-    four writers storing, one thread unlinked ~250 blocks/s, two ~430/s, four ~800/s
-    (about what the writers stored): EVICTOR_THREADS of them. The unlink releases the
-    GIL, as the worker's native I/O does."""
-
-    def __init__(self, path: str, n_threads: int,
-                 freed: collections.abc.Callable[[int], None] | None = None) -> None:
-        self.failures = 0
-        # Bytes removed ever, told to ``freed`` (under the lock) as each unlink returns:
-        # waiting stores see the room at once, not at the caretaker's next step.
-        self.freed_total = 0
-        self._freed = freed
-        self._lock = threading.Lock()
-        self._todo: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
-        self.done: collections.deque[tuple[Entry, bool]] = collections.deque()
-        self._threads = [threading.Thread(target=self._run, name=f"mptier-evict {path}",
-                                          daemon=True) for _ in range(n_threads)]
-        for thread in self._threads:
-            thread.start()
-
-    def put(self, entry: Entry) -> None:
-        self._todo.put(entry)
-
-    def _run(self) -> None:
-        while True:
-            entry = self._todo.get()
-            if entry is None:
-                return
-            try:
-                removed = evict_told(entry)
-            except OSError as exc:  # a failing root: keep the block, say why once
-                if not self.failures:
-                    log.warning("mptier: could not evict %s: %s", entry.path, exc)
-                self.failures += 1
-                removed = False
-            if removed and self._freed is not None:
-                with self._lock:
-                    self.freed_total += entry.size
-                    self._freed(self.freed_total)
-            self.done.append((entry, removed))
-
-    def stop(self, wait_s: float) -> None:
-        for _ in self._threads:
-            self._todo.put(None)
-        deadline = time.monotonic() + wait_s
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 @dataclass
@@ -233,7 +176,7 @@ class _Kept:
     task_peak: int = 0
     writers_peak: int = 0
     window_at: float = 0.0
-    evictor: _Evictor | None = None
+    evictor: Evictor | None = None
     listing: bytes | None = None  # the listing last published
     folders_base: int = 0
     inodes: tuple[int, int] = (0, 0)  # statvfs (f_files, f_favail); 0 files: unknown
@@ -283,7 +226,7 @@ class Caretaker:
                          inherited_bytes=0 if fresh else rec.usage_bytes,
                          evicted_base=(rec.evicted_blocks, rec.evicted_bytes),
                          temps_base=rec.temps_removed,
-                         evictor=_Evictor(path, EVICTOR_THREADS,
+                         evictor=Evictor(path, EVICTOR_THREADS,
                                           functools.partial(control.set_freed, index))
                          if io.capacity_bytes else None,
                          folders_base=control.root_extra(index)[2],
@@ -366,7 +309,7 @@ class Caretaker:
         if kept is None:
             return False
         control = self.ctx.slot_writer.control
-        while True:  # (the rule of worker._room: the usage before this store fits)
+        while True:  # (the rule of rootio._room: the usage before this store fits)
             if control.usage_now(index) - nbytes <= self.ctx.io.capacity_bytes:
                 return True
             if time.monotonic() >= deadline:

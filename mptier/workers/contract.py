@@ -1,7 +1,7 @@
 """The pool contract: what the engine's manager may ask of its workers, and nothing more.
 
 Three kinds of pool implement :class:`Pool`: :class:`~mptier.workers.pool.WorkerPool`
-(worker processes kept by a supervisor thread), :class:`~mptier.workers.pool.ThreadWorkers`
+(worker processes kept by a supervisor thread), :class:`~mptier.workers.threads.ThreadWorkers`
 (the same serving loop on threads, for a buffer other processes cannot map) and
 :class:`~mptier.service.ServiceLink` (the workers of a ``mptier serve`` service). The
 manager (:class:`~mptier.FileSystemTier`) talks to its pool through these members only;

@@ -42,6 +42,10 @@ the shared mapping), so the moment a task leaves the queue the supervisor can se
 holds it -- even if the worker is killed the next instant -- and fail or retry exactly
 that task. Each slot header has a single writer (its worker); the pool header has one
 writer (the supervisor).
+
+Long because it is the one map of one shared-memory block: every offset, and every
+reader (ControlBlock) and single writer (SlotWriter) of it, sit together so that a
+change of layout is made in one place.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(mptier.__file__))
 # imported from its file, so every ``mptier.*`` import follows its ``__path__``, while
 # the rest of sys.path is left as it is (putting site-packages in front could shadow
 # the standard library with an old backport). First of all the script blocks SIGUSR1
-# (mptier.workers.worker.ORPHAN_SIGNAL), before any import can start a thread (numpy's
+# (mptier.workers.orphan.ORPHAN_SIGNAL), before any import can start a thread (numpy's
 # BLAS pool does): a thread that did not block it would take the signal's default
 # action, death, where the worker means to leave in order.
 _BOOT_SCRIPT = """\
