@@ -19,17 +19,20 @@ run: $(STAMP)
 # disks rather than compute, so more processes than this machine's 2 cores keep them
 # busy; tests whose timing matters are given room (or an xdist group) to stand the load.
 TEST_JOBS ?= 4
+# The slow tests are storms and long fault runs that time workers (heartbeats, I/O
+# timeouts of a second): fewer of them at once on two cores.
+SLOW_TEST_JOBS ?= 2
 # More pytest arguments, e.g. PYTEST_ARGS=--durations=30 or PYTEST_ARGS=tests/test_jobs.py
 PYTEST_ARGS ?=
-PYTEST := $(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup $(PYTEST_ARGS)
+PYTEST := $(VENV)/bin/python -m pytest -q --dist loadgroup $(PYTEST_ARGS)
 
 # Everything but the storms and long fault runs (marker `slow`); `make test-slow` runs
 # those, and .ci/run runs both.
 test: $(STAMP)
-	$(PYTEST) -m "not slow"
+	$(PYTEST) -n $(TEST_JOBS) -m "not slow"
 
 test-slow: $(STAMP)
-	$(PYTEST) -m slow
+	$(PYTEST) -n $(SLOW_TEST_JOBS) -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mptier tests bench

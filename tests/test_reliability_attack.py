@@ -234,6 +234,7 @@ def test_a_root_that_disappears_or_turns_into_a_file_fails_by_name_and_never_han
 # -- signal storms ---------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("storms")  # storms time workers: one at a time
 @pytest.mark.parametrize("backend", ["native"], indirect=True)
 def test_sigstop_sigcont_storm_loses_nothing_and_serves_no_wrong_byte(make_buffer, make_tier):
     """For 12 s a random worker is stopped for 0.1-2.5 s, then continued (a debugger, a

@@ -41,6 +41,7 @@ def kill_quietly(pid: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("storms")  # storms time workers: one at a time
 @pytest.mark.parametrize("backend", ["native"], indirect=True)
 def test_crash_storm_loses_nothing_and_serves_no_wrong_byte(make_buffer, make_tier):
     """2,000 mixed jobs while a random worker (booting ones included) is SIGKILLed every
