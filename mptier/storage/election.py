@@ -30,6 +30,9 @@ record published through a fresh ``O_EXCL`` temporary and a rename.
 
 Where locks do not work (``probe_locks`` false) there is no election: every tier walks
 and evicts as before (the caller does not make a ``RootShare``).
+
+Long because the seat, the contributors' logs and records, and the published figure are
+one protocol on the root: each side reads what the other writes, so both sides live here.
 """
 
 from __future__ import annotations
