@@ -88,8 +88,11 @@ def blocks_on_disk(root: str) -> tuple[int, int, list[str]]:
         for name in files:
             path = os.path.join(dirpath, name)
             if name.endswith(".bin"):
+                try:
+                    size += os.lstat(path).st_size
+                except FileNotFoundError:  # evicted since the folder was listed
+                    continue
                 n += 1
-                size += os.lstat(path).st_size
             elif name.endswith(".tmp"):
                 temps.append(path)
     return n, size, temps
