@@ -691,10 +691,12 @@ def test_vllms_tier_ignores_mptiers_extra_names(tmp_path, primary, make_tier):
     expected = rows[0:2].copy()
     store(ours, keys, [0, 1])
     block = ours.tier.mapper.path_for(keys[0])
-    temp = f"{block}.{'a' * 16}.1.tmp"  # as a writer with lease aaaa... leaves one
+    ours.shutdown()
+    # Left after our tier has gone (a live tier's walker sweeps a temporary file whose
+    # writer holds no lease), as a writer with lease aaaa... killed mid-store leaves one.
+    temp = f"{block}.{'a' * 16}.1.tmp"
     with open(temp, "wb") as f:
         f.write(b"x" * 100)
-    ours.shutdown()
     extra = sorted(str(p.relative_to(root)) for p in root.rglob("*")
                    if p.is_file() and (p.name == "mptier.json" or ".mptier" in p.parts
                                        or p.name.endswith(".tmp")))
