@@ -18,6 +18,17 @@ when the holder's process dies, and another caretaker's next try, at most
 until its file system declares its session dead (JuiceFS: a few missed heartbeats, about
 a minute by default); that is the takeover bound there.
 
+A walker can also be alive and stuck: its worker sits in a write to a sick mount, or is
+frozen, and no signal ends it, so its lock stays held and nobody would walk the root
+again (no dead writer's temporary file swept, no eviction). The walker publishes at
+every caretaker step, so a seat whose publication (walker tag, ``seq``) has not changed
+for :data:`SEAT_STALE_S` by a contributor's own clock is stale: that contributor takes
+``usurp.lock``, checks that ``seat.lock`` is still the file it judged stale, unlinks it
+and creates a fresh one (``O_EXCL``) whose lock it holds. The stuck walker, once it moves
+again, sees before its next walk or publication that the name no longer points at its
+file (:meth:`RootShare.keep_seat`) and becomes a contributor. A wrong judgment (a walker
+busy in one long task) costs a re-election, never two walkers past one step.
+
 A contributor never walks and never evicts. It hands the walker what only it knows:
 the paths of the blocks its tier created (appended to its log, ``size relpath`` per
 line, so the walker counts each exactly once against its own walk's position and can
@@ -40,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import socket
 import stat
@@ -52,8 +64,11 @@ from mptier.rootfile import read_root_file
 from mptier.storage import names as N
 from mptier.storage.leases import _ensure_meta_dir, new_tag
 
+log = logging.getLogger(__name__)
+
 SHARE_DIR = "walk"
 SEAT_NAME = "seat.lock"
+USURP_NAME = "usurp.lock"
 USAGE_NAME = "usage.json"
 ALIVE_SUFFIX = ".alive"
 STATE_SUFFIX = ".json"
@@ -62,6 +77,11 @@ LOG_SUFFIX = ".paths"
 # walker's process dies (its lock goes with it), on top of one caretaker step. A try is
 # one open and one flock (a metadata round trip on a network file system).
 ELECT_GAP_S = 0.5
+# A walker whose publication has not moved for this long is taken to be stuck and its
+# seat is taken over. It publishes at every caretaker step (at least every few tenths of
+# a second while idle, between tasks while busy), so this is many missed steps, and well
+# under the I/O timeout (60 s by default) after which its worker is declared hung.
+SEAT_STALE_S = 10.0
 # The walker reads the contributors' files and publishes its figure at most this often.
 # A contributor's room check trusts a figure this old plus what it created since: the
 # budget is exceeded by what other tiers' evictions would have freed in this time.
@@ -125,6 +145,13 @@ def read_record(path: str) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def _walker_name(record: dict | None) -> str:
+    record = record or {}
+    if not record:
+        return "nothing published"
+    return f"tier {record.get('walker')}, pid {record.get('pid')} on {record.get('host')}"
+
+
 def read_usage(root: str) -> dict | None:
     """The walker's last publication for ``root`` (``mptier du`` and tests read it)."""
     return read_record(f"{share_dir(root)}/{USAGE_NAME}")
@@ -132,19 +159,28 @@ def read_usage(root: str) -> dict | None:
 
 def _locked_fd(path: str, create: bool) -> int | None:
     """An fd of ``path`` with flock(EX) held, or None when someone else holds it."""
+    return _try_lock(path, create)[0]
+
+
+def _try_lock(path: str, create: bool, exclusive: bool = False) -> tuple[int | None, int]:
+    """``(fd with flock(EX) held, inode)``, or ``(None, inode)`` when someone else holds
+    the lock of ``path``'s file. ``exclusive``: the file must be new (``O_EXCL``)."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    fd = os.open(path, flags | (os.O_CREAT if create else 0), 0o644)
+    if create:
+        flags |= os.O_CREAT | (os.O_EXCL if exclusive else 0)
+    fd = os.open(path, flags, 0o644)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise OSError(f"{path} is not a regular file; remove it")
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        return None
+        return None, st.st_ino
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st.st_ino
 
 
 @dataclass
@@ -181,6 +217,9 @@ class RootShare:
     fold_at: float = 0.0
     publish_at: float = 0.0
     elect_at: float = 0.0
+    beat: tuple | None = None       # the walker's last (tag, seq) we saw, and when it
+    beat_at: float | None = None    # changed (our clock): a stuck walker's stays put
+    keep_at: float = 0.0
     _seat: int | None = None
     _alive: int | None = None
 
@@ -191,27 +230,100 @@ class RootShare:
     # -- election ----------------------------------------------------------------------
 
     def elect(self, now: float) -> bool:
-        """Try the seat (at most every ELECT_GAP_S); returns True when this call made
-        this tier the walker. The seat is kept until :meth:`close` or the process ends."""
+        """Try the seat (at most every ELECT_GAP_S), or take it over from a walker whose
+        publication stood still for SEAT_STALE_S; returns True when this call made this
+        tier the walker. The seat is kept until :meth:`close`, the process's end, or a
+        takeover (see :meth:`keep_seat`)."""
         if self.walker or now < self.elect_at:
             return False
         self.elect_at = now + ELECT_GAP_S
-        fd = _locked_fd(f"{self.dir}/{SEAT_NAME}", create=True)
+        fd, ino = _try_lock(f"{self.dir}/{SEAT_NAME}", create=True)
+        if fd is None and self._walker_stuck(now, ino):
+            fd = self._usurp(ino)
         if fd is None:
             if self._alive is None:
                 self._start_contributing()
             return False
         self._seat = fd
         self.walker = True
+        self.keep_at = now + ELECT_GAP_S
+        self.beat = self.beat_at = None
         last = self.published if self.published is not None else read_usage(self.root)
         self.published = last
         # Carry on from what the last walker folded: the rest of each log is new to it.
+        self.cursors.clear()
         for tag, entry in ((last or {}).get("folded") or {}).items():
+            if str(tag) == self.tag:
+                continue  # a walker again after a takeover: our own log is folded below
             with contextlib.suppress(TypeError, ValueError, IndexError):
                 self.cursors[str(tag)] = _Cursor(int(entry[0]), int(entry[1]),
                                                  int(entry[2]), alive_at=now)
         self._stop_contributing()
         return True
+
+    def _walker_stuck(self, now: float, seat_ino: int) -> bool:
+        """Whether the walker's publication has stood still for SEAT_STALE_S (counted
+        from when this tier first saw it, by its own clock: no clocks compared) while
+        ``seat.lock`` stayed the same file (a new one is a new walker's)."""
+        record = self.published or {}
+        beat = (record.get("walker"), record.get("seq"), seat_ino)
+        if beat != self.beat or self.beat_at is None:
+            self.beat, self.beat_at = beat, now
+            return False
+        return now - self.beat_at >= SEAT_STALE_S
+
+    def _usurp(self, stale_ino: int) -> int | None:
+        """Take the seat from a stuck walker: under ``usurp.lock``, replace ``seat.lock``
+        if it is still the file judged stale (inode ``stale_ino``). Returns the new seat's
+        fd, or None when another tier got there first."""
+        guard = _locked_fd(f"{self.dir}/{USURP_NAME}", create=True)
+        if guard is None:
+            return None  # another tier is taking it over now
+        seat = f"{self.dir}/{SEAT_NAME}"
+        try:
+            try:
+                if os.stat(seat, follow_symlinks=False).st_ino != stale_ino:
+                    return None  # replaced already: whoever holds it now is not judged
+                os.unlink(seat)
+            except FileNotFoundError:
+                pass
+            try:
+                fd, _ = _try_lock(seat, create=True, exclusive=True)
+            except FileExistsError:
+                return None  # an ordinary election made it first: that tier walks
+        finally:
+            os.close(guard)
+        if fd is not None:
+            log.warning(
+                "mptier: the walker of root %s (%s) published nothing for %.0f s: tier %s "
+                "takes its seat over", self.root, _walker_name(self.published), SEAT_STALE_S,
+                self.tag)
+        return fd
+
+    def keep_seat(self, now: float) -> bool:
+        """(Walker.) Whether the seat is still ours (checked at most every ELECT_GAP_S):
+        False after another tier took it over while we stood still, and we are then a
+        contributor again."""
+        if not self.walker:
+            return False
+        if now < self.keep_at:
+            return True
+        self.keep_at = now + ELECT_GAP_S
+        try:
+            ours = os.stat(f"{self.dir}/{SEAT_NAME}", follow_symlinks=False).st_ino == \
+                os.fstat(self._seat).st_ino
+        except FileNotFoundError:
+            ours = False
+        if ours:
+            return True
+        os.close(self._seat)
+        self._seat = None
+        self.walker = False
+        self.cursors.clear()
+        self.published = read_usage(self.root)
+        self.elect_at = now + ELECT_GAP_S
+        self._start_contributing()
+        return False
 
     @property
     def last_usage(self) -> int:
@@ -437,6 +549,8 @@ class RootShare:
         created and not counted yet); the contributors' reservations go beside it."""
         if not force and now < self.publish_at:
             return
+        if not self.keep_seat(now):
+            return  # taken over while we stood still: the new walker publishes
         self.publish_at = now + PUBLISH_GAP_S
         self.seq += 1
         record = {"walker": self.tag, "host": self.host, "pid": os.getpid(),

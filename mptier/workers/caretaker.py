@@ -330,6 +330,10 @@ class Caretaker:
             kept.next_at = now + REST_CHECK_S  # an operation will probe it, not us
             return
         share = kept.share
+        if share is not None and share.walker and not share.keep_seat(now):
+            log.warning("mptier: worker pid %d stood still and another tier took over as "
+                        "the walker of root %s; this one contributes again", os.getpid(),
+                        kept.path)
         if share is not None and not share.walker:
             if not share.elect(now):
                 self._contribute(kept, now)
