@@ -330,14 +330,20 @@ class Caretaker:
             kept.next_at = now + REST_CHECK_S  # an operation will probe it, not us
             return
         share = kept.share
-        if share is not None and share.walker and not share.keep_seat(now):
-            log.warning("mptier: worker pid %d stood still and another tier took over as "
-                        "the walker of root %s; this one contributes again", os.getpid(),
-                        kept.path)
+        try:
+            if share is not None and share.walker and not share.keep_seat(now):
+                log.warning("mptier: worker pid %d stood still and another tier took over "
+                            "as the walker of root %s; this one contributes again",
+                            os.getpid(), kept.path)
+            elected = share is not None and not share.walker and share.elect(now)
+        except OSError as exc:  # the root's .mptier/walk folder is gone or failing
+            log.warning("mptier: the walker election of root %s: %s", kept.path, exc)
+            kept.next_at = now + ERROR_BACKOFF_S
+            return
         if share is not None and not share.walker:
-            if not share.elect(now):
-                self._contribute(kept, now)
-                return
+            self._contribute(kept, now)
+            return
+        if elected:
             # The seat is ours: walk from scratch, trusting the last figure meanwhile.
             kept.inherited_bytes = max(kept.inherited_bytes, share.last_usage)
             log.info("mptier: worker pid %d is now the walker of root %s", os.getpid(),
