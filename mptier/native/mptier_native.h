@@ -51,7 +51,7 @@
 
 /* Task records (mptier.jobs): the wire version, the fixed record size (PIPE_BUF: one
  * atomic pipe write) and the header before the items. */
-#define MPT_WIRE_VERSION 2
+#define MPT_WIRE_VERSION 3
 #define MPT_TASK_RECORD_BYTES 4096
 #define MPT_TASK_HEADER_BYTES 20
 #define MPT_KIND_LOOKUP 3 /* lookup records carry no block ids */
