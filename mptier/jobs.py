@@ -18,12 +18,15 @@ Wire records (engine <-> workers), all little-endian and fixed-layout:
 * a **message** (worker -> engine) is at most ``PIPE_BUF`` bytes, length-prefixed, and
   also written in one atomic ``write``::
 
-      length(u16) type(u8) version(u8) slot(u16) attempt(u16) pid(u32) errno(i32)
-      n_done(u32) task_id(u64) started_ns(u64) elapsed_ns(u64) payload...
+      length(u16) type(u8) version(u8) outcome(u8) slot(u16) attempt(u16) pid(u32)
+      errno(i32) n_done(u32) task_id(u64) started_ns(u64) elapsed_ns(u64) payload...
 
-  ``payload`` is one status byte per key for a finished LOOKUP task (see
-  :mod:`mptier.native`'s lookup statuses), or UTF-8 text (an error description)
-  otherwise.
+  ``outcome`` is what the errno says of the task (:class:`~mptier.native.entries.
+  Outcome`: ok, missing, corrupt, checksum, bad entry, full, read-only, fault, lost,
+  other), summed up by whoever wrote the message, which knew the operation; the engine
+  counts by it and never reads the errno's meaning again. ``payload`` is one status
+  byte per key for a finished LOOKUP task (see :mod:`mptier.native`'s lookup
+  statuses), or UTF-8 text (an error description) otherwise.
 
 Worker lifecycle messages (ready, attached, leaving...) do not travel here: they go to
 the supervisor over each worker's control socket (:mod:`mptier.workers.protocol`).
@@ -38,7 +41,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-WIRE_VERSION = 2
+from mptier.native.entries import Outcome
+
+# Of task records and messages alike (3: messages carry the outcome); the C core's
+# MPT_WIRE_VERSION must agree, or its encoder is not used (_native_encoder).
+WIRE_VERSION = 3
 TASK_RECORD_BYTES = 4096  # == PIPE_BUF on Linux: larger writes are not atomic
 _TASK_HEADER = struct.Struct("<3sBBBHIQ")
 TASK_HEADER_BYTES = _TASK_HEADER.size  # 20: magic .. task_id, see the module docstring
@@ -47,7 +54,7 @@ _TASK_MAGIC = b"MPT"
 TASK_ITEM_OVERHEAD = 8 + 2  # block id (u64) + key length (u16)
 LOOKUP_ITEM_OVERHEAD = 2  # key length (u16): lookups carry no block ids
 
-_MESSAGE_HEADER = struct.Struct("<HBBHHIiIQQQ")
+_MESSAGE_HEADER = struct.Struct("<HBBBHHIiIQQQ")
 MESSAGE_HEADER_BYTES = _MESSAGE_HEADER.size
 # Longest completion message (a worker's report on the completion pipe): written in one
 # write(), so at most PIPE_BUF bytes to stay atomic among many writers.
@@ -306,6 +313,7 @@ class Message:
     elapsed_ns: int = 0
     payload: bytes = b""
     attempt: int = 0
+    outcome: Outcome = Outcome.OK
 
     @property
     def text(self) -> str:
@@ -314,15 +322,16 @@ class Message:
 
 def encode_message(type_: MessageType, slot: int, pid: int, *, errno: int = 0,
                    n_done: int = 0, task_id: int = 0, started_ns: int = 0,
-                   elapsed_ns: int = 0, payload: bytes | str = b"", attempt: int = 0
-                   ) -> bytes:
+                   elapsed_ns: int = 0, payload: bytes | str = b"", attempt: int = 0,
+                   outcome: Outcome = Outcome.OK) -> bytes:
     if isinstance(payload, str):
         payload = payload.encode("utf-8", "replace")[:MAX_TEXT_BYTES]
     length = MESSAGE_HEADER_BYTES + len(payload)
     if length > MAX_COMPLETION_BYTES:
         raise ValueError(f"message of {length} bytes exceeds {MAX_COMPLETION_BYTES}")
-    return _MESSAGE_HEADER.pack(length, int(type_), WIRE_VERSION, slot, attempt, pid, errno,
-                                n_done, task_id, started_ns, elapsed_ns) + payload
+    return _MESSAGE_HEADER.pack(length, int(type_), WIRE_VERSION, int(outcome), slot,
+                                attempt, pid, errno, n_done, task_id, started_ns,
+                                elapsed_ns) + payload
 
 
 def pack_keys(keys: Sequence[bytes]) -> list[tuple[bytes, int]]:
@@ -363,8 +372,8 @@ def decode_messages(buffer: bytearray) -> list[Message]:
     pos = 0
     end = len(buffer)
     while end - pos >= MESSAGE_HEADER_BYTES:
-        (length, type_, version, slot, attempt, pid, err, n_done, task_id, started, elapsed
-         ) = _MESSAGE_HEADER.unpack_from(buffer, pos)
+        (length, type_, version, outcome, slot, attempt, pid, err, n_done, task_id, started,
+         elapsed) = _MESSAGE_HEADER.unpack_from(buffer, pos)
         if end - pos < length:
             break
         if version != WIRE_VERSION or length < MESSAGE_HEADER_BYTES:
@@ -372,7 +381,7 @@ def decode_messages(buffer: bytearray) -> list[Message]:
                              f"length {length}")
         payload = bytes(buffer[pos + MESSAGE_HEADER_BYTES:pos + length])
         out.append(Message(MessageType(type_), slot, pid, err, n_done, task_id, started,
-                           elapsed, payload, attempt))
+                           elapsed, payload, attempt, Outcome(outcome)))
         pos += length
     del buffer[:pos]
     return out

@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from mptier import native
 from mptier.jobs import (
     JobResult,
     Message,
@@ -27,18 +28,18 @@ from mptier.jobs import (
     unpack_keys,
 )
 from mptier.lookup import LookupTable
-from mptier.native import entries
+from mptier.native.entries import Outcome
 
 # A lookup task's DONE payload holds one status byte per key (mptier.native's LOOKUP_*
 # values): present means a regular file of exactly the block size; anything else is a
 # miss, and these are entries that should not be there (counted as bad entries).
-LOOKUP_PRESENT = 1
-LOOKUP_BAD_STATUSES = frozenset({2, 3, 4})  # a symlink (removed), not a block file, short
-# errno values of a block that is not a block file (a symlink, removed; not a regular
-# file, a file where a folder belongs, longer than a block: left), and of a load that
-# removed a corrupt block: mptier.native.entries, the one table of their meanings.
-BAD_ENTRY_ERRNOS = entries.errnos_of(entries.BAD_ENTRY)
-CORRUPT_ERRNOS = entries.errnos_of(entries.CORRUPT, entries.CHECKSUM)
+LOOKUP_PRESENT = native.LOOKUP_PRESENT
+LOOKUP_BAD_STATUSES = frozenset({native.LOOKUP_SYMLINK, native.LOOKUP_BAD,
+                                 native.LOOKUP_SHORT})  # removed / not a block / short
+# What a store or load found, as its worker summed it up in the completion message
+# (mptier.native.entries: the one home of what an errno means): a load that removed a
+# corrupt block, or an entry at a block path that is not a block file.
+CORRUPT_OUTCOMES = frozenset({Outcome.CORRUPT, Outcome.CHECKSUM})
 log = logging.getLogger("mptier")
 
 # Recent job latencies kept for stats() percentiles.
@@ -87,7 +88,7 @@ class Counters:
     keys_found: int = 0
     corrupt_removed: int = 0  # blocks deleted on load: short, or failing their checksum
     checksum_failures: int = 0  # of those, the ones whose CRC32C record did not match
-    bad_entries: int = 0  # non-block entries met at block paths (see BAD_ENTRY_ERRNOS)
+    bad_entries: int = 0  # non-block entries met at block paths (Outcome.BAD_ENTRY)
     evicted_keys: int = 0  # keys of this tier's folder evicted to stay within capacity
 
 
@@ -186,7 +187,7 @@ class JobLedger:
 
     def fail_task(self, task_id: int, err: int, text: str) -> None:
         self.task_finished(Message(MessageType.LOST, 0, 0, errno=err, task_id=task_id,
-                                   payload=text.encode()))
+                                   payload=text.encode(), outcome=Outcome.LOST))
 
     def unfinished_task_ids(self) -> list[int]:
         return [(group_id << TASK_INDEX_BITS) | index
@@ -226,14 +227,14 @@ class JobLedger:
         if m.errno:
             if not job.errno:
                 job.errno, job.error = m.errno, m.text or os.strerror(m.errno)
-            if job.kind == TaskKind.LOAD and m.errno in CORRUPT_ERRNOS:
-                checksum = entries.ENTRY_ERRNOS[m.errno].kind == entries.CHECKSUM
+            if m.outcome in CORRUPT_OUTCOMES:  # (a load: only a load finds corruption)
+                checksum = m.outcome == Outcome.CHECKSUM
                 self.counters.corrupt_removed += 1
                 self.counters.checksum_failures += checksum
                 job.checksum_failed |= checksum
                 self._events.append(TierEvent("removed", (keys[n_done],), {
                     "reason": "checksum" if checksum else "corrupt"}))
-            elif m.errno in BAD_ENTRY_ERRNOS and m.type == MessageType.DONE:
+            elif m.outcome == Outcome.BAD_ENTRY and m.type == MessageType.DONE:
                 self.counters.bad_entries += 1
                 log.warning("mptier: %s", m.text)
         if m.started_ns:

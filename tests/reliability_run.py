@@ -50,6 +50,14 @@ files under its root, live child processes, mounts); *slowest call* (the longest
 engine call -- submit, lookup, on_schedule_end, get_finished_jobs, stats -- during the
 scenario: every one is non-blocking by contract). Writes ``bench/results/
 reliability.json`` and ``bench/results/reliability.md`` (the table; both untracked).
+
+Long because it is a catalogue: thirteen scenarios of 30-100 lines each, every one a
+whole story (start the fault, drive traffic through it, end it, fill the row) that reads
+top to bottom and shares nothing with the others but the row, the leak watch and the
+table below. What they share beyond that is in ``reliability_kit.py`` (traffic, job
+book, services, stop storms) and ``hostile_client.py``, which the pytest suites use too;
+splitting the catalogue by kind of fault would scatter one report's rows over files
+without making any scenario shorter.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from mptier.jobs import (
     peek_task,
     task_record_capacity,
 )
+from mptier.native.entries import Outcome
 
 
 @pytest.mark.parametrize("kind", list(TaskKind))
@@ -106,14 +107,16 @@ def test_attempt_and_peek():
 
 def test_messages_split_across_reads():
     stream = (encode_message(MessageType.DONE, 3, 1234, errno=2, n_done=5, task_id=9,
-                             started_ns=10, elapsed_ns=20, payload="boom")
+                             started_ns=10, elapsed_ns=20, payload="boom",
+                             outcome=Outcome.MISSING)
               + encode_message(MessageType.LOST, 1, 42, task_id=8, payload="gone"))
     buffer = bytearray(stream[:10])
     assert decode_messages(buffer) == []
     buffer += stream[10:]
     first, second = decode_messages(buffer)
     assert (first.type, first.slot, first.pid, first.errno, first.n_done, first.task_id,
-            first.started_ns, first.elapsed_ns, first.text) == \
-        (MessageType.DONE, 3, 1234, 2, 5, 9, 10, 20, "boom")
-    assert (second.type, second.task_id, second.text) == (MessageType.LOST, 8, "gone")
+            first.started_ns, first.elapsed_ns, first.text, first.outcome) == \
+        (MessageType.DONE, 3, 1234, 2, 5, 9, 10, 20, "boom", Outcome.MISSING)
+    assert (second.type, second.task_id, second.text, second.outcome) == (
+        MessageType.LOST, 8, "gone", Outcome.OK)
     assert buffer == bytearray()

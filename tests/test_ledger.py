@@ -8,6 +8,7 @@ import errno
 from mptier.jobs import LookupResult, Message, MessageType, TaskKind, decode_task
 from mptier.ledger import LOOKUP_PRESENT, TASK_INDEX_BITS, JobLedger
 from mptier.lookup import LookupTable
+from mptier.native.entries import Outcome
 
 KEYS = [bytes([i]) * 36 for i in range(10)]
 
@@ -16,9 +17,9 @@ def ids(keys: list[bytes]) -> array.array:
     return array.array("q", range(100, 100 + len(keys)))
 
 
-def done(task_id: int, n_done: int, err: int = 0) -> Message:
+def done(task_id: int, n_done: int, err: int = 0, outcome: Outcome = Outcome.OK) -> Message:
     return Message(MessageType.DONE, 0, 1, errno=err, n_done=n_done, task_id=task_id,
-                   started_ns=10, elapsed_ns=5)
+                   started_ns=10, elapsed_ns=5, outcome=outcome)
 
 
 def test_job_finishes_with_its_last_task_and_twins_are_ignored():
@@ -45,7 +46,7 @@ def test_partial_load_reports_loaded_keys_and_marks_the_rest_missed():
     lookups.answer(KEYS[:4], [True] * 4)
     ledger = JobLedger(4096, lookups, stored_events=False)
     first = ledger.add_job(1, TaskKind.LOAD, KEYS[:4], ids(KEYS[:4]), per_task=2)
-    ledger.task_finished(done(first, 1, err=errno.ENODATA))  # block 1 short: deleted
+    ledger.task_finished(done(first, 1, errno.ENODATA, Outcome.CORRUPT))  # 1 short: deleted
     ledger.task_finished(done(first + 1, 2))
     (result,) = ledger.take_finished()
     assert not result.success and result.errno == errno.ENODATA
@@ -53,6 +54,31 @@ def test_partial_load_reports_loaded_keys_and_marks_the_rest_missed():
     assert [lookups.lookup(k, "r") for k in KEYS[:4]] == [
         LookupResult.HIT, LookupResult.MISS, LookupResult.HIT, LookupResult.HIT]
     assert [(e.kind, e.keys) for e in ledger.take_events()] == [("removed", (KEYS[1],))]
+
+
+def test_the_ledger_counts_by_the_outcome_the_worker_sent_not_by_the_errno():
+    """The worker sums up what an errno meant (mptier.native.entries.outcome); the ledger
+    reads that, so the same errno under another outcome is counted as that outcome."""
+    ledger = JobLedger(4096, LookupTable(), stored_events=False)
+    counts = ledger.counters
+    first = ledger.add_job(1, TaskKind.LOAD, KEYS[:4], ids(KEYS[:4]), per_task=1)
+    ledger.task_finished(done(first, 0, errno.EBADMSG, Outcome.CHECKSUM))
+    ledger.task_finished(done(first + 1, 0, errno.ENODATA, Outcome.OTHER))  # not a finding
+    ledger.task_finished(done(first + 2, 0, errno.ELOOP, Outcome.BAD_ENTRY))
+    ledger.task_finished(done(first + 3, 0, errno.EIO, Outcome.FAULT))
+    (result,) = ledger.take_finished()
+    assert result.checksum_failed and result.errno == errno.EBADMSG
+    assert (counts.corrupt_removed, counts.checksum_failures, counts.bad_entries) == (1, 1, 1)
+    assert [(e.keys, e.extra) for e in ledger.take_events()] == [
+        ((KEYS[0],), {"reason": "checksum"})]
+    # A lost task's report is no finding, whatever its errno (the supervisor's and
+    # fail_task's reports say LOST).
+    first = ledger.add_job(2, TaskKind.LOAD, KEYS[:1], ids(KEYS[:1]), per_task=1)
+    ledger.task_finished(Message(MessageType.LOST, 0, 1, errno=errno.ELOOP, task_id=first,
+                                 outcome=Outcome.BAD_ENTRY))  # counted on DONE only
+    ledger.fail_task(first, errno.ENODATA, "gone")  # the twin: ignored
+    assert (counts.corrupt_removed, counts.bad_entries) == (1, 1)
+    assert not ledger.take_finished()[0].success
 
 
 def test_empty_job_finishes_at_once_and_sweep_fails_the_rest():

@@ -4,6 +4,7 @@ fields as TierConfig does, and what a service takes from its own config is deriv
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import MISSING, dataclass, fields
 
 import pytest
@@ -13,6 +14,7 @@ from mptier.workers.launcher import BootSpec
 from mptier.workers.poolbase import PoolSettings
 from mptier.workers.probe import prepare_io
 from mptier.workers.session import IoSettings
+from mptier.workers.supervised import SupervisionSettings
 from mptier.workers.supervisor import SupervisorSettings
 
 SETTINGS_CLASSES = [PoolSettings, SupervisorSettings, BootSpec, IoSettings]
@@ -100,6 +102,19 @@ def test_what_the_pool_hands_on_it_has_by_name(cls):
     missing = [f.name for f in fields(cls) if f.name in CONFIG_NAMES
                and f.name not in pool_names]
     assert missing == []
+
+
+def test_the_supervisors_settings_are_declared_once():
+    """The TierConfig fields the supervisor runs by are SupervisionSettings' alone: the
+    pool's settings and the supervisor's inherit them, and neither declares one again."""
+    shared = {f.name for f in fields(SupervisionSettings)}
+    assert shared <= CONFIG_NAMES
+    for cls in (PoolSettings, SupervisorSettings):
+        assert issubclass(cls, SupervisionSettings)
+        own = set(inspect.get_annotations(cls))
+        assert own & shared == set(), f"{cls.__name__} declares {sorted(own & shared)} again"
+    supervisor_config = {f.name for f in fields(SupervisorSettings)} & CONFIG_NAMES
+    assert supervisor_config == shared
 
 
 def test_a_service_takes_every_field_but_the_engines_own():

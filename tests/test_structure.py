@@ -1,15 +1,20 @@
 """The import graph of the mptier package: no cycles, no arrows back up, one door into
-the workers; and no module past about 400 lines that does not say why.
+the workers; and no module past about 400 lines that does not say why. The C files of
+the native core likewise: no cycle among their includes and calls, and each calls only
+into the floors below it that mptier_native.h names.
 
 Every import counts, also those inside functions and under ``TYPE_CHECKING`` (a type
 that needs the importer is a cycle all the same), except a package ``__init__``'s
-``TYPE_CHECKING`` block, which only mirrors its lazy exports for type checkers.
+``TYPE_CHECKING`` block, which only mirrors its lazy exports for type checkers. For C,
+a file uses another when it includes it or names a function the other defines (a call,
+or a function passed as a pointer), comments and string literals left out.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 PACKAGE = pathlib.Path(__file__).parent.parent / "mptier"
 
@@ -157,3 +162,121 @@ def test_a_long_module_is_found_unless_it_says_why(tmp_path):
 def test_every_module_past_400_lines_says_why_at_its_top():
     """Split it, or write a paragraph starting "Long because" in its docstring."""
     assert long_modules_without_a_reason(PACKAGE) == []
+
+
+# -- the C files of the native core ------------------------------------------------------
+
+NATIVE = PACKAGE / "native"
+HEADER = "mptier_native.h"
+_C_NOISE = re.compile(r'/\*.*?\*/|//[^\n]*|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'',
+                      re.DOTALL)
+_C_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+_C_NAME = re.compile(r"\b[A-Za-z_]\w*\b")
+_C_WORD = re.compile(r"\w+")
+
+
+def _c_code(text: str) -> str:
+    """The text without comments, and string and character literals emptied (their
+    quotes kept: an include's name is read before this)."""
+    return _C_NOISE.sub(lambda m: '""' if m.group(0)[0] == '"' else
+                        "''" if m.group(0)[0] == "'" else " ", text)
+
+
+def _close_paren(code: str, start: int) -> int:
+    """Index just past the parenthesis that closes the one at ``start``."""
+    depth = 0
+    for i in range(start, len(code)):
+        depth += {"(": 1, ")": -1}.get(code[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(code)
+
+
+def c_definitions(code: str) -> dict[str, bool]:
+    """``{function: exported}`` of the functions a C file defines (``exported``: not
+    static): a name at brace depth 0 whose parameter list is followed by a body."""
+    found: dict[str, bool] = {}
+    depth, since = 0, 0  # since: where the current top-level declaration began
+    i = 0
+    while i < len(code):
+        c = code[i]
+        if c in "{}":
+            depth += 1 if c == "{" else -1
+            since = i + 1
+        elif c == ";" and depth == 0:
+            since = i + 1
+        elif depth == 0 and (c.isalnum() or c == "_"):
+            name = _C_WORD.match(code, i).group(0)  # a name, or a number (no "(" after)
+            after = i + len(name)
+            if name != "__attribute__" and code[after:after + 200].lstrip().startswith("("):
+                close = _close_paren(code, code.index("(", after))
+                if code[close:].lstrip().startswith("{"):
+                    found[name] = "static" not in _C_NAME.findall(code[since:i])
+                after = close
+            i = after
+            continue
+        i += 1
+    return found
+
+
+def c_graph(folder: pathlib.Path) -> dict[str, set[str]]:
+    """``{file: files it uses}`` over the .c and .h files of ``folder`` (module
+    docstring: an include, or a function of the other file named -- by a .c file: a
+    header's declarations are no use of the files defining them)."""
+    texts = {p.name: p.read_text() for p in sorted(folder.glob("*.[ch]"))}
+    codes = {name: _c_code(text) for name, text in texts.items()}
+    owner: dict[str, str] = {}
+    for name, code in codes.items():
+        for function, exported in c_definitions(code).items():
+            if exported:
+                assert function not in owner, f"{function} defined in {owner[function]} " \
+                                              f"and {name}"
+                owner[function] = name
+    graph: dict[str, set[str]] = {name: set() for name in texts}
+    for name, text in texts.items():
+        graph[name].update(inc for inc in _C_INCLUDE.findall(text) if inc in texts)
+        if name.endswith(".c"):
+            used = set(_C_NAME.findall(codes[name]))
+            graph[name].update(owner[f] for f in used if f in owner and owner[f] != name)
+    return graph
+
+
+def header_floors(header: str) -> dict[str, int]:
+    """The floors the header's file list gives the C files (``  2  block.c  ...``)."""
+    return {name: int(floor) for floor, name in
+            re.findall(r"^ \*\s+(\d+)\s+(\w+\.c)\s", header, re.MULTILINE)}
+
+
+def test_the_c_graph_sees_calls_pointers_and_includes(tmp_path):
+    (tmp_path / "a.h").write_text("int a_one(void);\nint b_two(int x);\n")
+    (tmp_path / "a.c").write_text(
+        '#include "a.h"\n/* b_two() in a comment is no call */\n'
+        'static int a_local(int x) { return x; }\n'
+        'int a_one(void)\n{\n    const char *s = "c_three()";\n    return b_two(1);\n}\n')
+    (tmp_path / "b.c").write_text(
+        '#include "a.h"\nstatic __attribute__((unused)) int b_local(void) { return 0; }\n'
+        'int b_two(int x)\n{\n    int (*f)(void) = c_three;\n    return x + f();\n}\n')
+    (tmp_path / "c.c").write_text("int c_three(void) { return 3; }\n")
+    assert c_definitions(_c_code((tmp_path / "b.c").read_text())) == {
+        "b_local": False, "b_two": True}
+    assert c_graph(tmp_path) == {"a.h": set(), "a.c": {"a.h", "b.c"}, "b.c": {"a.h", "c.c"},
+                                 "c.c": set()}
+    (tmp_path / "c.c").write_text("int c_three(void) { return a_one(); }\n")
+    assert cycles(c_graph(tmp_path)) == [["a.c", "b.c", "c.c"]]
+
+
+def test_no_cycle_among_the_c_files():
+    assert cycles(c_graph(NATIVE)) == []
+
+
+def test_each_c_file_calls_only_into_the_floors_below_it():
+    """mptier_native.h lists every C file the build compiles with its floor; a file uses
+    files of lower floors only (a file on the same floor is no use of it either)."""
+    from mptier.native import build_ffi
+
+    floors = header_floors((NATIVE / HEADER).read_text())
+    assert sorted(floors) == sorted(build_ffi.C_FILES) == sorted(
+        p.name for p in NATIVE.glob("*.c"))
+    upward = {name: sorted(d for d in deps if d.endswith(".c") and floors[d] >= floors[name])
+              for name, deps in c_graph(NATIVE).items() if name.endswith(".c")}
+    assert {name: deps for name, deps in upward.items() if deps} == {}

@@ -1,5 +1,5 @@
-"""The pure-Python twin of the C core (``mptier_io.c``, ``probes.c``; ``resolve.c`` is
-``_pure_resolve.py``, ``crc32c.c`` is ``_crc32c.py``).
+"""The pure-Python twin of the C core (``mptier_io.c``, ``block.c``, ``probes.c``;
+``resolve.c`` is ``_pure_resolve.py``, ``crc32c.c`` is ``_crc32c.py``).
 
 Same steps, same return codes: ``store`` returns ``(rc, n_done, fail_index,
 tmp_unlink_errno)``, ``load`` ``(rc, n_done, fail_index)`` with ``rc`` 0 or ``-errno``,

@@ -14,8 +14,9 @@ from cffi import FFI
 
 MODULE_NAME = "mptier.native._mptier_cffi"
 HERE = os.path.dirname(os.path.abspath(__file__))
-C_FILES = ["mptier_io.c", "resolve.c", "crc32c.c", "direct.c", "probes.c", "uring.c",
-           "encode.c"]
+# The floors of mptier_native.h, the top first.
+C_FILES = ["mptier_io.c", "uring.c", "probes.c", "block.c", "direct.c", "fdio.c",
+           "resolve.c", "crc32c.c", "encode.c"]
 
 ffibuilder = FFI()
 

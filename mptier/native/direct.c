@@ -122,7 +122,7 @@ int mpt_direct_write_crc(int fd, const char *src, size_t len, uint32_t *crc)
     if (ev.res < 0)
         return (int)ev.res;
     if ((size_t)ev.res < len) /* a short direct write: finish it the plain way */
-        return mpt_pwrite_all(fd, src + ev.res, len - (size_t)ev.res, (size_t)ev.res);
+        return mpt_write_at(fd, src + ev.res, len - (size_t)ev.res, (off_t)ev.res);
     return 0;
 }
 

@@ -1,13 +1,18 @@
 /*
  * mptier_native.h - what the C files of the native core share.
  *
- * mptier_io.c   batch store / load / lookup
- * resolve.c     reaching a path beneath the root without following a symlink
- * crc32c.c      CRC32C (VPCLMULQDQ / PCLMULQDQ folding, SSE4.2, ARMv8 CRC, tables)
- * direct.c      checksummed O_DIRECT I/O overlapped with the device (Linux AIO)
- * probes.c      what a directory's file system supports
- * uring.c       the batch calls' io_uring path (MPT_URING): many blocks in flight at once
- * encode.c      the engine's task records (mptier.jobs' wire format)
+ * The C files stand in floors: each calls only into files on the floors below it (and
+ * its own), never up and never in a circle (tests/test_structure.py checks it).
+ *
+ *   4  mptier_io.c   batch store / load / lookup: the Python interface's I/O calls
+ *   3  uring.c       the batch calls' io_uring path (MPT_URING): many blocks in flight
+ *   3  probes.c      what a directory's file system supports
+ *   2  block.c       one block the system-call way (load, store), the checksum record
+ *   1  direct.c      checksummed O_DIRECT I/O overlapped with the device (Linux AIO)
+ *   0  fdio.c        whole writes on a descriptor
+ *   0  resolve.c     reaching a path beneath the root without following a symlink
+ *   0  crc32c.c      CRC32C (VPCLMULQDQ / PCLMULQDQ folding, SSE4.2, ARMv8 CRC, tables)
+ *   0  encode.c      the engine's task records (mptier.jobs' wire format)
  *
  * build_ffi.py's cdef declares the interface part to Python (cffi reads the constants'
  * values from here); _pure.py mirrors the constants and is checked against them.
@@ -46,7 +51,7 @@
 
 /* Task records (mptier.jobs): the wire version, the fixed record size (PIPE_BUF: one
  * atomic pipe write) and the header before the items. */
-#define MPT_WIRE_VERSION 2
+#define MPT_WIRE_VERSION 3
 #define MPT_TASK_RECORD_BYTES 4096
 #define MPT_TASK_HEADER_BYTES 20
 #define MPT_KIND_LOOKUP 3 /* lookup records carry no block ids */
@@ -154,7 +159,7 @@ int mpt_encode_job(unsigned char *out, size_t out_len, int kind, uint64_t first_
  * empty folders (or a symlink may be put back); a few rounds are plenty. */
 #define MPT_MKDIR_TRIES 3
 
-/* What one batch shares between its blocks (mptier_io.c, uring.c). */
+/* What one batch shares between its blocks (mptier_io.c, block.c, uring.c). */
 struct mpt_batch {
     int root;
     int flags;
@@ -174,6 +179,11 @@ struct mpt_open_how {
 #define MPT_RESOLVE_NO_SYMLINKS 0x04
 #define MPT_RESOLVE_BENEATH 0x08
 
+/* Declared floor by floor, the lowest first (the file list above). */
+
+/* fdio.c: 0 or -errno; offset MPT_AT_POSITION writes at (and moves) the file position */
+#define MPT_AT_POSITION ((off_t)-1)
+MPT_INTERNAL int mpt_write_at(int fd, const char *p, size_t len, off_t offset);
 /* resolve.c */
 MPT_INTERNAL int mpt_use_openat2(int flags);
 MPT_INTERNAL int mpt_openat(int dirfd, const char *name, int oflags, mode_t mode);
@@ -186,10 +196,12 @@ MPT_INTERNAL int mpt_open_parent_made(int root, const char *rel, int flags, int 
 MPT_INTERNAL int mpt_open_beneath(int root, const char *rel, int oflags, int flags);
 MPT_INTERNAL void mpt_remove_if_same(int root, const char *rel, int flags, dev_t dev,
                                      ino_t ino);
-/* mptier_io.c */
+/* direct.c: 0, -errno, or MPT_NO_AIO (nothing done: use synchronous I/O) */
+#define MPT_NO_AIO 1
+MPT_INTERNAL int mpt_direct_write_crc(int fd, const char *src, size_t len, uint32_t *crc);
+MPT_INTERNAL int mpt_direct_read_crc(int fd, char *dst, size_t len, uint32_t *crc);
+/* block.c */
 MPT_INTERNAL uint64_t mpt_next_counter(void);
-MPT_INTERNAL int mpt_write_all(int fd, const char *p, size_t len);
-MPT_INTERNAL int mpt_pwrite_all(int fd, const char *p, size_t len, size_t offset);
 MPT_INTERNAL int mpt_set_record(int fd, uint32_t crc);
 MPT_INTERNAL int mpt_link_tmpfile(int fd, int dirfd, const char *leaf);
 MPT_INTERNAL int mpt_direct_ok(int flags, const char *p, size_t len);
@@ -210,9 +222,5 @@ MPT_INTERNAL int mpt_store_one(struct mpt_batch *b, const char *rel, char *src, 
 MPT_INTERNAL int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob,
                                  size_t n, char *base, const uint64_t *offsets,
                                  size_t block_bytes, size_t *n_done, size_t *fail_index);
-/* direct.c: 0, -errno, or MPT_NO_AIO (nothing done: use synchronous I/O) */
-#define MPT_NO_AIO 1
-MPT_INTERNAL int mpt_direct_write_crc(int fd, const char *src, size_t len, uint32_t *crc);
-MPT_INTERNAL int mpt_direct_read_crc(int fd, char *dst, size_t len, uint32_t *crc);
 
 #endif

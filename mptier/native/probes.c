@@ -52,7 +52,7 @@ int mpt_probe_o_direct(const char *dir)
         if (fd == -EINVAL)
             unlink(path); /* the kernel may have created it before refusing */
     } else {
-        rc = mpt_write_all(fd, page, MPT_DIRECT_ALIGN);
+        rc = mpt_write_at(fd, page, MPT_DIRECT_ALIGN, MPT_AT_POSITION);
         rc = rc == 0 ? 1 : rc == -EINVAL ? 0 : rc;
         close(fd);
         unlink(path);
@@ -97,7 +97,7 @@ int mpt_probe_o_tmpfile(const char *dir)
         close(dirfd);
         return fd == -EOPNOTSUPP || fd == -EISDIR || fd == -EINVAL ? 0 : fd;
     }
-    rc = mpt_write_all(fd, "m", 1);
+    rc = mpt_write_at(fd, "m", 1, MPT_AT_POSITION);
     len = snprintf(path, sizeof path, ".mpt_probe.%ld.%llu.tmp", (long)getpid(),
                    (unsigned long long)mpt_next_counter());
     if (rc == 0)

@@ -62,7 +62,9 @@ from mptier.workers import PoolSettings, WorkerPool
 log = logging.getLogger("mptier.service")
 
 # Version of the engine <-> service messages; an engine of another version is refused.
-PROTOCOL_VERSION = 1
+# 2: the task records and completion messages the two exchange are mptier.jobs'
+# WIRE_VERSION 3 (messages carry the task's outcome).
+PROTOCOL_VERSION = 2
 # A client must send its first message within this time, or it is dropped.
 FIRST_MESSAGE_S = 5.0
 # Pending connections the kernel queues while the service attaches an engine.

@@ -39,24 +39,14 @@ import time
 from collections.abc import Sequence
 
 from mptier.errors import errno_name
+from mptier.native.entries import FAULT_ERRNOS
 from mptier.workers.control import ControlBlock, RootState
 
 log = logging.getLogger("mptier.workers")
 
-# errno values that say the file system (or the device under it) is failing, as opposed
-# to this block's trouble (ENOENT: a miss; EFBIG/ELOOP/EMEDIUMTYPE: a bad entry; ENOSPC:
-# the root is full; EBADMSG/ENODATA: one corrupt block): these count against the root.
-FAULT_ERRNOS = frozenset(
-    getattr(errno, name) for name in (
-        "EIO", "ETIMEDOUT", "ENOTCONN", "ESTALE", "EROFS", "EHOSTDOWN", "EHOSTUNREACH",
-        "ENETDOWN", "ENETUNREACH", "ENETRESET", "ECONNABORTED", "ECONNRESET",
-        "ECONNREFUSED", "ENOLINK", "EREMOTEIO", "ENODEV", "ENXIO", "ESHUTDOWN", "ECOMM",
-        "ENOMEDIUM", "EUCLEAN")
-    if hasattr(errno, name))
-
-
 def is_fault(err: int) -> bool:
-    """Whether ``err`` counts against the root's health (see :data:`FAULT_ERRNOS`)."""
+    """Whether ``err`` counts against the root's health (mptier.native.entries'
+    FAULT_ERRNOS: the file system or its device failing, EROFS included)."""
     return err in FAULT_ERRNOS
 
 

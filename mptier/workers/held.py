@@ -19,6 +19,7 @@ import glob
 import os
 
 from mptier.jobs import MessageType, TaskKind, decode_task, encode_message
+from mptier.native.entries import Outcome
 from mptier.pipes import drain_records
 from mptier.workers.control import RootState
 from mptier.workers.supervised import (
@@ -93,7 +94,8 @@ class HeldTasks(SupervisorState):
         if self._reports is None:
             return
         self._flush_reports(encode_message(type_, SUPERVISOR_SLOT, os.getpid(), errno=err,
-                                           task_id=task_id, payload=text, attempt=attempt))
+                                           task_id=task_id, payload=text, attempt=attempt,
+                                           outcome=Outcome.LOST))
 
     def _flush_reports(self, message: bytes | None = None) -> None:
         """Put ``message`` (if any) behind the reports waiting, and write them while the

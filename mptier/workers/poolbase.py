@@ -20,6 +20,7 @@ from mptier.config import default_of
 from mptier.workers.control import ControlBlock
 from mptier.workers.figures import root_figures
 from mptier.workers.session import IoSettings
+from mptier.workers.supervised import SupervisionSettings
 
 if TYPE_CHECKING:
     from mptier.config import TierConfig
@@ -32,13 +33,14 @@ DETACH_GRACE_S = 10.0
 
 
 @dataclass
-class PoolSettings:
+class PoolSettings(SupervisionSettings):
     """How a pool runs; built from a :class:`~mptier.config.TierConfig` by
     :meth:`from_config` (a service's config in a service, the engine's otherwise).
 
     Every field but ``backend`` is the TierConfig field of the same name, with its
     default (:func:`~mptier.config.default_of`); ``backend`` is what ``native`` comes to
-    in this process (:func:`backend_name`)."""
+    in this process (:func:`backend_name`). The supervisor's own fields come from
+    :class:`~mptier.workers.supervised.SupervisionSettings` (keyword arguments)."""
 
     root_dir: str  # the first root (or the only one)
     n_load_workers: int = default_of("n_load_workers")
@@ -51,20 +53,12 @@ class PoolSettings:
     prefault: bool = default_of("prefault")
     worker_nice: int = default_of("worker_nice")
     worker_cpus: list[int] = field(default_factory=list)
-    io_timeout_s: float = default_of("io_timeout_s")
-    max_task_retries: int = default_of("max_task_retries")
-    worker_start_timeout_s: float = default_of("worker_start_timeout_s")
-    max_stuck_workers: int = default_of("max_stuck_workers")
-    heartbeat_s: float = default_of("heartbeat_s")
-    max_worker_rss_bytes: int = default_of("max_worker_rss_bytes")
     root_dirs: list[str] = field(default_factory=list)  # several roots (else root_dir)
     capacity_bytes: int = default_of("capacity_bytes")
     high_watermark: float = default_of("high_watermark")
     low_watermark: float = default_of("low_watermark")
     stale_temp_s: float = default_of("stale_temp_s")
     lease_locks: bool | str = default_of("lease_locks")
-    root_failures_to_fail: int = default_of("root_failures_to_fail")
-    root_retry_s: float = default_of("root_retry_s")
 
     @classmethod
     def from_config(cls, cfg: TierConfig) -> PoolSettings:

@@ -15,6 +15,7 @@ import stat
 import time
 
 from mptier import native
+from mptier.native.entries import FULL_ERRNOS
 from mptier.storage.leases import Lease
 from mptier.storage.roots import root_identity
 from mptier.workers.context import RootHandle, WorkerContext
@@ -216,8 +217,8 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
                 "was written")
         rc, n_done, index, temp_err = ctx.backend.store(fd, paths, ctx.memory, offsets,
                                                         block_bytes, root.flags, ctx.tag)
-        if rc in (-errno.ENOSPC, -errno.EDQUOT):  # out of blocks, inodes or quota: the
-            writer.count_no_space(root.index)  # caretaker evicts on the rise
+        if -rc in FULL_ERRNOS:  # out of blocks, inodes or quota: the caretaker evicts
+            writer.count_no_space(root.index)  # on the rise
         if temp_err:
             log.warning("mptier: a temporary file in %s could not be removed (%s); the "
                         "sweeper removes it once this writer's lease is free",

@@ -45,6 +45,7 @@ from mptier.jobs import (
     encode_message,
     peek_task,
 )
+from mptier.native.entries import Outcome, outcome
 from mptier.workers import protocol
 from mptier.workers.context import WorkerContext
 from mptier.workers.control import SlotState
@@ -261,7 +262,8 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
         message = encode_message(MessageType.DONE, ctx.slot_writer.slot, pid,
                                  errno=errno.EINVAL, n_done=0, task_id=0, started_ns=started,
                                  elapsed_ns=time.monotonic_ns() - started,
-                                 payload=f"malformed task record: {exc}")
+                                 payload=f"malformed task record: {exc}",
+                                 outcome=Outcome.OTHER)
         return message, 0, True
     if _STALLS and task.kind in _STALLS:
         time.sleep(_STALLS[task.kind])
@@ -272,20 +274,22 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
     err = 0
     n_done = len(task.keys)
     payload: bytes | str = b""
+    result = Outcome.OK
     try:
         if task.kind == TaskKind.LOOKUP:
             payload = lookup(ctx, task.keys)
         else:
             block_bytes = ctx.block_bytes
             offsets = [block_id * block_bytes for block_id in task.block_ids]
-            err, n_done, payload = transfer(ctx, task.kind == TaskKind.STORE, task.keys,
-                                             offsets)
+            store = task.kind == TaskKind.STORE
+            err, n_done, payload = transfer(ctx, store, task.keys, offsets)
+            result = outcome("store" if store else "load", err)
     except Exception as exc:  # a bug or bad input must not kill the worker: report it
-        err, n_done = errno.EIO, 0
+        err, n_done, result = errno.EIO, 0, Outcome.OTHER
         payload = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     elapsed = time.monotonic_ns() - started
     nbytes = 0 if task.kind == TaskKind.LOOKUP else n_done * ctx.block_bytes
     message = encode_message(MessageType.DONE, ctx.slot_writer.slot, pid, errno=err,
                              n_done=n_done, task_id=task.task_id, started_ns=started,
-                             elapsed_ns=elapsed, payload=payload)
+                             elapsed_ns=elapsed, payload=payload, outcome=result)
     return message, nbytes, bool(err)

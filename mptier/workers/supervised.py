@@ -113,21 +113,29 @@ class PoolCounters:
     last_deaths: list[str] = field(default_factory=list)
 
 
-@dataclass
-class SupervisorSettings:
-    roles: list[str]
-    boot: BootSpec
-    # The TierConfig fields of the same names, with their defaults.
+@dataclass(kw_only=True)
+class SupervisionSettings:
+    """The TierConfig fields the supervisor runs by, with TierConfig's defaults. Declared
+    here alone: :class:`~mptier.workers.poolbase.PoolSettings` and
+    :class:`SupervisorSettings` have them by inheritance (keyword arguments, after their
+    own fields), and the pool hands them on by name."""
+
     io_timeout_s: float = default_of("io_timeout_s")
     max_task_retries: int = default_of("max_task_retries")
     worker_start_timeout_s: float = default_of("worker_start_timeout_s")
     max_stuck_workers: int = default_of("max_stuck_workers")
     heartbeat_s: float = default_of("heartbeat_s")
     max_worker_rss_bytes: int = default_of("max_worker_rss_bytes")
-    root_label: str = ""  # for messages: "the file system at /mnt/kv"
-    roots: list[str] = field(default_factory=list)  # every root, in root_dirs order
     root_failures_to_fail: int = default_of("root_failures_to_fail")
     root_retry_s: float = default_of("root_retry_s")
+
+
+@dataclass
+class SupervisorSettings(SupervisionSettings):
+    roles: list[str]
+    boot: BootSpec
+    root_label: str = ""  # for messages: "the file system at /mnt/kv"
+    roots: list[str] = field(default_factory=list)  # every root, in root_dirs order
 
 
 class SupervisorState:

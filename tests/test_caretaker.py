@@ -1,0 +1,324 @@
+"""The caretaker (mptier/workers/caretaker.py) on its own, as a worker's serving loop
+drives it (``run(busy=...)`` between tasks and epoll waits, ``wait_s`` for the wait): a
+real root of block files, a real control block and a real completion pipe.
+
+Its schedule -- when it steps, rests after a complete pass, hurries while a store waits
+for room or the root is past its mark, leaves a root out of rotation alone -- runs on
+its module's clock, which these tests turn by hand (:class:`Clock`), so no test waits
+for or races a timer; eviction, whose unlink threads run on their own, uses the real
+clock. What it publishes is read back from the control block, what it reports from the
+pipe. Roots here have no walker election (``lease_locks=False``): the caretaker walks
+alone, as tests/test_storage_election.py's shared roots do not.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import pytest
+from storage_tree import key_for, make_cache, write_block
+
+from mptier.jobs import MessageType, decode_messages, unpack_keys
+from mptier.pipes import RecordWriter
+from mptier.storage import RootMaintainer
+from mptier.workers import caretaker as caretaker_module
+from mptier.workers.caretaker import (
+    BUSY_GAP_S,
+    EVICT_GAP_S,
+    IDLE_GAP_S,
+    REST_CHECK_S,
+    WALK_REST_MIN_S,
+    Caretaker,
+)
+from mptier.workers.context import RootHandle
+from mptier.workers.control import (
+    ROOT_COMPLETE,
+    ROOT_EVICTING,
+    ControlBlock,
+    RootState,
+    SlotState,
+    SlotWriter,
+)
+from mptier.workers.session import IoSettings
+
+BLOCK = 4096
+# Enough rounds for any pass over these small roots (a few blocks: one step each).
+MAX_ROUNDS = 200
+
+
+class Clock:
+    """The caretaker module's ``time``, turned by hand: ``sleep`` moves it on."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def monotonic_ns(self) -> int:
+        return int(self.now * 1e9)
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Host:
+    """What a worker hands its caretaker (``CaretakerHost``): its slot in a real control
+    block, the session's I/O settings, the root's file layout, and the completion pipe
+    its reports go to (read back here)."""
+
+    def __init__(self, root: str, **io: object) -> None:
+        self.control = ControlBlock(2)
+        self.slot_writer = SlotWriter(self.control, 0, "store")
+        self.slot_writer.set_state(SlotState.IDLE)  # the slot says whose it is
+        self.io = IoSettings(root_dir=root, lease_locks=False, **io)
+        self.block_bytes = BLOCK
+        self.mapper = make_cache(root, block_bytes=BLOCK)
+        self.roots = [RootHandle(0, root, self.mapper, self.io.flags(0))]
+        self.health: list[tuple[int, bool, int, str]] = []
+        self._read, write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.reports = RecordWriter(write)
+        self._stream = bytearray()
+
+    def report_root(self, index: int, ok: bool, err: int, text: str) -> None:
+        self.health.append((index, ok, err, text))
+
+    def report(self, message: bytes | None = None) -> None:
+        if message is not None:
+            self.reports.put(message)
+        self.reports.flush()
+
+    def removed_keys(self) -> list[bytes]:
+        """The keys of every REMOVED message in the pipe so far."""
+        try:
+            self._stream += os.read(self._read, 1 << 20)
+        except BlockingIOError:
+            pass
+        keys = []
+        for message in decode_messages(self._stream):
+            assert message.type == MessageType.REMOVED
+            got = unpack_keys(message.payload)
+            assert message.n_done == len(got)
+            keys += got
+        return keys
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self.reports.write_fd)
+        self.control.close()
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "root")
+
+
+@pytest.fixture
+def open_host(root):
+    made: list[tuple[Host, Caretaker]] = []
+
+    def open_(**io: object) -> tuple[Host, Caretaker]:
+        host = Host(root, **io)
+        keeper = Caretaker(host)
+        made.append((host, keeper))
+        return host, keeper
+
+    yield open_
+    for host, keeper in made:
+        keeper.close()
+        host.close()
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(caretaker_module, "time", clock)
+    return clock
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """How many maintainer steps the caretaker took (the real step, counted)."""
+    taken = [0]
+    real = RootMaintainer.step
+
+    def counted(self, *args, **kwargs):
+        taken[0] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RootMaintainer, "step", counted)
+    return taken
+
+
+def write_blocks(host: Host, n: int, first: int = 0) -> list[bytes]:
+    keys = [key_for(first + i) for i in range(n)]
+    for i, key in enumerate(keys):  # the oldest first (atime): the LRU order
+        write_block(host.mapper, key, BLOCK, atime_ns=(1_000_000 + first + i) * 10 ** 9)
+    return keys
+
+
+def idle_until(keeper: Caretaker, clock: Clock, done, what: str) -> None:
+    """Drive the caretaker as an idle worker does (run, then wait what it says) until
+    ``done()``."""
+    for _ in range(MAX_ROUNDS):
+        keeper.run(busy=False)
+        if done():
+            return
+        clock.sleep(keeper.wait_s(1.0))
+    raise AssertionError(f"no {what} in {MAX_ROUNDS} rounds")
+
+
+def complete(host: Host) -> bool:
+    return bool(host.control.root(0).flags & ROOT_COMPLETE)
+
+
+# -- what it publishes -----------------------------------------------------------------
+
+def test_a_complete_pass_publishes_the_roots_usage_and_inodes(open_host, clock):
+    host, keeper = open_host()
+    write_blocks(host, 5)
+    keeper.take([0])
+    rec = host.control.root(0)
+    assert rec.caretaker_pid == os.getpid() and not rec.flags & ROOT_COMPLETE
+    idle_until(keeper, clock, lambda: complete(host), "complete pass")
+    rec = host.control.root(0)
+    assert (rec.usage_bytes, rec.usage_blocks) == (5 * BLOCK, 5)
+    assert host.control.usage_now(0) == 5 * BLOCK
+    assert rec.caretaker_pid == os.getpid() and rec.evicted_blocks == 0
+    inodes_total, inodes_free, _, _ = host.control.root_extra(0)
+    st = os.statvfs(host.mapper.root_dir)
+    assert inodes_total == st.f_files  # 0 where the file system counts no inodes
+    assert 0 <= inodes_free <= st.f_files and (inodes_free > 0) == (st.f_files > 0)
+    assert host.removed_keys() == [] and host.health == []
+
+
+def test_other_workers_new_blocks_count_at_once_without_a_walk(open_host, clock):
+    """A store of another worker counts through its slot's counters, before any walk
+    finds the file (the walk then does not count it twice)."""
+    host, keeper = open_host()
+    write_blocks(host, 2)
+    keeper.take([0])
+    idle_until(keeper, clock, lambda: complete(host), "complete pass")
+    other = SlotWriter(host.control, 1, "store")
+    other.set_state(SlotState.IDLE)
+    write_blocks(host, 1, first=10)
+    pass_id, _, _ = host.control.walk_state(0)
+    other.add_made(0, BLOCK)
+    other.add_stores(0, pass_id, (0, 0), (BLOCK, 1))  # behind the walk: it is complete
+    keeper.run(busy=True)
+    assert host.control.root(0).usage_bytes == 3 * BLOCK
+    assert host.control.usage_now(0) == 3 * BLOCK
+
+
+# -- its schedule ------------------------------------------------------------------------
+
+def test_after_a_complete_pass_it_rests_and_then_walks_again(open_host, clock):
+    host, keeper = open_host()
+    write_blocks(host, 3)
+    keeper.take([0])
+    idle_until(keeper, clock, lambda: complete(host), "complete pass")
+    ended, first_pass = clock.now, host.control.root(0).pass_id
+    clock.sleep(keeper.wait_s(10.0))  # the step that ended the pass walked: IDLE_GAP_S
+    keeper.run(busy=False)
+    assert keeper.wait_s(10.0) == pytest.approx(REST_CHECK_S)  # resting: looks now and then
+    write_blocks(host, 1, first=3)  # another node's store: only a walk sees it
+    while clock.now + REST_CHECK_S < ended + WALK_REST_MIN_S:
+        clock.sleep(REST_CHECK_S)
+        keeper.run(busy=False)
+        rec = host.control.root(0)
+        assert (rec.pass_id, rec.usage_blocks) == (first_pass, 3), "walked while resting"
+    clock.sleep(REST_CHECK_S)
+    idle_until(keeper, clock, lambda: host.control.root(0).pass_id > first_pass,
+               "new pass")
+    idle_until(keeper, clock, lambda: complete(host) and
+               host.control.root(0).usage_blocks == 4, "second complete pass")
+
+
+def test_while_walking_an_idle_worker_steps_every_idle_gap(open_host, clock, steps):
+    host, keeper = open_host()
+    write_blocks(host, 2)
+    keeper.take([0])
+    assert keeper.wait_s(1.0) == 0.0  # a new root: a step is due at once
+    keeper.run(busy=False)
+    assert steps[0] == 1
+    assert keeper.wait_s(1.0) == pytest.approx(IDLE_GAP_S)
+    keeper.run(busy=False)  # not due yet: no step
+    assert steps[0] == 1
+    clock.sleep(keeper.wait_s(1.0))
+    keeper.run(busy=False)
+    assert steps[0] == 2
+
+
+def test_busy_steps_are_spaced_unless_a_store_waits_for_room(open_host, clock, steps):
+    host, keeper = open_host(capacity_bytes=64 * BLOCK)
+    write_blocks(host, 2)
+    keeper.take([0])
+    keeper.run(busy=True)  # the first task after taking the root: a step
+    assert steps[0] == 1
+    clock.sleep(BUSY_GAP_S / 2)
+    keeper.run(busy=True)
+    assert steps[0] == 1, "stepped twice within BUSY_GAP_S with nothing urgent"
+    clock.sleep(BUSY_GAP_S / 2)
+    keeper.run(busy=True)
+    assert steps[0] == 2
+    waiting = SlotWriter(host.control, 1, "store")
+    waiting.set_state(SlotState.IDLE)
+    waiting.want_free(0, 8 * BLOCK)  # a store of another worker waits for room
+    for n in range(3, 6):  # hurries: a step after every task, the clock standing still
+        keeper.run(busy=True)
+        assert steps[0] == n
+    waiting.want_free(0, 0)
+    clock.sleep(BUSY_GAP_S / 2)  # what is urgent is judged after the step's gap
+    keeper.run(busy=True)
+    assert steps[0] == 5
+
+
+def test_a_root_out_of_rotation_is_left_until_its_probe_is_due(open_host, clock, steps):
+    host, keeper = open_host()
+    write_blocks(host, 2)
+    keeper.take([0])
+    retry_at = clock.monotonic_ns() + 30 * 10 ** 9
+    host.control.set_root_health(0, RootState.OUT, errno.EIO, 3, 1, retry_at)
+    for _ in range(5):
+        keeper.run(busy=False)
+        assert keeper.wait_s(1.0) == pytest.approx(REST_CHECK_S)
+        clock.sleep(REST_CHECK_S)
+    assert steps[0] == 0, "walked a root out of rotation"
+    clock.now = retry_at / 1e9 + 0.001  # due: the caretaker steps again (an operation probes it)
+    keeper.run(busy=False)
+    assert steps[0] == 1
+
+
+# -- eviction ----------------------------------------------------------------------------
+
+def test_past_the_mark_it_hurries_evicts_the_oldest_and_reports_own_keys(open_host):
+    """Real clock: the unlink threads remove files on their own time. Usage of ten
+    blocks against a capacity of four: the caretaker steps every EVICT_GAP_S while it
+    evicts, removes the least recently used blocks, publishes the evictions and sends
+    the removed keys to the engine."""
+    host, keeper = open_host(capacity_bytes=4 * BLOCK)
+    keys = write_blocks(host, 10)
+    keeper.take([0])
+    deadline = time.monotonic() + 60
+    evicting_waits = []
+    while True:
+        keeper.run(busy=False)
+        rec = host.control.root(0)
+        if rec.flags & ROOT_EVICTING:
+            evicting_waits.append(keeper.wait_s(1.0))
+        if rec.flags & ROOT_COMPLETE and not rec.flags & ROOT_EVICTING \
+                and host.control.usage_now(0) <= 4 * BLOCK:
+            break
+        assert time.monotonic() < deadline, f"no eviction: {rec}"
+        time.sleep(keeper.wait_s(0.05))
+    assert evicting_waits and max(evicting_waits) <= EVICT_GAP_S
+    left = [k for k in keys if os.path.exists(host.mapper.path_for(k))]
+    gone = [k for k in keys if k not in left]
+    assert gone == keys[:len(gone)], "evicted other than the least recently used"
+    assert 0 < len(left) <= 4
+    rec = host.control.root(0)
+    assert (rec.evicted_blocks, rec.evicted_bytes) == (len(gone), len(gone) * BLOCK)
+    assert rec.usage_bytes == len(left) * BLOCK
+    assert sorted(host.removed_keys()) == sorted(gone)
