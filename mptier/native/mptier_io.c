@@ -65,6 +65,7 @@
 #include <limits.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/vfs.h>
@@ -459,6 +460,21 @@ int mpt_store_one(struct mpt_batch *b, const char *rel, char *src, size_t len, i
     return rc;
 }
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 /* Linux 5.14+ */
+#endif
+
+void mpt_map_slot(char *p, size_t len)
+{
+    static long page;
+    uintptr_t start, end;
+    if (page == 0)
+        page = sysconf(_SC_PAGESIZE);
+    start = (uintptr_t)p & ~(uintptr_t)(page - 1);
+    end = ((uintptr_t)p + len + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
+    (void)madvise((void *)start, end - start, MADV_POPULATE_READ); /* a hint: faults do the rest */
+}
+
 /* -- batches ------------------------------------------------------------------------------ */
 
 typedef int (*mpt_block_fn)(struct mpt_batch *b, const char *rel, char *p, size_t len,
@@ -484,8 +500,10 @@ static int mpt_batch(mpt_block_fn one, struct mpt_batch *b, const char *paths_bl
             *fail_index = i;
             return rc;
         }
-        if (io != p)
+        if (io != p) {
+            mpt_map_slot(p, block_bytes);
             memcpy(p, io, block_bytes); /* only after the read returned */
+        }
         *n_done = i + 1;
         path += strlen(path) + 1;
     }

@@ -165,6 +165,15 @@ struct mpt_batch {
     size_t bounce_blocks;
 };
 
+/* Map the pages of the caller's memory [p, p + len) into this process now, in the kernel
+ * (MADV_POPULATE_READ, Linux 5.14+; a no-op before), so that a copy into it takes no
+ * fault per 4 KiB page. For a bounced load's slot (mpt_batch_load_via): a direct read
+ * maps its target inside the kernel as it pins it, a copy traps once per page -- the
+ * worker's mapping of the engine's buffer holds only the slots it wrote before. On a
+ * shared memory-file mapping the entries it makes are writable; it never changes a
+ * byte. */
+void mpt_map_slot(char *p, size_t len);
+
 /* openat2(2)'s argument, kernel ABI (include/uapi/linux/openat2.h). */
 struct mpt_open_how {
     uint64_t flags;
