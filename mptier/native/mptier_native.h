@@ -172,7 +172,7 @@ struct mpt_batch {
  * worker's mapping of the engine's buffer holds only the slots it wrote before. On a
  * shared memory-file mapping the entries it makes are writable; it never changes a
  * byte. */
-void mpt_map_slot(char *p, size_t len);
+int mpt_map_slot(char *p, size_t len);
 
 /* openat2(2)'s argument, kernel ABI (include/uapi/linux/openat2.h). */
 struct mpt_open_how {
