@@ -97,7 +97,7 @@ def main() -> int:
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     variants = [("bounce", here, "1"), ("no bounce", here, "0")]
     if args.old:
-        variants = [("old bounce", os.path.abspath(args.old), "1")] + variants
+        variants = [("old bounce", os.path.abspath(args.old), "1"), *variants]
     print(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}", flush=True)
     for rnd in range(args.rounds):
         order = variants if rnd % 2 == 0 else variants[::-1]
