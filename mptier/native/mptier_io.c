@@ -93,8 +93,10 @@ static int mpt_batch(mpt_block_fn one, struct mpt_batch *b, const char *paths_bl
             *fail_index = i;
             return rc;
         }
-        if (io != p)
+        if (io != p) {
+            mpt_map_slot(p, block_bytes);
             memcpy(p, io, block_bytes); /* only after the read returned */
+        }
         *n_done = i + 1;
         path += strlen(path) + 1;
     }

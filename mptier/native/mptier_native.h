@@ -211,6 +211,14 @@ MPT_INTERNAL void mpt_touch_at(int dirfd, const char *leaf);
 MPT_INTERNAL void mpt_remove_if_same_fd(int root, const char *rel, int flags, int fd);
 MPT_INTERNAL void mpt_unlink_temp(struct mpt_batch *b, int dirfd, const char *tmp);
 MPT_INTERNAL int mpt_temp_name(char *out, size_t size, const char *leaf, const char *tag);
+/* Map the pages of the caller's memory [p, p + len) into this process now, in the kernel
+ * (MADV_POPULATE_READ, Linux 5.14+; a no-op before), so that a copy into it takes no
+ * fault per 4 KiB page. For a bounced load's slot (mpt_batch_load_via): a direct read
+ * maps its target inside the kernel as it pins it, a copy traps once per page -- the
+ * worker's mapping of the engine's buffer holds only the slots it wrote before. On a
+ * shared memory-file mapping the entries it makes are writable; it never changes a
+ * byte. */
+MPT_INTERNAL int mpt_map_slot(char *p, size_t len);
 /* One block the system-call way (the loop's step, and io_uring's path for the unusual) */
 MPT_INTERNAL int mpt_load_one(struct mpt_batch *b, const char *rel, char *dst, size_t len,
                               int direct);

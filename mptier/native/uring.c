@@ -870,7 +870,7 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
                    ? b->bounce_blocks : MPT_URING_DEPTH;
     const char *path = paths_blob;
     char *split = NULL, *split_at = NULL; /* store: "<dir>\0<leaf>\0" per path */
-    size_t started = 0, finished = 0, blob_len = 0;
+    size_t started = 0, finished = 0, blob_len = 0, mapped = 0;
     int rc = 0, broken = 0;
 
     /* Paths resolve with OPENAT2 in the ring: every kernel with the operations used here
@@ -918,6 +918,18 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
             started++;
         }
         /* hand the new requests over; wait only when the next block is not done */
+        if (!broken && b->bounce != NULL && mapped < started) {
+            /* bounced: the new reads go to the device first, then, while they fly, the
+             * slots they will be copied to are mapped (mpt_map_slot) -- the work a
+             * direct read's pinning does at submission, instead of one fault per page
+             * in the copy with nothing in flight behind the last block */
+            if (mpt_enter(u.r, 0) != 0)
+                broken = 1;
+            else
+                mpt_reap(&u);
+            for (; !broken && mapped < started; mapped++)
+                mpt_map_slot(mpt_job_of(&u, mapped)->dst, u.len);
+        }
         if (!broken) {
             struct mpt_job *next = mpt_job_of(&u, finished);
             int wait = !mpt_terminal(next) && u.inflight > 0;

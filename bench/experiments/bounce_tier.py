@@ -1,0 +1,124 @@
+"""Where a bounced load's time goes inside the tier: the ext4 store/load of
+tier_prefault.py with ``bounce_loads`` on and off, interleaved, each run in a child
+process, with the load phase's worker CPU time and minor faults (the sum over the
+tier's worker processes, read from /proc/PID/stat before and after the load).
+
+    python bench/experiments/bounce_tier.py --root /var/tmp --rounds 3
+    python bench/experiments/bounce_tier.py --fill-dest   # engine buffer fully written
+
+``--old DIR`` adds an older copy of the package as a variant (``git archive <commit>
+mptier | tar -x -C DIR`` plus the built _mptier_cffi*.so), bounced and not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CHILD = r'''
+import json, os, shutil, sys, time
+import numpy as np
+from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
+block, n, bounce, root, fill_dest, rounds = (int(sys.argv[1]), int(sys.argv[2]),
+    sys.argv[3] == "1", sys.argv[4], sys.argv[5] == "1", int(sys.argv[6]))
+TICK = os.sysconf("SC_CLK_TCK")
+
+def workers():
+    out = {}
+    me = os.getpid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            s = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        f = s[s.rindex(")") + 2:].split()
+        if int(f[1]) == me:  # ppid
+            out[int(pid)] = (int(f[7]), (int(f[11]) + int(f[12])) / TICK)
+    return out
+
+def phase(tier, kind, keys, slots, jid):
+    submit = tier.submit_store if kind == "store" else tier.submit_load
+    jobs = [(keys[i:i + 16], slots[i:i + 16]) for i in range(0, len(keys), 16)]
+    t0 = time.perf_counter(); pending = nxt = 0
+    while nxt < len(jobs) or pending:
+        while pending < 16 and nxt < len(jobs):
+            jid += 1; submit(TransferJob(jid, *jobs[nxt])); nxt += 1; pending += 1
+        done = tier.get_finished_jobs()
+        assert all(r.success for r in done), done
+        pending -= len(done)
+        if not done:
+            time.sleep(0.0002)
+    return time.perf_counter() - t0, jid
+
+with SharedKVBuffer.create(2 * n, block) as buf:
+    rng = np.random.default_rng(0)
+    buf.view[:n] = rng.integers(0, 256, (1, block), dtype=np.uint8)
+    if fill_dest:
+        buf.view[n:] = 1
+    keys = [make_key(os.urandom(32), 0) for _ in range(n)]
+    tier = FileSystemTier(buf, root_dir=root, bounce_loads=bounce)
+    ts, jid = phase(tier, "store", keys, list(range(n)), 0)
+    res = []
+    for r in range(rounds):
+        buf.view[n:] = 0 if fill_dest else buf.view[n:]
+        w0 = workers()
+        tl, jid = phase(tier, "load", keys, list(range(n, 2 * n)), jid)
+        w1 = workers()
+        flt = sum(w1[p][0] - w0[p][0] for p in w1 if p in w0)
+        cpu = sum(w1[p][1] - w0[p][1] for p in w1 if p in w0)
+        res.append((n * block / tl / 1e9, flt, cpu))
+    ok = bool((buf.view[n:] == buf.view[:n]).all())
+    bl = tier.stats()["roots"][0].get("bounce_loads")
+    tier.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
+    import mptier
+print(json.dumps({"code": mptier.__file__, "store_gbps": n * block / ts / 1e9,
+                  "loads": res, "ok": ok, "bounce_loads": bl}))
+'''
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--old", help="folder holding an older copy of the mptier package")
+    p.add_argument("--root", default="/var/tmp")
+    p.add_argument("--block", type=int, default=2 << 20)
+    p.add_argument("--blocks", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--loads", type=int, default=2, help="load passes per tier")
+    p.add_argument("--fill-dest", action="store_true",
+                   help="allocate the destination half too (a fully written engine buffer)")
+    args = p.parse_args()
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    variants = [("bounce", here, "1"), ("no bounce", here, "0")]
+    if args.old:
+        variants = [("old bounce", os.path.abspath(args.old), "1"), *variants]
+    print(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}", flush=True)
+    for rnd in range(args.rounds):
+        order = variants if rnd % 2 == 0 else variants[::-1]
+        for label, tree, bounce in order:
+            env = dict(os.environ, PYTHONPATH=tree)
+            root = os.path.join(args.root, f"perf-exp-bounce-{os.getpid()}")
+            out = subprocess.run([sys.executable, "-c", CHILD, str(args.block),
+                                  str(args.blocks), bounce, root, str(int(args.fill_dest)),
+                                  str(args.loads)], env=env, cwd="/",
+                                 capture_output=True, text=True, check=False)
+            if out.returncode:
+                print(label, "failed:", out.stderr[-2000:])
+                continue
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            assert r["code"].startswith(tree), (r["code"], tree)
+            loads = ", ".join(f"{g:5.2f} GB/s {f} flt {c:.2f} cpu-s" for g, f, c in r["loads"])
+            print(f"round {rnd} {label:>10} ({r['bounce_loads']}): store "
+                  f"{r['store_gbps']:5.2f} GB/s; loads: {loads}; ok {r['ok']}", flush=True)
+    print(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
