@@ -8,13 +8,17 @@ the module's six engines run in two fresh processes, three each, one after anoth
 
 1. ``baseline``: no KV offloading at all; the token ids every other engine must match;
 2. ``first``: mptier as the file tier under a CPU tier smaller than the working set,
-   every prompt asked twice (the second round loads from the file tier);
+   every prompt asked twice (the second round loads from the file tier); its engine
+   core runs in a process of its own, as vLLM runs it by default, and is SIGKILLed
+   right after a step that submitted stores to mptier, while its workers hold them
+   (a last round of new prompts; :mod:`support.engine_probe`);
 3. ``fs``: vLLM's own ``fs`` tier: reads mptier's blocks, writes new ones;
 
 then, in a new process (the restart):
 
 4. ``restart``: mptier again: served from the file tier, its own blocks and the fs
-   tier's;
+   tier's; what it stores again (each prompt's last block, which vLLM computes) is on
+   disk already and written no more;
 5. ``service``: mptier attached to an ``mptier serve`` on that root: reads the fs tier's
    blocks, writes new ones;
 6. ``fs2``: vLLM's ``fs`` tier reads what the service wrote.
@@ -27,6 +31,7 @@ The worker side of the offloading connector is test support
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -108,16 +113,28 @@ def prompts(first: int, n: int) -> list[list[int]]:
 FIRST = prompts(0, N_PROMPTS)
 LATER = prompts(100, 2)
 LATER2 = prompts(200, 2)
+# The killed engine's last round (their stores are the last step's).
+KILLED = prompts(300, 2)
+# How long past their exit bound the killed engine's workers may take to be gone: the
+# kernel's timer ends a worker at the bound (its exit status would say so), the margin
+# is for a loaded machine's scheduling between that and this process seeing the exit.
+EXIT_MARGIN_S = 10.0
+# mptier's counters in vLLM's metrics (mptier.integrations.vllm; named here, not
+# imported: importing the plug-in imports vLLM, which this module does only in its
+# engines' processes).
+METRIC_WRITTEN = "vllm:kv_offload_mptier_written_bytes"
+METRIC_SKIPPED = "vllm:kv_offload_mptier_skipped_bytes"
 
 
 def engine(workdir: str, name: str, tiers: list | None, rounds: list,
-           roots: list[str], cpu_bytes: int = CPU_BYTES) -> dict:
-    """One engine of a plan (see :mod:`support.engine_scenario`)."""
+           roots: list[str], cpu_bytes: int = CPU_BYTES, **extra) -> dict:
+    """One engine of a plan (see :mod:`support.engine_scenario`); ``extra``:
+    ``multiprocess``, ``kill``."""
     return {"name": name, "model": os.path.join(workdir, "model"),
             "engine_id": f"mptier-e2e-{name}-{uuid.uuid4().hex[:8]}",
             "block_size": BLOCK_TOKENS, "kv_cache_bytes": KV_CACHE_BYTES,
             "max_model_len": 512, "max_tokens": MAX_TOKENS, "rounds": rounds,
-            "roots": roots,
+            "roots": roots, **extra,
             "offload": None if tiers is None else {"cpu_bytes": cpu_bytes,
                                                    "secondary_tiers": tiers}}
 
@@ -214,6 +231,17 @@ def tier_reads(metrics: dict, tier_type: str) -> float:
                if k.startswith("vllm:kv_offload_tiering_read_bytes") and tier_type in k)
 
 
+def tier_writes(metrics: dict, tier_type: str) -> float:
+    """Bytes vLLM's tiering manager gave the secondary tier of ``tier_type`` to store."""
+    return sum(v for k, v in metrics.items()
+               if k.startswith("vllm:kv_offload_tiering_write_bytes") and tier_type in k)
+
+
+def metric(metrics: dict, name: str) -> float:
+    """A counter of vLLM's, summed over its labels."""
+    return sum(v for k, v in metrics.items() if k.startswith(name))
+
+
 def hits(metrics: dict) -> float:
     """Prompt tokens vLLM took from its offloaded tiers (not computed, not in its cache)."""
     return metrics.get("vllm:external_prefix_cache_hits", 0)
@@ -239,10 +267,14 @@ def engines(tmp_path_factory) -> Iterator[dict]:
     fs = [{**VLLM_FS, "root_dir": root}]
     out: dict = {"root": root, "workdir": workdir}
     # First process: the token ids without offloading, mptier writing FIRST (and
-    # loading it back within the engine), vLLM's fs tier reading it and writing LATER.
+    # loading it back within the engine; its engine core in a process of its own,
+    # SIGKILLed after a step of KILLED's stores), vLLM's fs tier reading it and writing
+    # LATER.
     one = Plan(workdir, "one", run_dir, [
         engine(workdir, "baseline", None, [FIRST, LATER, LATER2], []),
-        engine(workdir, "first", ours, [FIRST, FIRST], [root], SMALL_CPU_BYTES),
+        engine(workdir, "first", ours, [FIRST, FIRST], [root], SMALL_CPU_BYTES,
+               multiprocess=True,
+               kill={"prompts": KILLED, "journal": os.path.join(workdir, "kill.json")}),
         engine(workdir, "fs", fs, [FIRST, LATER], [root]),
     ])
     # A new process (importing vLLM meanwhile): mptier restarted on that root (reading
@@ -324,6 +356,57 @@ def test_restarted_engine_is_served_from_the_file_tier(engines):
         served_tokens(FIRST + LATER) // BLOCK_TOKENS * block_bytes(), metrics
     assert stats_bytes(restart, "load") >= \
         served_tokens(FIRST + LATER) // BLOCK_TOKENS * block_bytes()
+
+
+def test_engine_core_sigkilled_after_a_step_of_stores_loses_none_of_them(engines):
+    """Issue 18, item 4: the stores vLLM submitted in the last step before its engine
+    core was SIGKILLed (held by the workers then, not yet written) are on disk, whole;
+    the workers left in order within their bound; nothing of theirs or the dead engine's
+    is left (status socket and lock in the run directory, mptier objects in /dev/shm,
+    leases and temporaries under the root). Nothing else of mptier ran then."""
+    from mptier.workers.orphan import ORPHAN_EXIT_S
+
+    kill = engines["first"]["kill"]
+    paths = [p for job in kill["jobs"] for p in job["paths"]]
+    digests = [d for job in kill["jobs"] for d in job["sha256"]]
+    # Every full block of the last round's prompts, in the step after their prefill.
+    assert len(paths) == len(KILLED) * PROMPT_BLOCKS, kill["jobs"]
+    # The workers held them when the engine died, and none was written yet.
+    assert kill["busy"] and not any(kill["on_disk_before_kill"]), kill
+    for path, digest in zip(paths, digests):
+        assert os.path.isfile(path), f"{path}: stored in the engine's last step, not on disk"
+        with open(path, "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == digest, \
+                f"{path} is not the block vLLM's buffer held"
+    # Left in order (exit status 0: not ended by the bound's timer), within the bound.
+    exits = kill["exits"]
+    assert sorted(map(int, exits)) == sorted(kill["workers"]), exits
+    assert all(e["code"] == 0 for e in exits.values()), exits
+    assert all(e["after_kill"] <= ORPHAN_EXIT_S + EXIT_MARGIN_S for e in exits.values()), exits
+    assert kill["run_dir"] == [] and kill["leases"] == [] and kill["temporaries"] == [], kill
+    assert kill["shm"] == [], kill["shm"]
+    # The engine died in the middle of the round (its front end never got the outputs).
+    assert kill["generate"] != "returned", kill["generate"]
+
+
+def test_restarted_engine_writes_nothing_for_blocks_on_disk(engines):
+    """Issue 18, item 5: the restarted engine computes each prompt's last block (vLLM
+    never takes a prompt's last token from elsewhere) and stores it again; every one is
+    on disk already (FIRST's from mptier, LATER's from vLLM's fs tier), so mptier writes
+    nothing and counts those bytes skipped -- and vLLM's own figure of the bytes it gave
+    the tier to store is exactly written plus skipped."""
+    restart = engines["restart"]
+    written = sum(st["written_bytes"] for st in restart["stats"])
+    skipped = sum(st["skipped_bytes"] for st in restart["stats"])
+    assert written == 0, restart["stats"]
+    assert skipped >= len(FIRST + LATER) * block_bytes(), restart["stats"]
+    assert stats_bytes(restart, "store") == written + skipped
+    assert tier_writes(restart["metrics_final"], "MPFileSystemTierManager") == \
+        written + skipped, restart["metrics_final"]
+    # mptier's own counters, as vLLM exports them.
+    metrics = restart["metrics_final"]
+    assert metric(metrics, METRIC_WRITTEN) == written, metrics
+    assert metric(metrics, METRIC_SKIPPED) == skipped, metrics
 
 
 def test_vllms_fs_tier_reads_mptiers_root(engines):
