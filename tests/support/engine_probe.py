@@ -83,13 +83,15 @@ def install() -> None:
 
 
 def _recorded_store(tier, job) -> None:
-    view = tier._primary_kv_view  # vLLM's primary buffer, one row per chunk
+    # vLLM's primary buffer: one row of block_size_bytes per chunk.
+    flat, row = tier._primary_kv_view.cast("B"), tier.block_size_bytes
     keys = [bytes(k) for k in job.keys]
     _KILL["jobs"].append({
         "job_id": job.job_id,
         "keys": [k.hex() for k in keys],
         "paths": [tier.tier.path_for(k) for k in keys],
-        "sha256": [hashlib.sha256(view[int(c)]).hexdigest() for c in job.chunk_ids],
+        "sha256": [hashlib.sha256(flat[int(c) * row:(int(c) + 1) * row]).hexdigest()
+                   for c in job.chunk_ids],
     })
 
 

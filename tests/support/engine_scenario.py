@@ -379,6 +379,14 @@ def main(plan_path: str, result_path: str, go_path: str | None = None) -> None:
     with open(result_path + ".tmp", "w") as f:
         json.dump(results, f, default=str)
     os.replace(result_path + ".tmp", result_path)
+    # An engine core in a process of its own started the standard library's resource
+    # tracker here; it leaves only once this process has gone, a moment after. Stop it
+    # now (and wait for it), so that nothing of this process outlives it.
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        stop()
     sys.stdout.flush()
 
 
