@@ -8,13 +8,17 @@ the module's six engines run in two fresh processes, three each, one after anoth
 
 1. ``baseline``: no KV offloading at all; the token ids every other engine must match;
 2. ``first``: mptier as the file tier under a CPU tier smaller than the working set,
-   every prompt asked twice (the second round loads from the file tier);
+   every prompt asked twice (the second round loads from the file tier); its engine
+   core runs in a process of its own, as vLLM runs it by default, and is SIGKILLed
+   right after a step that submitted stores to mptier, while its workers hold them
+   (a last round of new prompts; :mod:`support.engine_probe`);
 3. ``fs``: vLLM's own ``fs`` tier: reads mptier's blocks, writes new ones;
 
 then, in a new process (the restart):
 
 4. ``restart``: mptier again: served from the file tier, its own blocks and the fs
-   tier's;
+   tier's; it writes nothing (blocks on disk are not written again: ``first``'s second
+   round stores some, computed while its small CPU tier refused their promotion);
 5. ``service``: mptier attached to an ``mptier serve`` on that root: reads the fs tier's
    blocks, writes new ones;
 6. ``fs2``: vLLM's ``fs`` tier reads what the service wrote.
@@ -27,6 +31,8 @@ The worker side of the offloading connector is test support
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.util
 import json
 import os
@@ -108,16 +114,28 @@ def prompts(first: int, n: int) -> list[list[int]]:
 FIRST = prompts(0, N_PROMPTS)
 LATER = prompts(100, 2)
 LATER2 = prompts(200, 2)
+# The killed engine's last round (their stores are the last step's).
+KILLED = prompts(300, 2)
+# How long past their exit bound the killed engine's workers may take to be gone: the
+# kernel's timer ends a worker at the bound (its exit status would say so), the margin
+# is for a loaded machine's scheduling between that and this process seeing the exit.
+EXIT_MARGIN_S = 10.0
+# mptier's counters in vLLM's metrics (mptier.integrations.vllm; named here, not
+# imported: importing the plug-in imports vLLM, which this module does only in its
+# engines' processes).
+METRIC_WRITTEN = "vllm:kv_offload_mptier_written_bytes"
+METRIC_SKIPPED = "vllm:kv_offload_mptier_skipped_bytes"
 
 
 def engine(workdir: str, name: str, tiers: list | None, rounds: list,
-           roots: list[str], cpu_bytes: int = CPU_BYTES) -> dict:
-    """One engine of a plan (see :mod:`support.engine_scenario`)."""
+           roots: list[str], cpu_bytes: int = CPU_BYTES, **extra) -> dict:
+    """One engine of a plan (see :mod:`support.engine_scenario`); ``extra``:
+    ``multiprocess``, ``kill``."""
     return {"name": name, "model": os.path.join(workdir, "model"),
             "engine_id": f"mptier-e2e-{name}-{uuid.uuid4().hex[:8]}",
             "block_size": BLOCK_TOKENS, "kv_cache_bytes": KV_CACHE_BYTES,
             "max_model_len": 512, "max_tokens": MAX_TOKENS, "rounds": rounds,
-            "roots": roots,
+            "roots": roots, **extra,
             "offload": None if tiers is None else {"cpu_bytes": cpu_bytes,
                                                    "secondary_tiers": tiers}}
 
@@ -179,7 +197,10 @@ class Plan:
             code = self.proc.wait(PLAN_TIMEOUT_S)
         finally:
             left = marked_processes(self.mark)
+            left_names = []
             for proc in left:
+                with contextlib.suppress(psutil.Error):
+                    left_names.append(f"{proc.pid} {' '.join(proc.cmdline())[:200]}")
                 proc.kill()
         with open(self.log_path) as f:
             log = f.read()
@@ -190,7 +211,7 @@ class Plan:
         # Discovery removes stale entries (of endpoints whose process is gone).
         endpoints = [e.name for e in _endpoints(self.run_dir) if e.name not in keep]
         assert code == 0, log[-6000:]
-        assert not left, f"processes left behind by {self.name}: {[p.pid for p in left]}"
+        assert not left, f"processes left behind by {self.name}: {left_names}"
         assert not regions_left, f"primary regions left behind by {self.name}: {regions_left}"
         assert not endpoints, f"endpoints still alive after {self.name}: {endpoints}"
         with open(self.result_path) as f:
@@ -212,6 +233,17 @@ def tier_reads(metrics: dict, tier_type: str) -> float:
     """Bytes vLLM's tiering manager read from the secondary tier of ``tier_type``."""
     return sum(v for k, v in metrics.items()
                if k.startswith("vllm:kv_offload_tiering_read_bytes") and tier_type in k)
+
+
+def tier_writes(metrics: dict, tier_type: str) -> float:
+    """Bytes vLLM's tiering manager gave the secondary tier of ``tier_type`` to store."""
+    return sum(v for k, v in metrics.items()
+               if k.startswith("vllm:kv_offload_tiering_write_bytes") and tier_type in k)
+
+
+def metric(metrics: dict, name: str) -> float:
+    """A counter of vLLM's, summed over its labels."""
+    return sum(v for k, v in metrics.items() if k.startswith(name))
 
 
 def hits(metrics: dict) -> float:
@@ -239,10 +271,14 @@ def engines(tmp_path_factory) -> Iterator[dict]:
     fs = [{**VLLM_FS, "root_dir": root}]
     out: dict = {"root": root, "workdir": workdir}
     # First process: the token ids without offloading, mptier writing FIRST (and
-    # loading it back within the engine), vLLM's fs tier reading it and writing LATER.
+    # loading it back within the engine; its engine core in a process of its own,
+    # SIGKILLed after a step of KILLED's stores), vLLM's fs tier reading it and writing
+    # LATER.
     one = Plan(workdir, "one", run_dir, [
         engine(workdir, "baseline", None, [FIRST, LATER, LATER2], []),
-        engine(workdir, "first", ours, [FIRST, FIRST], [root], SMALL_CPU_BYTES),
+        engine(workdir, "first", ours, [FIRST, FIRST], [root], SMALL_CPU_BYTES,
+               multiprocess=True,
+               kill={"prompts": KILLED, "journal": os.path.join(workdir, "kill.json")}),
         engine(workdir, "fs", fs, [FIRST, LATER], [root]),
     ])
     # A new process (importing vLLM meanwhile): mptier restarted on that root (reading
@@ -324,6 +360,74 @@ def test_restarted_engine_is_served_from_the_file_tier(engines):
         served_tokens(FIRST + LATER) // BLOCK_TOKENS * block_bytes(), metrics
     assert stats_bytes(restart, "load") >= \
         served_tokens(FIRST + LATER) // BLOCK_TOKENS * block_bytes()
+
+
+def test_engine_core_sigkilled_after_a_step_of_stores_loses_none_of_them(engines):
+    """Issue 18, item 4: the stores vLLM submitted in the last step before its engine
+    core was SIGKILLed (held by the workers then, not yet written) are on disk, whole;
+    the workers left in order within their bound; nothing of theirs or the dead engine's
+    is left (status socket and lock in the run directory, mptier objects in /dev/shm,
+    leases and temporaries under the root). Nothing else of mptier ran then."""
+    from mptier.workers.orphan import ORPHAN_EXIT_S
+
+    kill = engines["first"]["kill"]
+    paths = [p for job in kill["jobs"] for p in job["paths"]]
+    digests = [d for job in kill["jobs"] for d in job["sha256"]]
+    # Full blocks of the last round's prompts (vLLM stores a prompt's blocks in one job;
+    # how many of its prompts one step stores is vLLM's scheduling).
+    assert paths and len(paths) % PROMPT_BLOCKS == 0, kill["jobs"]
+    # The workers held them when the engine died, and none was written yet.
+    assert kill["busy"] and not any(kill["on_disk_before_kill"]), kill
+    for path, digest in zip(paths, digests):
+        assert os.path.isfile(path), f"{path}: stored in the engine's last step, not on disk"
+        with open(path, "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == digest, \
+                f"{path} is not the block vLLM's buffer held"
+    # Left in order (exit status 0: not ended by the bound's timer), within the bound.
+    exits = kill["exits"]
+    assert sorted(map(int, exits)) == sorted(kill["workers"]), exits
+    assert all(e["code"] == 0 for e in exits.values()), exits
+    assert all(e["after_kill"] <= ORPHAN_EXIT_S + EXIT_MARGIN_S for e in exits.values()), exits
+    assert kill["run_dir"] == [] and kill["leases"] == [] and kill["temporaries"] == [], kill
+    assert kill["shm"] == [], kill["shm"]
+    # (vLLM's own primary region, /dev/shm/vllm_offload_<engine_id>.mmap, is left by
+    # vLLM 0.32 when its engine core is killed: vLLM's file, removed by the scenario.)
+    # The engine died in the middle of the round (its front end never got the outputs).
+    assert kill["generate"] != "returned", kill["generate"]
+
+
+def store_figures(result: dict) -> tuple[int, int]:
+    """Bytes the engine's mptier tiers wrote, and skipped (blocks already on disk)."""
+    return (sum(st["written_bytes"] for st in result["stats"]),
+            sum(st["skipped_bytes"] for st in result["stats"]))
+
+
+def test_blocks_already_on_disk_are_not_written_again(engines):
+    """Issue 18, item 5: a store of a block already on disk writes nothing, and the
+    figures say so -- mptier's stats in the engine, its counters as vLLM exports them,
+    and vLLM's own count of the bytes it gave the tier to store (written + skipped)."""
+    first = engines["first"]
+    written, skipped = store_figures(first)
+    # Each of FIRST's blocks written once. Its second round, under a CPU tier holding a
+    # third of them, computed blocks that were on disk (a promotion finds the CPU tier
+    # full while the requests scheduled together hold it) and stored them again:
+    # skipped, not written.
+    assert written == N_PROMPTS * PROMPT_BLOCKS * block_bytes(), first["stats"]
+    assert skipped > 0, first["stats"]
+    metrics = first["metrics_final"]
+    assert tier_writes(metrics, "MPFileSystemTierManager") == written + skipped, metrics
+    assert (metric(metrics, METRIC_WRITTEN), metric(metrics, METRIC_SKIPPED)) == \
+        (written, skipped), metrics
+    # The restarted engine, given the same prompts (and LATER's, which vLLM's fs tier
+    # wrote): vLLM 0.32 loads every full block of them, computes only the last token, and
+    # stores nothing again; nothing is written.
+    restart = engines["restart"]
+    written, skipped = store_figures(restart)
+    assert written == 0, restart["stats"]
+    assert stats_bytes(restart, "store") == written + skipped
+    assert tier_writes(restart["metrics_final"], "MPFileSystemTierManager") == \
+        written + skipped, restart["metrics_final"]
+    assert hits(restart["metrics"][0]) >= served_tokens(FIRST + LATER)
 
 
 def test_vllms_fs_tier_reads_mptiers_root(engines):

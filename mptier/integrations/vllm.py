@@ -132,6 +132,10 @@ METRIC_WORKER_DEATHS = "vllm:kv_offload_mptier_worker_deaths"
 METRIC_TASKS_RETRIED = "vllm:kv_offload_mptier_tasks_retried"
 METRIC_TASKS_LOST = "vllm:kv_offload_mptier_tasks_lost"
 METRIC_QUEUED_TASKS = "vllm:kv_offload_mptier_queued_tasks"
+# Of the bytes vLLM gave the tier to store (its kv_offload_tiering_write_bytes): those
+# written, and those of blocks already on disk, which cost a lookup and no write.
+METRIC_WRITTEN_BYTES = "vllm:kv_offload_mptier_written_bytes"
+METRIC_SKIPPED_BYTES = "vllm:kv_offload_mptier_skipped_bytes"
 
 
 # metric name -> where its value sits in FileSystemTier.stats()
@@ -140,6 +144,8 @@ _COUNTERS = {
     METRIC_WORKER_DEATHS: ("pool", "deaths"),
     METRIC_TASKS_RETRIED: ("pool", "tasks_retried"),
     METRIC_TASKS_LOST: ("pool", "tasks_lost"),
+    METRIC_WRITTEN_BYTES: ("written_bytes",),
+    METRIC_SKIPPED_BYTES: ("skipped_bytes",),
 }
 
 
@@ -502,6 +508,15 @@ class MPFileSystemTierManager(SecondaryTierManager):
             METRIC_QUEUED_TASKS: OffloadingGaugeMetadata(
                 documentation="mptier tasks waiting for a worker, by queue.",
                 labelnames=(ROOT_LABEL, "queue")),
+            METRIC_WRITTEN_BYTES: OffloadingCounterMetadata(
+                documentation="Bytes of KV blocks mptier's stores wrote (attached to a "
+                              "service: the service's, for every engine it served).",
+                labelnames=labels),
+            METRIC_SKIPPED_BYTES: OffloadingCounterMetadata(
+                documentation="Bytes of KV blocks given to mptier to store that were "
+                              "already on disk, so not written again (attached to a "
+                              "service: the service's, for every engine it served).",
+                labelnames=labels),
         }
         _, checksum_metric = vllm_reports_checksum_failures()
         if checksum_metric is not None and requested_checksums(extra_config) is not False:

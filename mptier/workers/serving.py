@@ -65,6 +65,10 @@ _EPOLLEXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", 0)
 # Fault injection for tests: MPTIER_FAULT_STALL="store:0.5,load:2" makes the worker sleep
 # that long at the start of each task of that kind, as a slow or hung file system would.
 STALL_ENV = "MPTIER_FAULT_STALL"
+# With MPTIER_FAULT_STALL_WHILE=PATH as well, only the tasks taken while PATH exists
+# stall: a test decides which of a running engine's tasks stall (its last step's stores,
+# say) after the workers started with the variables in their environment.
+STALL_WHILE_ENV = "MPTIER_FAULT_STALL_WHILE"
 # Why serve() returned.
 ENDED_LIFELINE = "the engine closed its lifeline"
 ENDED_ENGINE_GONE = "the engine's completion pipe is closed"
@@ -83,6 +87,7 @@ def _parse_stalls(spec: str) -> dict[TaskKind, float]:
 
 
 _STALLS = _parse_stalls(os.environ.get(STALL_ENV, ""))
+_STALL_WHILE = os.environ.get(STALL_WHILE_ENV, "")
 # Fault injection for tests: each task makes a worker keep MPTIER_FAULT_GROW more bytes
 # of private memory (a leak).
 GROW_FAULT_ENV = "MPTIER_FAULT_GROW"
@@ -265,7 +270,7 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
                                  payload=f"malformed task record: {exc}",
                                  outcome=Outcome.OTHER)
         return message, 0, True
-    if _STALLS and task.kind in _STALLS:
+    if _STALLS and task.kind in _STALLS and (not _STALL_WHILE or os.path.exists(_STALL_WHILE)):
         time.sleep(_STALLS[task.kind])
     if _GROW:
         grown = bytearray(_GROW)  # each page written once: private, resident, and

@@ -9,16 +9,20 @@ With ``GO``, the process imports vLLM and then waits until the file ``GO`` exist
 the first engine starts (so its import can overlap another process's engines).
 
 The engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's engine
-core, scheduler, offloading manager and tiers live here, the model runs here too), and
-each is shut down the way vLLM shuts down an engine it owns (``EngineCore.shutdown``:
-executor, scheduler and its connector with every tier, distributed state) before the
-next starts. A new engine is a new scheduler, new CPU tier, new tiers and a new primary
-region: it knows only what the roots hold.
+core, scheduler, offloading manager and tiers live here, the model runs here too), but
+one with ``multiprocess`` true, whose engine core runs in a process of its own as vLLM
+runs it by default (``EngineCore``, forked or spawned by vLLM). Each is shut down the way
+vLLM shuts down an engine it owns (``EngineCore.shutdown``: executor, scheduler and its
+connector with every tier, distributed state) before the next starts. A new engine is a
+new scheduler, new CPU tier, new tiers and a new primary region: it knows only what the
+roots hold.
 
 The plan is a list of engines, each a dict: ``model`` (folder, see
 :mod:`support.tiny_llama`), ``engine_id``, ``offload`` (None: no KV transfer at all;
 else ``cpu_bytes`` and ``secondary_tiers`` for vLLM's tiering spec with the CPU worker
-of :mod:`support.memmove_spec`), ``rounds`` (each a list of prompts as token ids,
+of :mod:`support.memmove_spec`), ``multiprocess`` (optional, see above), ``kill``
+(optional, with ``multiprocess``: ``prompts`` and ``journal``, see below), ``rounds``
+(each a list of prompts as token ids,
 generated greedily one round after another), ``max_tokens``, ``block_size`` (tokens per
 KV block), ``kv_cache_bytes``, ``max_model_len`` and ``roots`` (folders whose block
 files are counted; after the last round the engine is stepped with short requests that
@@ -32,15 +36,36 @@ every mptier tier of the engine, its ``FileSystemTier.stats()`` after the flush;
 one must be closed once the engine shut down),
 ``mptier`` (what every live status endpoint in ``MPTIER_RUN_DIR`` replied then: a
 service's too), ``files`` (block files per root) and ``seconds`` (start to shut down).
+
+An engine with ``kill`` is not shut down: after the above, its engine core is SIGKILLed
+right after a step that submitted stores to mptier, while the workers hold them
+(:mod:`support.engine_probe` finds that moment and records those stores), and the
+result gets ``kill``: the probe's journal (``jobs``: each store job's keys, block files
+and the SHA-256 of each block's bytes in vLLM's buffer at submission; the engine core's
+``pid``; its ``workers`` and the ``busy`` ones; whether each file was ``on_disk_before_kill``),
+``exits`` (per worker pid: exit ``code`` or ``signal``, seconds ``after_kill``), and what
+was left once the workers were gone: ``run_dir`` entries, ``leases`` and
+``temporaries`` under the roots, mptier objects in /dev/shm and /dev/mqueue named after
+the dead processes (``shm``), and whether vLLM's own primary region was left
+(``vllm_region_left``; removed then). This process adopts the dead engine core's
+orphans (a child subreaper) to see how they exit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
+import glob
 import json
 import os
+import signal
 import sys
+import threading
 import time
+
+from support.engine_probe import TIERS
+from support.engine_probe import install as install_probe
 
 # Before vLLM is imported: the engine core runs in this process (see above).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -59,6 +84,23 @@ STATUS_SETTLE_S = 1.5
 STATUS_SETTLE_TIMEOUT_S = 20.0
 # How often a process waiting to start its engines looks for its go file.
 GO_POLL_S = 0.1
+# The engine core's process comes back to the front end through these methods
+# (support.engine_probe; vLLM mixes them into its worker).
+PROBE = "support.engine_probe.ProbeWorkerExtension"
+# A killed engine's stores sleep this long once a worker takes them (from the kill
+# round on): they are still running when the engine dies, and done well within the
+# workers' exit bound (mptier.workers.orphan.ORPHAN_EXIT_S).
+KILL_STALL_S = 2.0
+# How long the kill round may take to reach its kill point (a prefill, a store into the
+# CPU tier, its cascade to mptier: a few steps).
+KILL_POINT_TIMEOUT_S = 120.0
+# How long the killed engine's workers are waited for, past their exit bound.
+EXIT_WAIT_MARGIN_S = 30.0
+# How often the workers' exits are looked for.
+REAP_POLL_S = 0.02
+# How long the kill round's generate() may take to give up once its engine is dead.
+GENERATE_GIVE_UP_S = 30.0
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def block_files(root: str) -> list[str]:
@@ -112,21 +154,132 @@ def _status_once() -> list[dict]:
     return found
 
 
-# Every mptier tier vLLM's factory built in this process, in order (found where it is
-# made: vLLM freezes its engine's objects out of the garbage collector's sight).
-TIERS: list = []
+@contextlib.contextmanager
+def engine_core_process(wanted: bool):
+    """With ``wanted``, the engines made meanwhile run their engine core in a process of
+    its own. (vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING once an in-process engine core
+    froze its environment, so the choice is made where vLLM's LLM makes its engine.)"""
+    if not wanted:
+        yield
+        return
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    original = LLMEngine.from_engine_args.__func__
+
+    def in_a_process(cls, *args, **kwargs):
+        return original(cls, *args, **{**kwargs, "enable_multiprocessing": True})
+
+    LLMEngine.from_engine_args = classmethod(in_a_process)
+    try:
+        yield
+    finally:
+        LLMEngine.from_engine_args = classmethod(original)
 
 
-def track_tiers() -> None:
-    from mptier.integrations.vllm import MPFileSystemTierManager
+@contextlib.contextmanager
+def stalled_stores(stall_path: str | None):
+    """Workers started meanwhile stall their stores while ``stall_path`` exists."""
+    from mptier.workers.serving import STALL_ENV, STALL_WHILE_ENV
 
-    init = MPFileSystemTierManager.__init__
+    if stall_path is None:
+        yield
+        return
+    os.environ[STALL_ENV] = f"store:{KILL_STALL_S}"
+    os.environ[STALL_WHILE_ENV] = stall_path
+    try:
+        yield
+    finally:
+        del os.environ[STALL_ENV], os.environ[STALL_WHILE_ENV]
 
-    def tracked(self, *args, **kwargs) -> None:
-        init(self, *args, **kwargs)
-        TIERS.append(self)
 
-    MPFileSystemTierManager.__init__ = tracked
+def engine_stats(llm) -> list[dict]:
+    """Every mptier tier's stats, from the engine core's process (support.engine_probe)."""
+    return json.loads(llm.collective_rpc("mptier_stats")[0])
+
+
+def reap(pids: list[int], timeout: float, since: float) -> dict[str, dict]:
+    """Wait for this process's adopted ``pids`` to exit: per pid, its exit ``code`` or
+    ``signal`` and seconds ``after_kill`` (from ``since``); those still running after
+    ``timeout`` are killed and say so."""
+    out: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < len(pids) and time.monotonic() < deadline:
+        for pid in pids:
+            if str(pid) in out:
+                continue
+            try:
+                got, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # not adopted yet (its parent is still dying)
+                continue
+            if got:
+                out[str(pid)] = {
+                    "code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+                    "signal": signal.Signals(os.WTERMSIG(status)).name
+                    if os.WIFSIGNALED(status) else None,
+                    "after_kill": time.monotonic() - since}
+        time.sleep(REAP_POLL_S)
+    for pid in pids:
+        if str(pid) not in out:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            out[str(pid)] = {"code": None, "signal": "still running", "after_kill": None}
+    return out
+
+
+def kill_engine_core(llm, sc: dict) -> dict:
+    """Run the kill round (see the module docstring) and say what the kill left."""
+    from vllm import SamplingParams
+
+    from mptier.workers.orphan import ORPHAN_EXIT_S
+
+    journal = sc["kill"]["journal"]
+    pid = llm.collective_rpc("mptier_arm_kill", args=(journal, journal + ".stall"))[0]
+    assert pid != os.getpid(), "the engine to kill runs its engine core in this process"
+    outcome: dict[str, str] = {}
+
+    def kill_round() -> None:
+        greedy = SamplingParams(temperature=0.0, max_tokens=sc["max_tokens"],
+                                ignore_eos=True)
+        try:
+            llm.generate([{"prompt_token_ids": p} for p in sc["kill"]["prompts"]], greedy,
+                         use_tqdm=False)
+            outcome["generate"] = "returned"
+        except Exception as exc:  # what vLLM's front end says of its dead engine
+            outcome["generate"] = f"{type(exc).__name__}: {exc}"
+
+    # generate() waits for the engine's outputs on this thread's behalf; the kill comes
+    # from here meanwhile.
+    thread = threading.Thread(target=kill_round, name="kill-round", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + KILL_POINT_TIMEOUT_S
+    while not os.path.exists(journal):
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the kill round never reached its kill point: "
+                               f"{outcome.get('generate', 'still running')}")
+        time.sleep(REAP_POLL_S)
+    with open(journal) as f:
+        record = json.load(f)
+    killed = time.monotonic()
+    os.kill(record["pid"], signal.SIGKILL)
+    record["exits"] = reap(record["workers"], ORPHAN_EXIT_S + EXIT_WAIT_MARGIN_S, killed)
+    thread.join(GENERATE_GIVE_UP_S)
+    record["generate"] = outcome.get("generate", "still waiting")
+    os.unlink(journal + ".stall")
+    dead = {record["pid"], *record["workers"]}
+    record["run_dir"] = sorted(os.listdir(os.environ["MPTIER_RUN_DIR"]))
+    record["leases"] = sorted(p for r in sc["roots"]
+                              for p in glob.glob(f"{r}/.mptier/leases/*"))
+    record["temporaries"] = sorted(p for r in sc["roots"]
+                                   for p in glob.glob(f"{r}/**/*.tmp", recursive=True))
+    record["shm"] = sorted(f"{d}/{n}" for d in ("/dev/shm", "/dev/mqueue")
+                           for n in (os.listdir(d) if os.path.isdir(d) else [])
+                           if n.startswith("mptier.") and int(n.split(".")[1]) in dead)
+    region = f"/dev/shm/vllm_offload_{sc['engine_id']}.mmap"
+    record["vllm_region_left"] = os.path.exists(region)
+    if record["vllm_region_left"]:  # vLLM's own file: its process died before removing it
+        os.unlink(region)
+    return record
 
 
 def settle(llm, roots: list[str]) -> None:
@@ -167,11 +320,14 @@ def run_engine(sc: dict) -> dict:
                 "cpu_bytes_to_use": offload["cpu_bytes"],
                 "secondary_tiers": offload["secondary_tiers"],
             })
-    llm = LLM(model=sc["model"], skip_tokenizer_init=True, dtype="float32",
-              block_size=sc["block_size"], max_model_len=sc.get("max_model_len", 2048),
-              kv_cache_memory_bytes=sc["kv_cache_bytes"], enforce_eager=True,
-              enable_prefix_caching=True, disable_log_stats=False, seed=0,
-              kv_transfer_config=transfer)
+    kill = sc.get("kill")
+    with engine_core_process(sc.get("multiprocess", False)), \
+            stalled_stores(kill["journal"] + ".stall" if kill else None):
+        llm = LLM(model=sc["model"], skip_tokenizer_init=True, dtype="float32",
+                  block_size=sc["block_size"], max_model_len=sc.get("max_model_len", 2048),
+                  kv_cache_memory_bytes=sc["kv_cache_bytes"], enforce_eager=True,
+                  enable_prefix_caching=True, disable_log_stats=False, seed=0,
+                  kv_transfer_config=transfer, worker_extension_cls=PROBE)
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=sc["max_tokens"], ignore_eos=True)
         result: dict = {"tokens": [], "metrics": [], "files": {}, "mptier": [], "stats": []}
@@ -184,14 +340,17 @@ def run_engine(sc: dict) -> dict:
         if offload is not None:
             settle(llm, roots)
             result["metrics_final"] = counters(llm)
-            result["stats"] = [t.tier.stats() for t in TIERS]
+            result["stats"] = engine_stats(llm)
             result["mptier"] = mptier_status()
         result["files"] = {r: block_files(r) for r in roots}
+        if kill:
+            result["kill"] = kill_engine_core(llm, sc)
     finally:
         # What vLLM does to an engine it owns when it is done with it.
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+    # (The tiers of an engine core in this process; another's went with its process.)
     open_tiers = [t.tier_type for t in TIERS if not t.tier.stats()["closed"]]
     assert not open_tiers, f"mptier tiers left open by the engine's shutdown: {open_tiers}"
     TIERS.clear()
@@ -206,7 +365,11 @@ def main(plan_path: str, result_path: str, go_path: str | None = None) -> None:
     from vllm import LLM  # noqa: F401
     from vllm.config import KVTransferConfig  # noqa: F401
 
-    track_tiers()
+    install_probe()
+    if any(sc.get("kill") for sc in plan):  # the killed engine core's workers come here
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
     while go_path is not None and not os.path.exists(go_path):
         time.sleep(GO_POLL_S)
     results = []
@@ -216,6 +379,14 @@ def main(plan_path: str, result_path: str, go_path: str | None = None) -> None:
     with open(result_path + ".tmp", "w") as f:
         json.dump(results, f, default=str)
     os.replace(result_path + ".tmp", result_path)
+    # An engine core in a process of its own started the standard library's resource
+    # tracker here; it leaves only once this process has gone, a moment after. Stop it
+    # now (and wait for it), so that nothing of this process outlives it.
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        stop()
     sys.stdout.flush()
 
 

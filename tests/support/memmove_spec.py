@@ -36,6 +36,12 @@ from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from support import engine_probe
+
+# vLLM imports this module wherever it runs the engine core (this process, or an
+# EngineCore process of its own): the probe follows the mptier tiers made there.
+engine_probe.install()
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
