@@ -603,11 +603,6 @@ class SlotWriter:
         """Say which root the task in hand works on now (None: none)."""
         struct.pack_into("<I", self._mem, SLOT_ROOT_AT, 0 if root is None else root + 1)
 
-    def stores(self, root: int) -> SlotStores:
-        pass_id, _, *rest = _SLOT_STORES.unpack_from(
-            self._mem, SLOT_STORES_AT + root * _SLOT_STORES.size)
-        return SlotStores(pass_id, *rest)
-
     def reserve(self, root: int, nbytes: int) -> None:
         """Reserve ``nbytes`` on ``root`` for the store in hand (0: none any more). Set
         before the room check, so every later check counts it."""

@@ -285,45 +285,6 @@ def _count_new(ctx: WorkerContext, index: int, paths: list[bytes]) -> None:
     writer.ring_add(index, paths)
 
 
-def _piece(ctx: WorkerContext, index: int, is_new: list[bool], start: int, left: int,
-           deadline: float) -> int:
-    """The end of the next piece of a store from ``start``: as many blocks as fit under
-    the budget now, counting every other store's reservation and what this one wrote
-    already (``left``: its reserved bytes still to write). When not even
-    STORE_PIECE_BLOCKS fit (or the rest, if fewer), waits for the caretaker (bounded by
-    ``deadline``); returns ``start`` when room did not come."""
-    block = ctx.block_bytes
-    want = min(left, STORE_PIECE_BLOCKS * block)
-    free = _room(ctx, index, left, want, deadline)
-    if free < want:
-        return start
-    end = start
-    while end < len(is_new) and (not is_new[end] or free >= block):
-        free -= block if is_new[end] else 0
-        end += 1
-    return end
-
-
-def _count_new(ctx: WorkerContext, index: int, paths: list[bytes]) -> None:
-    """Count blocks this worker created for the caretaker, sorted against the walk's
-    published position (RootMaintainer.record_other_stores)."""
-    if not paths:
-        return
-    writer = ctx.slot_writer
-    control = writer.control
-    pass_id, position, listed = control.walk_state(index)
-    if not listed:  # the pass has not listed the block folder yet: it will see them all
-        ahead = len(paths)
-    else:  # ahead: past the walk's position, in an h3 folder its listing holds
-        tops = [int(p[:3], 16) for p in paths]
-        ahead = sum(1 for top in tops if top > position and control.listed(index, top))
-    behind = len(paths) - ahead
-    size = ctx.block_bytes
-    writer.add_made(index, len(paths) * size)  # first: usage_now counts it from here
-    writer.add_stores(index, pass_id, (ahead * size, ahead), (behind * size, behind))
-    writer.ring_add(index, paths)  # into the caretaker's eviction index at once
-
-
 def _room(ctx: WorkerContext, index: int, reserved: int, want: int,
           deadline: float) -> int:
     """Bytes free under root ``index``'s budget for this store now: the capacity less
