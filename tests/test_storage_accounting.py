@@ -151,3 +151,24 @@ def test_a_block_unlinked_while_handed_out_is_uncounted_once(tmp_path):
     while m.tracker.passes == passes + 1:
         m.step(1000)
     assert m.usage_bytes == file_totals(root, BB)[1] == 29 * BB
+
+
+def test_a_block_stored_again_after_its_eviction_is_counted_once(tmp_path):
+    """A path the walk listed, evicted and then stored again is a new file: told, it is
+    counted, not taken for the one the walk listed (stats() read low until the next
+    pass's end when it was)."""
+    root = str(tmp_path)
+    mapper = make_cache(root, block_bytes=BB)
+    paths = [write_block(mapper, key_for(i), atime_ns=(1_600_000_000 + i) * 10**9)
+             for i in range(20)]
+    m = RootMaintainer(root, capacity_bytes=20 * BB, slack_bytes=0, sweep=False)
+    while not m.complete:
+        m.step(64)
+    while m.tracker.walker.started:  # listed again by the pass in progress
+        m.step(64)
+    m.capacity_bytes = 15 * BB
+    m.step(64, walk=False)
+    assert not os.path.exists(paths[0]) and m.usage_bytes == 15 * BB
+    write_block(mapper, key_for(0))  # the same key again: a new file at the old path
+    m.record_told(paths[0], BB)
+    assert m.usage_bytes == file_totals(root, BB)[1] == 16 * BB

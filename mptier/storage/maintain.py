@@ -457,6 +457,9 @@ class RootMaintainer:
                 if seen is not None:
                     index.know(seen)
                 continue
+            # Leaving: what the walk listed of it is forgotten, so that a block stored
+            # again at this path (a new file) is not taken for the one listed.
+            self._listed_new.pop(entry.path, None)
             if self.hand_out:
                 report.to_evict.append(entry)
                 self.handed_bytes += entry.size

@@ -117,7 +117,7 @@ WALK_REST_S = 10.0
 # last SLACK_WINDOW_S), so a store finds its room evicted already instead of waiting for
 # unlinks; at most MAX_SLACK_FRACTION, since the slack is cache the budget does not
 # use (an LRU of capacity - slack).
-MAX_SLACK_FRACTION = 0.10
+MAX_SLACK_FRACTION = 0.01
 SLACK_WINDOW_S = 30.0
 # Entries a root's elected walker walks per step while it evicts: every tier hands it
 # the blocks it creates, so eviction and the published figure need no walk, and on a
