@@ -117,7 +117,7 @@ WALK_REST_S = 10.0
 # last SLACK_WINDOW_S), so a store finds its room evicted already instead of waiting for
 # unlinks; at most MAX_SLACK_FRACTION, since the slack is cache the budget does not
 # use (an LRU of capacity - slack).
-MAX_SLACK_FRACTION = 0.01
+MAX_SLACK_FRACTION = 0.10
 SLACK_WINDOW_S = 30.0
 # Entries a root's elected walker walks per step while it evicts: every tier hands it
 # the blocks it creates, so eviction and the published figure need no walk, and on a
@@ -608,7 +608,9 @@ class Caretaker:
         flags = (ROOT_COMPLETE if complete else 0) | (ROOT_EVICTING if m.evicting else 0)
         position = m.top_position(self.folder)
         # First say which removals the usage below holds: a reader between the two sees
-        # them counted (high), never subtracted twice.
+        # them counted (high), never subtracted twice. Readers of usage_now take the
+        # three figures as one (the publication's sequence).
+        control.begin_publish(kept.index)
         control.set_freed_stamp(kept.index, kept.freed_folded)
         control.set_root_usage(
             kept.index, usage_bytes=usage_bytes, usage_blocks=usage.blocks,
@@ -622,6 +624,7 @@ class Caretaker:
                                folders_removed=kept.folders_base + m.folders_removed,
                                flags=ROOT_INODES_LOW if kept.inodes_low else 0,
                                stamp=sum(folded for _, folded in kept.made.values()))
+        control.end_publish(kept.index)
 
     def _send_removed(self, keys: list[bytes]) -> None:
         ctx = self.ctx

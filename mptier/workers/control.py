@@ -153,6 +153,14 @@ ROOT_EVICTING = 2  # flags: past the high watermark, evicting to the low one
 # holds (u64 each)
 _ROOT_EXTRA = struct.Struct("<QQQIIQQQ")
 _FREED_AT = 40  # the removed bytes' place in a root's extras
+# The pad after the flags holds the publication's sequence number (odd while the
+# caretaker publishes; ControlBlock.begin_publish), the stamp follows it.
+_SEQ_AT = 28
+_STAMP_AT = 32
+# A reader of a root's usage retries this often at most while its caretaker publishes
+# (a publication is a few stores into shared memory: microseconds), then takes the
+# figure as read (a caretaker killed mid-publication leaves the sequence odd).
+USAGE_READ_TRIES = 1000
 ROOT_EXTRA_BYTES = _ROOT_EXTRA.size
 EXTRAS_BYTES = MAX_ROOTS * ROOT_EXTRA_BYTES
 ROOT_INODES_LOW = 1  # extras flags: free inodes under the low-inode watermark
@@ -366,9 +374,16 @@ class ControlBlock:
         published usage, plus blocks created since its caretaker's last collection,
         plus (``reserved``) the room stores in flight reserved, less the blocks its
         unlink threads removed since. Readers may see a block twice for an instant
-        (created and still reserved): it errs high, never low."""
-        made, held = self.pending_bytes(index, reserved)
-        return max(0, self.usage_bytes(index) - self.unpublished_freed(index)) + made + held
+        (created and still reserved): it errs high, never low. The usage and its stamps
+        are read as one publication (a torn read -- a new stamp beside the old usage --
+        counted the blocks of the last collection nowhere)."""
+        for _ in range(USAGE_READ_TRIES):
+            seq = self._publish_seq(index)
+            made, held = self.pending_bytes(index, reserved)
+            usage = max(0, self.usage_bytes(index) - self.unpublished_freed(index))
+            if not seq & 1 and self._publish_seq(index) == seq:
+                break
+        return usage + made + held
 
     def slot_stores(self, slot: int, root: int) -> SlotStores:
         """What the worker in ``slot`` created on ``root`` (the caretaker reads it)."""
@@ -392,9 +407,28 @@ class ControlBlock:
                        folders_removed: int, flags: int, stamp: int = 0) -> None:
         """(The root's caretaker.) The removed-bytes fields are left as they are."""
         self._root_at(index)  # range check
-        struct.pack_into("<QQQIIQ", self.memory, self._extras_at + index * ROOT_EXTRA_BYTES,
-                         max(0, inodes_total), max(0, inodes_free), folders_removed, flags,
-                         0, stamp)
+        at = self._extras_at + index * ROOT_EXTRA_BYTES
+        struct.pack_into("<QQQI", self.memory, at, max(0, inodes_total),
+                         max(0, inodes_free), folders_removed, flags)
+        struct.pack_into("<Q", self.memory, at + _STAMP_AT, stamp)
+
+    def begin_publish(self, index: int) -> None:
+        """(The root's caretaker.) Its usage, stamp and freed stamp change together:
+        readers (:meth:`usage_now`) that see the sequence odd or moved read again. Odd
+        from here to :meth:`end_publish` (also after a caretaker killed in between)."""
+        seq = self._publish_seq(index)
+        self._set_seq(index, seq + (2 if seq & 1 else 1))
+
+    def end_publish(self, index: int) -> None:
+        self._set_seq(index, self._publish_seq(index) + 1)
+
+    def _set_seq(self, index: int, seq: int) -> None:
+        struct.pack_into("<I", self.memory, self._extras_at + index * ROOT_EXTRA_BYTES
+                         + _SEQ_AT, seq & 0xFFFFFFFF)  # (2**32 is even: parity kept)
+
+    def _publish_seq(self, index: int) -> int:
+        return struct.unpack_from("<I", self.memory, self._extras_at
+                                  + index * ROOT_EXTRA_BYTES + _SEQ_AT)[0]
 
     def root_extra(self, index: int) -> tuple[int, int, int, int]:
         """``(inodes total, inodes free, folders removed, flags)`` of root ``index``
