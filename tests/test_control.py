@@ -131,3 +131,35 @@ def test_slots_and_roots_outside_the_block_are_refused_naming_the_range():
             control.root(-1)
     finally:
         control.close()
+
+
+def test_usage_now_reads_a_publication_whole():
+    """The caretaker publishes usage, stamp and freed stamp between begin_publish and
+    end_publish; a reader sees the figures of one publication. A torn read (the new
+    stamp beside the old usage) counted the last collection's blocks nowhere."""
+    control = ControlBlock(2)
+    try:
+        writer = SlotWriter(control, 0, "store")
+        control.set_root_usage(0, usage_bytes=100, usage_blocks=1, evicted_blocks=0,
+                               evicted_bytes=0, temps_removed=0, pass_id=0,
+                               top_position=-1, flags=0, caretaker_pid=1)
+        writer.add_made(0, 50)  # created, not collected: usage_now counts it
+        assert control.usage_now(0) == 150
+        # A caretaker that collected the 50 and died half way through publishing: the
+        # stamp is new, the usage old, and the sequence says so.
+        control.begin_publish(0)
+        control.set_root_extra(0, inodes_total=0, inodes_free=0, folders_removed=0,
+                               flags=0, stamp=50)
+        assert control._publish_seq(0) & 1
+        assert control.usage_now(0) == 100  # retried, then taken as read: bounded
+        # Its successor publishes whole: odd while writing, even after.
+        control.begin_publish(0)
+        assert control._publish_seq(0) & 1
+        control.set_root_usage(0, usage_bytes=150, usage_blocks=2, evicted_blocks=0,
+                               evicted_bytes=0, temps_removed=0, pass_id=0,
+                               top_position=-1, flags=0, caretaker_pid=2)
+        control.end_publish(0)
+        assert not control._publish_seq(0) & 1
+        assert control.usage_now(0) == 150
+    finally:
+        control.close()

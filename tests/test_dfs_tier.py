@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
 from conftest import wait_for
+from support.nodes import run_nodes
 from test_capacity import Driver, blocks_on_disk, content, keys_for
 
 from mptier import LookupResult
@@ -112,26 +112,12 @@ SETTLE_S = 6.0
 @pytest.mark.slow
 def test_two_tiers_on_two_mounts_share_a_small_budget_for_30_s(dfs_dirs):
     capacity = 48 * BLOCK
-    nodes = [subprocess.Popen([sys.executable, "-c", NODE, str(path), "30", str(seed),
-                               str(capacity), str(SETTLE_S)], stdout=subprocess.PIPE,
-                              text=True)
-             for seed, path in enumerate((dfs_dirs.a, dfs_dirs.b))]
-    summaries = []
-    peak = 0
-    try:
-        deadline = time.monotonic() + 180
-        while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
-            peak = max(peak, blocks_on_disk(str(dfs_dirs.a))[1])
-            time.sleep(0.5)
-        for node in nodes:
-            stdout, _ = node.communicate(timeout=10)
-            assert node.returncode == 0, stdout
-            summaries.append(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.wait()
+    run = run_nodes(
+        [[sys.executable, "-c", NODE, str(path), "30", str(seed), str(capacity),
+          str(SETTLE_S)] for seed, path in enumerate((dfs_dirs.a, dfs_dirs.b))],
+        lambda: blocks_on_disk(str(dfs_dirs.a))[1], sample_for_s=180, limit_s=180,
+        every_s=0.5, exit_timeout_s=10)
+    peak, summaries = run.peak, run.summaries
     for s in summaries:
         assert s["wrong"] == 0, s
         assert s["stores_ok"] > 20 and s["loads_ok"] > 5 and s["keys_loaded"] > 20, s

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+from support.nodes import run_nodes
 from test_capacity import blocks_on_disk
 
 from mptier.storage.election import read_usage
@@ -84,46 +83,16 @@ NODE = textwrap.dedent("""
 """).format(block=BLOCK)
 
 
-def block_bytes(root: str) -> int:
-    """Bytes of block files under ``root`` now (files evicted while walking skipped)."""
-    total = 0
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            if name.endswith(".bin"):
-                try:
-                    total += os.lstat(os.path.join(dirpath, name)).st_size
-                except FileNotFoundError:
-                    pass
-    return total
-
-
 def test_four_tiers_on_two_mounts_hold_the_budget_within_5_percent(dfs_dirs):
     mounts = (dfs_dirs.a, dfs_dirs.a, dfs_dirs.b, dfs_dirs.b)
-    nodes = []
-    for i, path in enumerate(mounts):
-        env = dict(os.environ, MPTIER_NATIVE="1" if i % 2 == 0 else "0")
-        nodes.append(subprocess.Popen(
-            [sys.executable, "-c", NODE, str(path), str(STORE_S), str(SETTLE_S),
-             str(CAPACITY), f"tier{i}"], stdout=subprocess.PIPE, text=True, env=env))
-    peak, samples, summaries = 0, [], []
-    try:
-        started = time.monotonic()
-        deadline = started + STORE_S + SETTLE_S + 120
-        while any(node.poll() is None for node in nodes) and time.monotonic() < deadline:
-            size = block_bytes(str(dfs_dirs.a))  # a walk of the mount: ~1 s under load
-            if time.monotonic() - started < STORE_S + SETTLE_S:
-                peak = max(peak, size)
-                samples.append(size)
-            time.sleep(0.2)
-        for node in nodes:
-            stdout, _ = node.communicate(timeout=60)
-            assert node.returncode == 0, stdout
-            summaries.append(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.wait()
+    run = run_nodes(
+        [[sys.executable, "-c", NODE, str(path), str(STORE_S), str(SETTLE_S),
+          str(CAPACITY), f"tier{i}"] for i, path in enumerate(mounts)],
+        lambda: blocks_on_disk(str(dfs_dirs.a))[1],  # a walk of the mount: ~1 s loaded
+        sample_for_s=STORE_S + SETTLE_S, limit_s=STORE_S + SETTLE_S + 120, every_s=0.2,
+        envs=[dict(os.environ, MPTIER_NATIVE="1" if i % 2 == 0 else "0")
+              for i in range(len(mounts))])
+    peak, samples, summaries = run.peak, run.samples, run.summaries
     stored = sum(s["stored"] for s in summaries) * BLOCK
     print(json.dumps([{k: s[k] for k in ("stored", "failed", "errors")} | {
         "evicted": s["root"]["evicted_blocks"], "passes": s["root"]["walk_passes"]}

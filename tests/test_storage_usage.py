@@ -309,9 +309,8 @@ def test_blocks_told_about_are_evicted_before_any_walk_finds_them(tmp_path):
     told = []
     for i in range(6):
         told.append(write_block(mapper, key_for(100 + i), atime_ns=time.time_ns()))
+        maint.record_told(told[-1], BB)  # counted (the next pass finds them)
         maint.record_created(told[-1], BB)
-    maint.record_other_stores(maint.pass_id, os.path.basename(mapper.blocks_dir),
-                              (6 * BB, 6), (0, 0))  # counted (the next pass finds them)
     report = maint.step(64, walk=False)
     assert sorted(p for p in walked + told if not os.path.exists(p)) == sorted(walked[:4])
     assert len(report.removed) == 4 and maint.usage_bytes == 8 * BB
@@ -320,3 +319,26 @@ def test_blocks_told_about_are_evicted_before_any_walk_finds_them(tmp_path):
     gone = sorted(p for p in walked + told if not os.path.exists(p))
     assert gone == sorted(walked + told[:2]), "then the oldest of the told ones"
     assert file_totals(root, BB)[1] == maint.usage_bytes == 4 * BB
+
+
+def test_blocks_of_one_atime_leave_deepest_first_and_keep_their_rank(tmp_path):
+    """A store's blocks share the kernel's clock tick: among them the one placed last
+    in its store (the highest rank) leaves first, so a prefix loses its tail before its
+    head; a block looked at again (used since, new atime) keeps its rank; older atimes
+    still go first whatever their rank."""
+    from mptier.storage.maintain import BlockIndex
+    from mptier.storage.walk import Entry
+
+    def entry(name: str, atime: int) -> Entry:
+        return Entry(str(tmp_path / name), Kind.BLOCK, BB, atime, 0, 1, "f", None)
+
+    index = BlockIndex()
+    for rank, name in enumerate("abcd"):
+        index.know(entry(name, T0 + 5), rank)
+    index.know(entry("old", T0), rank=9)
+    index.know(entry("b", T0 + 5 + 10))  # b used again: newer, rank 1 kept
+    index.know(entry("e", T0 + 5 + 10), rank=0)
+    order = []
+    while (e := index.pop_oldest()) is not None:
+        order.append(os.path.basename(e.path))
+    assert order == ["old", "d", "c", "a", "b", "e"]

@@ -212,6 +212,11 @@ def print_report(doc: dict[str, Any]) -> None:
     print(f"usage / budget: peak {u['peak_walked_over_budget']:.3f} on disk (walked "
           f"{u['walks']} times), {u['peak_published_over_budget']:.3f} as the tier "
           f"published it; final {u['final_walked_bytes'] / budget['bytes']:.3f}")
+    sd = u.get("stats_vs_disk")
+    if sd:
+        print(f"stats() usage against the files, {sd['checks']} checks after a store: "
+              f"worst {sd['worst_low_bytes'] // doc['block_bytes']} blocks low, "
+              f"{sd['worst_high_bytes'] // doc['block_bytes']} blocks high")
     series = u["walked"]
     if series:
         picks = [series[round(i * (len(series) - 1) / (SERIES_POINTS - 1))]

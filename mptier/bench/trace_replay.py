@@ -10,6 +10,7 @@
       store the rest from the next slots ─────────────▶  writes, eviction to the budget
       wait for both, then the next request
     a sampler thread walks the tier's folder twice a second (the bytes really on disk)
+    every USAGE_CHECK_EVERY requests, after the store: stats() against a walk
 
 Requests run one after another, each finished before the next starts: the trace's
 timestamps give the order and nothing else (every gap is compressed to zero), so the
@@ -44,6 +45,11 @@ WAIT_LIMIT_S = 150.0
 # Points of the usage series printed (the JSON keeps every sample, thinned to MAX_SAMPLES).
 SERIES_POINTS = 12
 MAX_SAMPLES = 2000
+# Every this many requests, right after the store (no store in flight: only eviction
+# runs, which lowers usage), the tier's folder is walked between two reads of
+# stats()["usage_bytes"]: an exact figure brackets the walk. Often enough for a few
+# hundred checks a run; the walks' time is left out of the run's seconds.
+USAGE_CHECK_EVERY = 10
 # Multiplier that spreads hash ids over a block's 64-bit words (odd, so distinct ids
 # give distinct words: a block loaded under another id differs in every word).
 _ID_MIX = 0x9E3779B97F4A7C15
@@ -253,6 +259,8 @@ class Replay:
         sampler = _Sampler(self.folder, start)  # fresh: all of it is this tier's
         published: list[tuple[float, int]] = []
         peak_published = 0
+        checks = {"checks": 0, "worst_low_bytes": 0, "worst_high_bytes": 0,
+                  "seconds": 0.0}
         sampler.start()
         try:
             for n, request in enumerate(self.requests):
@@ -260,12 +268,14 @@ class Replay:
                 usage = tier.stats()["usage_bytes"]
                 peak_published = max(peak_published, usage)
                 published.append((time.monotonic() - start, usage))
+                if n % USAGE_CHECK_EVERY == 0:
+                    _check_usage(tier, self.folder, usage, checks)
                 if progress is not None:
                     progress(n + 1, self.c, time.monotonic() - start)
             tier.drain_jobs()
         finally:
             sampler.stop()
-        run_s = time.monotonic() - start
+        run_s = time.monotonic() - start - checks["seconds"]
         sampler.sample()  # the final state, after every store
         stats = tier.stats()
         root = stats["roots"][0]
@@ -285,12 +295,28 @@ class Replay:
                 "peak_temp_bytes": sampler.peak_temps, "walks": sampler.walks,
                 "final_walked_bytes": sampler.samples[-1][1],
                 "final_published_bytes": stats["usage_bytes"],
+                "stats_vs_disk": checks,
                 "walked": _thin(sampler.samples), "published": _thin(published)},
             "tier": {"backend": stats["backend"], "o_direct": stats["o_direct"],
                      "io_uring": stats["io_uring"], "blocks_per_task":
                      stats["blocks_per_task"], "root": stats["root"]},
         })
         return c
+
+
+def _check_usage(tier: FileSystemTier, folder: str, before: int,
+                 checks: dict[str, Any]) -> None:
+    """Walk ``folder`` between two reads of ``stats()["usage_bytes"]`` (``before``, and
+    one after the walk); with no store in flight usage only falls meanwhile, so an
+    exact figure has the walk's bytes between the two. The worst distance outside
+    (bytes on disk above the first read: stats() low; below the second: high) is kept."""
+    began = time.monotonic()
+    on_disk, _ = disk_usage(folder)
+    after = tier.stats()["usage_bytes"]
+    checks["checks"] += 1
+    checks["worst_low_bytes"] = max(checks["worst_low_bytes"], on_disk - before)
+    checks["worst_high_bytes"] = max(checks["worst_high_bytes"], min(before, after) - on_disk)
+    checks["seconds"] += time.monotonic() - began
 
 
 def _thin(samples: list[tuple[float, int]], most: int = MAX_SAMPLES

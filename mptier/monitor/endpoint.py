@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -59,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mptier.errors import MptierError
+from mptier.locks import still_named, try_flock
 from mptier.monitor.bounded import CLIENT_TIMEOUT_S as CLIENT_TIMEOUT_S  # re-exported
 from mptier.monitor.bounded import ClientLoop
 from mptier.rundir import (
@@ -316,18 +316,14 @@ def _take_lock(folder_fd: int, name: str, *, create: bool = True) -> int | None:
     for _ in range(10):
         fd = open_lock(folder_fd, name, create=create)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
+            held = try_flock(fd)
+            same = held and still_named(fd, name, folder_fd)
         except BaseException:
             os.close(fd)
             raise
-        try:
-            same = os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_ino == \
-                os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
+        if not held:
+            os.close(fd)
+            return None
         if same:
             return fd
         os.close(fd)

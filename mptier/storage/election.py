@@ -49,7 +49,6 @@ one protocol on the root: each side reads what the other writes, so both sides l
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -60,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mptier.errors import RootFileError
+from mptier.locks import still_named, try_flock
 from mptier.rootfile import read_root_file
 from mptier.storage import names as N
 from mptier.storage.leases import _ensure_meta_dir, new_tag
@@ -173,13 +173,13 @@ def _try_lock(path: str, create: bool, exclusive: bool = False) -> tuple[int | N
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise OSError(f"{path} is not a regular file; remove it")
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None, st.st_ino
+        held = try_flock(fd)
     except BaseException:
         os.close(fd)
         raise
+    if not held:
+        os.close(fd)
+        return None, st.st_ino
     return fd, st.st_ino
 
 
@@ -309,12 +309,7 @@ class RootShare:
         if now < self.keep_at:
             return True
         self.keep_at = now + ELECT_GAP_S
-        try:
-            ours = os.stat(f"{self.dir}/{SEAT_NAME}", follow_symlinks=False).st_ino == \
-                os.fstat(self._seat).st_ino
-        except FileNotFoundError:
-            ours = False
-        if ours:
+        if still_named(self._seat, f"{self.dir}/{SEAT_NAME}"):
             return True
         os.close(self._seat)
         self._seat = None
@@ -338,7 +333,7 @@ class RootShare:
     def _start_contributing(self) -> None:
         fd = os.open(f"{self.dir}/{self.tag}{ALIVE_SUFFIX}",
                      os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try_flock(fd)  # a new file (O_EXCL): nobody else holds it
         self._alive = fd
         self._write_state()
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from mptier.storage.leases import DEFAULT_STALE_TEMP_S, TempSweeper
 from mptier.storage.names import LEAF_RE, key_of_block_path
 from mptier.storage.usage import UsageTracker, check_watermarks, evict, folder_of
-from mptier.storage.walk import TOP_NOT_REACHED, Entry, Kind, remove_empty_folder
+from mptier.storage.walk import Entry, Kind, remove_empty_folder
 
 # Eviction keeps usage (with the room stores have reserved) this far under the capacity,
 # so that a store usually finds room at once instead of waiting for an unlink. Larger
@@ -59,25 +59,43 @@ UNSEEN_INO = 0
 # until the link) is not made to retry. Any older leftover goes; a clock skewed by more
 # (a network file system's server) only brings back the writer's retry.
 FOLDER_GRACE_NS = 10 * 10**9
+# Blocks the walk lists whose mtime is at most this old are remembered with the passes
+# that listed them (RootMaintainer.record_told), so that a block a writer reports after
+# the walk moved on is counted once: by the walk if it listed the block, else by the
+# report. Reports arrive milliseconds after the store (seconds under heavy load); a
+# block reported later than this, or whose mtime a server's clock put this far back, is
+# counted as unlisted (high until the next pass, never low). Memory: the blocks stored
+# in this time, not the root's size.
+TOLD_WINDOW_NS = 60 * 10**9
 
 
 class BlockIndex:
     """Blocks by atime, oldest first: a heap with lazy deletion and a dict of the
-    latest entry per path. Not thread-safe (the caretaker's thread owns it)."""
+    latest entry per path. Blocks of one atime (a store's blocks share the kernel's
+    clock tick, a few milliseconds) go deepest first: a block's *rank* is its place in
+    the store that created it (``know(entry, rank)``, kept while the block is known), and
+    the higher rank leaves first. A prefix's tail then goes before its head, which keeps
+    more whole prefixes: measured on the conversation trace, 1.02-1.03x the hit ratio of
+    an LRU of the same size that leaves a tick's blocks in any order (simulated, 10 % and
+    25 % budgets; docs/storage.md). Not thread-safe (the caretaker's thread owns it)."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_INDEX) -> None:
         self.max_entries = max_entries
         self._known: dict[str, Entry] = {}
-        self._heap: list[tuple[int, int, Entry]] = []
+        self._rank: dict[str, int] = {}
+        self._heap: list[tuple[int, int, int, Entry]] = []
         self._order = itertools.count()
         self.left_out = 0  # blocks not indexed because it was full
 
     def __len__(self) -> int:
         return len(self._known)
 
-    def know(self, entry: Entry) -> None:
+    def know(self, entry: Entry, rank: int | None = None) -> None:
         """Index ``entry`` (a walked or re-checked block), replacing what was known of
-        its path."""
+        its path; ``rank``: its place in the store that created it (kept for later
+        entries of the same path)."""
+        if rank is not None:
+            self._rank[entry.path] = rank
         known = self._known.get(entry.path)
         if known is not None and known.atime_ns == entry.atime_ns \
                 and known.ino == entry.ino:
@@ -86,19 +104,28 @@ class BlockIndex:
             self.left_out += 1
             return
         self._known[entry.path] = entry
-        heapq.heappush(self._heap, (entry.atime_ns, next(self._order), entry))
+        heapq.heappush(self._heap, self._item(entry))
         if len(self._heap) > HEAP_GARBAGE_FACTOR * len(self._known) + 1024:
-            self._heap = [(e.atime_ns, next(self._order), e) for e in self._known.values()]
+            self._heap = [self._item(e) for e in self._known.values()]
             heapq.heapify(self._heap)
+            if len(self._rank) > HEAP_GARBAGE_FACTOR * len(self._known) + 1024:
+                self._rank = {p: r for p, r in self._rank.items() if p in self._known}
+
+    def _item(self, entry: Entry) -> tuple[int, int, int, Entry]:
+        return (entry.atime_ns, -self._rank.get(entry.path, 0), next(self._order), entry)
 
     def forget(self, path: str) -> None:
+        """``path`` is gone (removed): neither its entry nor its rank is kept."""
         self._known.pop(path, None)
+        self._rank.pop(path, None)
 
     def pop_oldest(self) -> Entry | None:
-        """The block of the oldest atime, taken out of the index (None: empty)."""
+        """The block of the oldest atime (deepest first among equals), taken out of the
+        index (None: empty). Its rank is kept: a block that turns out used again comes
+        back with it."""
         heap = self._heap
         while heap:
-            entry = heapq.heappop(heap)[2]
+            entry = heapq.heappop(heap)[3]
             if self._known.get(entry.path) is entry:
                 del self._known[entry.path]
                 return entry
@@ -210,6 +237,10 @@ class RootMaintainer:
         # thread): for a walker that other tiers hand their blocks to, where every
         # evicted block is a told one and each look a round trip on a network mount.
         self.hand_out_unseen = False
+        # Recently made blocks the walk listed: path -> (mtime, last pass that listed
+        # it, the pass before that or -1), for record_told; pruned by TOLD_WINDOW_NS.
+        self._listed_new: dict[str, tuple[int, int, int]] = {}
+        self._listed_prune_at = 1024
 
     def evicted(self, entry: Entry, removed: bool) -> bytes | None:
         """A block handed out by :meth:`step` was removed (``removed``) or kept (used
@@ -221,6 +252,8 @@ class RootMaintainer:
         if not removed:
             self._refused(entry)
             return None
+        if self.index is not None:
+            self.index.forget(entry.path)
         tracker = self.tracker
         if ahead and not walked and (passes != tracker.passes
                                      or not tracker.walker.will_visit(entry.path)):
@@ -236,13 +269,47 @@ class RootMaintainer:
         self.evicted_bytes += entry.size
         return key_of_block_path(entry.path)
 
-    def record_created(self, path: str, nbytes: int) -> None:
+    def record_created(self, path: str, nbytes: int, rank: int | None = None,
+                       told_ns: int | None = None) -> None:
         """A block this tier just created at ``path`` (its ``lstat`` not known here):
-        indexed at once as made now, and looked at (one ``lstat``) only when it comes
-        up for eviction. Usage is not changed (see :meth:`record_other_stores`)."""
+        indexed at once as made at ``told_ns`` (default now), and looked at (one
+        ``lstat``) only when it comes up for eviction; ``rank``: its place in its store
+        (BlockIndex). Usage is not changed (see :meth:`record_told`)."""
         if self.index is not None:
-            self.index.know(Entry(path, Kind.BLOCK, nbytes, time.time_ns(), 0, UNSEEN_INO,
-                                  folder_of(self.root, path), None))
+            self.index.know(Entry(path, Kind.BLOCK, nbytes,
+                                  time.time_ns() if told_ns is None else told_ns, 0,
+                                  UNSEEN_INO, folder_of(self.root, path), None), rank)
+
+    def record_told(self, path: str, nbytes: int) -> None:
+        """A block another process of this tier created at ``path``, reported after the
+        fact (the caretaker reads the workers' rings): counted exactly once in the
+        finished total and in the pass in progress, whatever the walk did between the
+        block's creation and now. The pass in progress counts it itself when it is still
+        to reach its place or listed it already (then it is not added to it); the
+        finished total holds it when the pass before listed it. Usage only: the index
+        takes it through :meth:`record_created`."""
+        tracker = self.tracker
+        k = tracker.passes
+        seen = self._listed_new.get(path)
+        listed = () if seen is None else seen[1:]
+        tracker.record_counted(folder_of(self.root, path), nbytes, 1,
+                               in_current=k - 1 not in listed,
+                               in_building=k not in listed
+                               and not tracker.walker.will_visit(path))
+
+    def _note_listed(self, entry: Entry, pass_id: int, now_ns: int) -> None:
+        """Remember a recently made block the walk listed in pass ``pass_id``."""
+        if entry.mtime_ns < now_ns - TOLD_WINDOW_NS:
+            return
+        listed = self._listed_new
+        before = listed.get(entry.path)
+        if before is None or before[1] != pass_id:
+            listed[entry.path] = (entry.mtime_ns, pass_id,
+                                  -1 if before is None else before[1])
+        if len(listed) > self._listed_prune_at:
+            cutoff = now_ns - TOLD_WINDOW_NS
+            self._listed_new = {p: v for p, v in listed.items() if v[0] >= cutoff}
+            self._listed_prune_at = 2 * len(self._listed_new) + 1024
 
     def _refused(self, entry: Entry) -> None:
         """A candidate :func:`evict` kept: used since (back in the index with its new
@@ -304,41 +371,8 @@ class RootMaintainer:
 
     def top_position(self, folder: str) -> int:
         """Where the pass in progress stands in block folder ``folder``
-        (:meth:`Walker.top_position`): published for other processes of the tier, who
-        sort their new blocks into "ahead" (their h3 folder is past this and in
-        :meth:`top_listing`, or the folder is not listed yet) and "behind" (the rest)
-        for :meth:`record_other_stores`."""
+        (:meth:`Walker.top_position`): published in the control block (``stats()``)."""
         return self.tracker.walker.top_position(folder)
-
-    def top_listing(self, folder: str) -> bytes | None:
-        """:meth:`Walker.top_listing` of the pass in progress."""
-        return self.tracker.walker.top_listing(folder)
-
-    def record_other_stores(self, pass_id: int, folder: str, ahead: tuple[int, int],
-                            behind: tuple[int, int]) -> None:
-        """Blocks another process of this tier created in ``folder``, as ``(bytes,
-        blocks)``, sorted by that process against :meth:`top_position` of pass
-        ``pass_id`` into those the pass will still count (``ahead``) and those it may
-        not (``behind``). Counted so that the total is right whichever pass is in
-        progress now: in the same pass, ``ahead`` goes into the finished total only (the
-        walk will find them) and ``behind`` into both; a pass later, the walk already
-        counted ``ahead`` and the new pass will find ``behind``; older, the new pass
-        finds everything. Errs high only for blocks in the h3 folder being walked."""
-        current = self.tracker.passes
-        # Counts of an older pass reach here late: the pass in progress finds those
-        # blocks only if it has not reached the folder yet. Once it has, they are put in
-        # it too (counted twice, high, if it also lists them) rather than missed (low:
-        # stores would pass the budget).
-        fresh = self.tracker.walker.top_position(folder) == TOP_NOT_REACHED
-        if pass_id == current:
-            self.tracker.record_counted(folder, *ahead, in_current=True, in_building=False)
-            self.tracker.record_counted(folder, *behind, in_current=True, in_building=True)
-        elif pass_id == current - 1:
-            self.tracker.record_counted(folder, *behind, in_current=True,
-                                        in_building=not fresh)
-        else:
-            self.tracker.record_counted(folder, ahead[0] + behind[0], ahead[1] + behind[1],
-                                        in_current=True, in_building=not fresh)
 
     @property
     def candidates_left(self) -> int:
@@ -374,8 +408,10 @@ class RootMaintainer:
         entries = self.tracker.step(walk_budget or budget) if walk else []
         report.walked = self.tracker.last_visited if walk else 0
         index = self.index
+        now_ns = time.time_ns()
         for entry in entries:
             if entry.kind is Kind.BLOCK:
+                self._note_listed(entry, passes, now_ns)
                 if entry.path in self._handed:  # counted by this pass while out
                     self._walked_handed.add(entry.path)
                 if index is not None:
@@ -421,6 +457,9 @@ class RootMaintainer:
                 if seen is not None:
                     index.know(seen)
                 continue
+            # Leaving: what the walk listed of it is forgotten, so that a block stored
+            # again at this path (a new file) is not taken for the one listed.
+            self._listed_new.pop(entry.path, None)
             if self.hand_out:
                 report.to_evict.append(entry)
                 self.handed_bytes += entry.size
@@ -428,6 +467,7 @@ class RootMaintainer:
                                             self.tracker.passes)
                 freed += entry.size
             elif evict(entry):
+                index.forget(entry.path)
                 self.tracker.record_remove(entry.path, entry.size)
                 freed += entry.size
                 report.removed_bytes += entry.size

@@ -163,7 +163,7 @@ class UsageTracker:
     def record_counted(self, folder: str, nbytes: int, nblocks: int, *,
                        in_current: bool, in_building: bool) -> None:
         """Blocks created by another process, whose paths are not known here, counted
-        where the caller decided (see :meth:`RootMaintainer.record_other_stores`)."""
+        where the caller decided (see :meth:`RootMaintainer.record_told`)."""
         if in_current and self.current is not None:
             self.current.add(folder, nbytes, nblocks)
         if in_building:

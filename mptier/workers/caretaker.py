@@ -16,15 +16,16 @@ After each step it publishes the root's usage and the walk's position in the con
 block (other workers and the engine read them without a message), and reports keys it
 evicted from the engine's own block folder as REMOVED messages on the completion pipe.
 
-Other workers' new blocks reach the usage through counters in their slots (sorted
-against the published walk position: see ``RootMaintainer.record_other_stores``), and
-the eviction index through a ring per slot (their paths, ``RootMaintainer.
-record_created``); other nodes' stores through the walk only. Stores reserve their room
+Other workers' new blocks reach the usage and the eviction index through a ring per
+slot (their paths: ``RootMaintainer.record_told`` counts each once against the walk,
+whatever the walk did since the store; ``record_created`` indexes it); other nodes'
+stores through the walk only. Stores reserve their room
 in their slots before they check it, and the caretaker publishes beside the usage the
 created bytes it holds (the stamp) and, from its unlink threads as each unlink returns,
 the bytes removed: ``ControlBlock.usage_now`` is then this tier's usage at any moment.
 Eviction keeps usage plus reservations under ``capacity - slack``, the slack being what
-the writers reserved at once lately (1-10 % of the capacity).
+the writers reserved at once lately (1-10 % of the capacity); a store writes only the
+part of its task that fits under the capacity (``rootio._room``).
 
 Bytes are not all a root can run out of. The caretaker also watches its file system's
 inodes (``statvfs`` f_files / f_favail, every INODE_CHECK_S): past the tier's high
@@ -55,12 +56,10 @@ from mptier.storage import RootMaintainer
 from mptier.storage.election import RootShare
 from mptier.storage.maintain import EVICT_SLACK_FRACTION
 from mptier.storage.roots import root_identity
-from mptier.storage.walk import TOP_PASSED
 from mptier.workers.control import (
     ROOT_COMPLETE,
     ROOT_EVICTING,
     ROOT_INODES_LOW,
-    ROOT_LISTED,
     RootState,
 )
 from mptier.workers.evictor import EVICTOR_STOP_S, EVICTOR_THREADS, Evictor
@@ -163,8 +162,6 @@ class _Kept:
     rest_until: float = 0.0
     pass_began: float | None = None  # when the current pass started walking
     temps_removed: int = 0
-    seen: dict[int, tuple[tuple[int, int], tuple[int, int, int, int]]] = field(
-        default_factory=dict)
     # Per slot: (pid, created bytes folded into the usage); their sum is the stamp
     # published beside the usage (ControlBlock.usage_now).
     made: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -177,7 +174,6 @@ class _Kept:
     writers_peak: int = 0
     window_at: float = 0.0
     evictor: Evictor | None = None
-    listing: bytes | None = None  # the listing last published
     folders_base: int = 0
     inodes: tuple[int, int] = (0, 0)  # statvfs (f_files, f_favail); 0 files: unknown
     inodes_low: bool = False  # past the high watermark of inodes, not back under low
@@ -231,15 +227,10 @@ class Caretaker:
                          if io.capacity_bytes else None,
                          folders_base=control.root_extra(index)[2],
                          no_space_seen=control.no_space_stores(index))
-            # What workers counted before now is on disk already: this walk finds it.
+            # What workers created before now is on disk already: this walk finds it.
             for slot in range(control.n_slots):
-                st = control.slot_stores(slot, index)
-                pid = control.slot_pid(slot)
-                kept.seen[slot] = ((pid, st.pass_id),
-                                   (st.ahead_bytes, st.ahead_blocks, st.behind_bytes,
-                                    st.behind_blocks))
-                kept.made[slot] = (pid, control.slot_made(slot, index))
                 kept.ring_at[slot] = control.ring_count(slot)
+                kept.made[slot] = (control.slot_pid(slot), control.slot_made(slot, index))
             control.set_freed(index, 0)  # this caretaker's unlink threads count anew
             control.set_freed_stamp(index, 0)
             with contextlib.suppress(OSError):  # a root that fails now: the walk says so
@@ -302,15 +293,16 @@ class Caretaker:
         return any(control.slot_stores(slot, kept.index).want_free
                    for slot in range(control.n_slots))
 
-    def make_room(self, index: int, nbytes: int, deadline: float) -> bool:
-        """(A store of this worker, on a root it takes care of.) Evict until ``nbytes``
-        more fit under the capacity, or ``deadline`` (monotonic) passes."""
+    def make_room(self, index: int, fits: Callable[[], bool], nbytes: int,
+                  deadline: float) -> bool:
+        """(A store of this worker, on a root it takes care of.) Evict until ``fits()``
+        (``nbytes`` more fit under the capacity: rootio._room's rule), or ``deadline``
+        (monotonic) passes."""
         kept = self.kept.get(index)
         if kept is None:
             return False
-        control = self.ctx.slot_writer.control
-        while True:  # (the rule of rootio._room: the usage before this store fits)
-            if control.usage_now(index) - nbytes <= self.ctx.io.capacity_bytes:
+        while True:
+            if fits():
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -491,72 +483,67 @@ class Caretaker:
             self._send_removed(own)
 
     def _collect(self, kept: _Kept) -> int:
-        """Account other workers' (and this one's) new blocks since the last step;
-        returns the most bytes any of them waits to find room for, and leaves in
-        ``kept.pending`` what stores hold beyond the usage (reserved, or created and
-        not folded yet)."""
+        """Account other workers' (and this one's) new blocks since the last step, each
+        by its path from the worker's ring (RootMaintainer.record_told: exact whatever
+        the walk did since); returns the most bytes any of them waits to find room for,
+        and leaves in ``kept.pending`` what stores hold beyond the usage (reserved, or
+        created and not folded yet)."""
         control = self.ctx.slot_writer.control
         index = kept.index
         m = kept.maintainer
+        block = self.ctx.block_bytes
         want = pending = writers = largest = 0
         for slot in range(control.n_slots):
-            st = control.slot_stores(slot, index)  # before slot_made: never folds more
-            made = control.slot_made(slot, index)  # than the slot says it created
-            want = max(want, st.want_free)
             pid = control.slot_pid(slot)
-            who = (pid, st.pass_id)
-            values = (st.ahead_bytes, st.ahead_blocks, st.behind_bytes, st.behind_blocks)
-            before = kept.seen.get(slot)
-            base = before[1] if before is not None and before[0] == who else (0, 0, 0, 0)
-            delta = [v - b for v, b in zip(values, base)]
-            kept.seen[slot] = (who, values)
-            if any(delta) and pid:
-                m.record_other_stores(st.pass_id - kept.pass_base, self.folder,
-                                      (delta[0], delta[1]), (delta[2], delta[3]))
+            told, lost = self._take_ring(kept, slot)  # before slot_made: never folds
+            made = control.slot_made(slot, index)     # more than the slot created
+            want = max(want, control.slot_stores(slot, index).want_free)
             made_pid, folded = kept.made.get(slot, (pid, made))
-            folded += delta[0] + delta[2] if pid else 0
-            if (made_pid != pid or (before is not None and before[0] != who)) \
-                    and made > folded:
-                # Blocks counted in counters that are gone: the slot's last worker died
-                # (the slot was reset), or the worker started a new pass's counts after
-                # our last look. Counted until the walk passes (errs high).
-                m.record_unplaced(self.folder, made - folded,
-                                  (made - folded) // max(1, self.ctx.block_bytes))
+            folded = min(made, folded + told)  # (a race at take(): never below)
+            if (lost or made_pid != pid) and made > folded:
+                # Blocks whose paths are gone: the ring lapped before we read it, or the
+                # slot's last worker died between counting and telling. Counted until
+                # the walk passes (errs high).
+                m.record_unplaced(self.folder, made - folded, (made - folded) // block)
                 folded = made
             kept.made[slot] = (pid, folded)
-            self._take_ring(kept, slot)
             reserved = control.slot_reserved(slot, index)
             pending += max(0, made - folded) + reserved
-            task = max(reserved, delta[0] + delta[2])
+            task = max(reserved, told)
             writers += task > 0
             largest = max(largest, task)
         kept.pending = pending
         self._set_slack(kept, largest, writers)
         return want
 
-    def _take_ring(self, kept: _Kept, slot: int) -> None:
-        """Index the blocks the worker in ``slot`` created on this root since the last
-        look (its ring in the control block): eviction can take them at once, without
-        waiting for the walk to find them."""
+    def _take_ring(self, kept: _Kept, slot: int) -> tuple[int, int]:
+        """Index and count the blocks the worker in ``slot`` created on this root since
+        the last look (its ring in the control block): eviction can take them at once,
+        and usage counts them exactly, without waiting for the walk to find them.
+        Returns ``(bytes counted, entries lost)``: entries the ring no longer held (it
+        lapped), on whichever root."""
         control = self.ctx.slot_writer.control
         end = control.ring_count(slot)
         start = kept.ring_at.get(slot, end)
         if end == start:
-            return
+            return 0, 0
         kept.ring_at[slot] = end
         m = kept.maintainer
         size = self.ctx.block_bytes
+        entries = control.ring_read(slot, start, end)
+        lost = end - start - len(entries) + sum(1 for _, path in entries if not path)
+        mine = [path.decode() for index, path in entries if index == kept.index and path]
         if kept.share is not None and not kept.share.walker:  # for the walker to count
-            for index, path in control.ring_read(slot, start, end):
-                if index == kept.index:
-                    kept.share.created(f"{self.folder}/{path.decode()}", size)
-            return
-        if m.index is None:
-            return
+            for path in mine:
+                kept.share.created(f"{self.folder}/{path}", size)
+            return len(mine) * size, lost
         top = os.path.join(m.root, self.folder)
-        for index, path in control.ring_read(slot, start, end):
-            if index == kept.index:
-                m.record_created(os.path.join(top, path.decode()), size)
+        told_ns = time.time_ns()  # one time: a store's blocks go deepest first (rank)
+        for rank, path in enumerate(mine):
+            full = os.path.join(top, path)
+            m.record_told(full, size)
+            m.record_created(full, size, rank, told_ns)
+        return len(mine) * size, lost
 
     def _set_slack(self, kept: _Kept, task: int, writers: int) -> None:
         """Eviction runs ahead by what the writers reserve at once (MAX_SLACK_FRACTION)."""
@@ -626,16 +613,10 @@ class Caretaker:
                 log.warning("mptier: publishing the usage of root %s: %s", kept.path, exc)
         flags = (ROOT_COMPLETE if complete else 0) | (ROOT_EVICTING if m.evicting else 0)
         position = m.top_position(self.folder)
-        listing = m.top_listing(self.folder)
-        if position == TOP_PASSED:
-            flags |= ROOT_LISTED  # everything is behind: no listing needed
-        elif listing is not None:
-            if listing is not kept.listing:  # once per pass: 512 bytes
-                control.set_listing(kept.index, listing)
-                kept.listing = listing
-            flags |= ROOT_LISTED
         # First say which removals the usage below holds: a reader between the two sees
-        # them counted (high), never subtracted twice.
+        # them counted (high), never subtracted twice. Readers of usage_now take the
+        # three figures as one (the publication's sequence).
+        control.begin_publish(kept.index)
         control.set_freed_stamp(kept.index, kept.freed_folded)
         control.set_root_usage(
             kept.index, usage_bytes=usage_bytes, usage_blocks=usage.blocks,
@@ -649,6 +630,7 @@ class Caretaker:
                                folders_removed=kept.folders_base + m.folders_removed,
                                flags=ROOT_INODES_LOW if kept.inodes_low else 0,
                                stamp=sum(folded for _, folded in kept.made.values()))
+        control.end_publish(kept.index)
 
     def _send_removed(self, keys: list[bytes]) -> None:
         ctx = self.ctx

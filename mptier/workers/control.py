@@ -15,9 +15,6 @@ attaches. Three parts::
                   writes a message to an engine's completion pipe bumps its own counter
                   afterwards, so the engine tells "nothing new" from a few integers in
                   shared memory, without a system call
-    listings      per root, 4096 bits: which <h3> folders the walk pass in progress
-                  listed in the engine's block folder (written by the caretaker; a
-                  worker's new block in a folder the pass did not list is "behind" it)
     extras        per root (ROOT_EXTRA_BYTES): its file system's inodes (total, free),
                   empty folders removed, flags (written by the caretaker)
     counters_end  one slot per worker (SLOT_BYTES each):
@@ -26,9 +23,9 @@ attaches. Three parts::
         +SLOT_ROOT_AT   the root the task in hand is on (for a timeout's blame)
         +SLOT_WRITTEN_AT bytes its stores wrote, and skipped (blocks already there;
                       folded into the pool header's totals when the slot is emptied)
-        +SLOT_STORES_AT per root: blocks this worker created (sorted against the walk's
-                      position, see RootMaintainer.record_other_stores) and the bytes it
-                      waits to find room for -- read by the root's caretaker
+        +SLOT_STORES_AT per root: the bytes this worker waits to find room for -- read
+                      by the root's caretaker (the other fields are no longer written:
+                      new blocks are told by path, in the rings below)
         +SLOT_READ_ONLY_AT per root: stores failed at once, the root being read-only
         +SLOT_NO_SPACE_AT  per root: stores the file system refused for space (ENOSPC,
                       EDQUOT) -- the caretaker evicts on a rise
@@ -148,10 +145,6 @@ class RootState(enum.IntEnum):
 
 ROOT_COMPLETE = 1  # flags: the usage is a whole walk's total (else a lower bound)
 ROOT_EVICTING = 2  # flags: past the high watermark, evicting to the low one
-ROOT_LISTED = 4  # flags: the pass listed the block folder; its listing is published
-# The listing of one block folder: a bit per <h3> folder name (000-fff).
-LISTING_BYTES = 4096 // 8
-LISTINGS_BYTES = MAX_ROOTS * LISTING_BYTES
 # extras: inodes total, inodes free (statvfs f_files, f_favail), empty folders removed
 # (u64), flags (u32, pad)
 # inodes total, inodes free, folders removed (u64), flags, pad (u32), then the stamp:
@@ -160,6 +153,14 @@ LISTINGS_BYTES = MAX_ROOTS * LISTING_BYTES
 # holds (u64 each)
 _ROOT_EXTRA = struct.Struct("<QQQIIQQQ")
 _FREED_AT = 40  # the removed bytes' place in a root's extras
+# The pad after the flags holds the publication's sequence number (odd while the
+# caretaker publishes; ControlBlock.begin_publish), the stamp follows it.
+_SEQ_AT = 28
+_STAMP_AT = 32
+# A reader of a root's usage retries this often at most while its caretaker publishes
+# (a publication is a few stores into shared memory: microseconds), then takes the
+# figure as read (a caretaker killed mid-publication leaves the sequence odd).
+USAGE_READ_TRIES = 1000
 ROOT_EXTRA_BYTES = _ROOT_EXTRA.size
 EXTRAS_BYTES = MAX_ROOTS * ROOT_EXTRA_BYTES
 ROOT_INODES_LOW = 1  # extras flags: free inodes under the low-inode watermark
@@ -167,10 +168,12 @@ ROOT_INODES_LOW = 1  # extras flags: free inodes under the low-inode watermark
 # path under the block folder), so the caretaker puts them in its eviction index at once
 # instead of waiting for its walk to find them. A u64 count of entries ever written, then
 # RING_ENTRIES entries. A caretaker that falls more than a ring behind loses the oldest:
-# the walk finds those. 512 entries are a few of the largest tasks (128 blocks of 64 KiB
+# it counts them without their paths (high until the walk passes) and the walk indexes
+# them. 512 entries are a few of the largest tasks (128 blocks of 64 KiB
 # in 8 MiB) and 64 KiB a slot.
 RING_ENTRIES = 512
-_RING_ENTRY = struct.Struct("<HB125s")
+_RING_PATH_BYTES = 125  # a block's path under its folder is ~60 bytes
+_RING_ENTRY = struct.Struct(f"<HB{_RING_PATH_BYTES}s")
 RING_BYTES = PAGE_BYTES + RING_ENTRIES * _RING_ENTRY.size
 
 
@@ -238,8 +241,7 @@ class ControlBlock:
     def __init__(self, n_slots: int, fd: int | None = None) -> None:
         self.n_slots = n_slots
         self._counters_at = PAGE_BYTES
-        self._listings_at = PAGE_BYTES + counters_bytes(n_slots)
-        self._extras_at = self._listings_at + LISTINGS_BYTES
+        self._extras_at = PAGE_BYTES + counters_bytes(n_slots)
         self._slots_at = self._extras_at + EXTRAS_BYTES
         self._rings_at = self._slots_at + n_slots * SLOT_BYTES
         size = self._rings_at + n_slots * RING_BYTES
@@ -314,21 +316,11 @@ class ControlBlock:
                               evicted_bytes, temps_removed, pass_id, top_position, flags,
                               caretaker_pid)
 
-    def set_listing(self, index: int, listing: bytes) -> None:
-        """(The caretaker.) Publish which <h3> folders the pass listed (before the flag
-        that says it is there)."""
-        at = self._listings_at + index * LISTING_BYTES
-        self.memory[at:at + LISTING_BYTES] = listing
-
-    def listed(self, index: int, top: int) -> bool:
-        """Whether <h3> folder ``top`` was in the published listing of root ``index``."""
-        at = self._listings_at + index * LISTING_BYTES + (top >> 3)
-        return bool(self.memory[at] & (1 << (top & 7)))
-
-    def walk_state(self, index: int) -> tuple[int, int, bool]:
-        """``(pass id, h3 position, listing published)`` of root ``index``."""
+    def walk_state(self, index: int) -> tuple[int, int]:
+        """``(pass id, h3 position)`` of root ``index``'s walk (what its caretaker last
+        published)."""
         values = _ROOT_USAGE.unpack_from(self.memory, self._root_at(index) + _ROOT_USAGE_AT)
-        return values[5], values[6], bool(values[7] & ROOT_LISTED)
+        return values[5], values[6]
 
     def usage_bytes(self, index: int) -> int:
         """The usage of root ``index`` its caretaker published (see :meth:`usage_now`)."""
@@ -382,9 +374,16 @@ class ControlBlock:
         published usage, plus blocks created since its caretaker's last collection,
         plus (``reserved``) the room stores in flight reserved, less the blocks its
         unlink threads removed since. Readers may see a block twice for an instant
-        (created and still reserved): it errs high, never low."""
-        made, held = self.pending_bytes(index, reserved)
-        return max(0, self.usage_bytes(index) - self.unpublished_freed(index)) + made + held
+        (created and still reserved): it errs high, never low. The usage and its stamps
+        are read as one publication (a torn read -- a new stamp beside the old usage --
+        counted the blocks of the last collection nowhere)."""
+        for _ in range(USAGE_READ_TRIES):
+            seq = self._publish_seq(index)
+            made, held = self.pending_bytes(index, reserved)
+            usage = max(0, self.usage_bytes(index) - self.unpublished_freed(index))
+            if not seq & 1 and self._publish_seq(index) == seq:
+                break
+        return usage + made + held
 
     def slot_stores(self, slot: int, root: int) -> SlotStores:
         """What the worker in ``slot`` created on ``root`` (the caretaker reads it)."""
@@ -408,9 +407,28 @@ class ControlBlock:
                        folders_removed: int, flags: int, stamp: int = 0) -> None:
         """(The root's caretaker.) The removed-bytes fields are left as they are."""
         self._root_at(index)  # range check
-        struct.pack_into("<QQQIIQ", self.memory, self._extras_at + index * ROOT_EXTRA_BYTES,
-                         max(0, inodes_total), max(0, inodes_free), folders_removed, flags,
-                         0, stamp)
+        at = self._extras_at + index * ROOT_EXTRA_BYTES
+        struct.pack_into("<QQQI", self.memory, at, max(0, inodes_total),
+                         max(0, inodes_free), folders_removed, flags)
+        struct.pack_into("<Q", self.memory, at + _STAMP_AT, stamp)
+
+    def begin_publish(self, index: int) -> None:
+        """(The root's caretaker.) Its usage, stamp and freed stamp change together:
+        readers (:meth:`usage_now`) that see the sequence odd or moved read again. Odd
+        from here to :meth:`end_publish` (also after a caretaker killed in between)."""
+        seq = self._publish_seq(index)
+        self._set_seq(index, seq + (2 if seq & 1 else 1))
+
+    def end_publish(self, index: int) -> None:
+        self._set_seq(index, self._publish_seq(index) + 1)
+
+    def _set_seq(self, index: int, seq: int) -> None:
+        struct.pack_into("<I", self.memory, self._extras_at + index * ROOT_EXTRA_BYTES
+                         + _SEQ_AT, seq & 0xFFFFFFFF)  # (2**32 is even: parity kept)
+
+    def _publish_seq(self, index: int) -> int:
+        return struct.unpack_from("<I", self.memory, self._extras_at
+                                  + index * ROOT_EXTRA_BYTES + _SEQ_AT)[0]
 
     def root_extra(self, index: int) -> tuple[int, int, int, int]:
         """``(inodes total, inodes free, folders removed, flags)`` of root ``index``
@@ -619,23 +637,6 @@ class SlotWriter:
         """Say which root the task in hand works on now (None: none)."""
         struct.pack_into("<I", self._mem, SLOT_ROOT_AT, 0 if root is None else root + 1)
 
-    def stores(self, root: int) -> SlotStores:
-        pass_id, _, *rest = _SLOT_STORES.unpack_from(
-            self._mem, SLOT_STORES_AT + root * _SLOT_STORES.size)
-        return SlotStores(pass_id, *rest)
-
-    def add_stores(self, root: int, pass_id: int, ahead: tuple[int, int],
-                   behind: tuple[int, int]) -> None:
-        """Count blocks this worker created on ``root``, sorted against walk pass
-        ``pass_id``'s position; a new pass starts the counts again."""
-        now = self.stores(root)
-        if now.pass_id != pass_id:
-            now = SlotStores(pass_id, 0, 0, 0, 0, now.want_free)
-        _SLOT_STORES.pack_into(self._mem, SLOT_STORES_AT + root * _SLOT_STORES.size,
-                               pass_id, 0, now.ahead_bytes + ahead[0],
-                               now.ahead_blocks + ahead[1], now.behind_bytes + behind[0],
-                               now.behind_blocks + behind[1], now.want_free)
-
     def reserve(self, root: int, nbytes: int) -> None:
         """Reserve ``nbytes`` on ``root`` for the store in hand (0: none any more). Set
         before the room check, so every later check counts it."""
@@ -643,25 +644,28 @@ class SlotWriter:
 
     def add_made(self, root: int, nbytes: int) -> None:
         """Count ``nbytes`` of blocks this worker created on ``root`` (before
-        :meth:`add_stores`, so a caretaker reading both never folds more than this)."""
+        :meth:`ring_add` tells their paths, so a caretaker reading the ring first never
+        folds more than this)."""
         at = SLOT_MADE_AT + 8 * root
         struct.pack_into("<Q", self._mem, at, struct.unpack_from("<Q", self._mem, at)[0]
                          + nbytes)
 
     def ring_add(self, root: int, paths: list[bytes]) -> None:
         """Tell the caretaker which blocks this worker created on ``root`` (paths under
-        its block folder): the entries first, then the count that publishes them."""
+        its block folder): the entries first, then the count that publishes them. Every
+        path counts, those the ring cannot hold too (the oldest of a task larger than
+        the ring), so the caretaker knows how many it lost."""
         control = self.control
         base = control._rings_at + self.slot * RING_BYTES
         count = control.ring_count(self.slot)
-        for path in paths[-RING_ENTRIES:]:
-            if len(path) > 125:
-                continue  # no block path is this long: the walk finds it
+        skip = max(0, len(paths) - RING_ENTRIES)
+        for n, path in enumerate(paths[skip:], count + skip):
+            if len(path) > _RING_PATH_BYTES:
+                path = b""  # no block path is this long: told as lost (counted high)
             _RING_ENTRY.pack_into(control.memory, base + PAGE_BYTES
-                                  + (count % RING_ENTRIES) * _RING_ENTRY.size,
+                                  + (n % RING_ENTRIES) * _RING_ENTRY.size,
                                   root, len(path), path)
-            count += 1
-        struct.pack_into("<Q", control.memory, base, count)
+        struct.pack_into("<Q", control.memory, base, count + len(paths))
 
     def want_free(self, root: int, nbytes: int) -> None:
         """Ask the caretaker of ``root`` for room for ``nbytes`` (0: no longer)."""

@@ -26,6 +26,10 @@ log = logging.getLogger("mptier.workers")
 
 # A store waiting for its root's caretaker to make room looks again this often.
 ROOM_POLL_S = 0.005
+# A store under a budget writes in pieces that fit now (the rest waits for eviction,
+# which runs meanwhile); it waits for room only when not even this many new blocks fit:
+# one native call per few blocks would cost more calls than the wait saves.
+STORE_PIECE_BLOCKS = 8
 
 
 def transfer(ctx: WorkerContext, store: bool, keys: list[bytes], offsets: list[int]
@@ -203,87 +207,119 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
     # (skipped, not written) and keeps them out of the room a budget must make. The new
     # ones are counted exactly, budget or not, so stats()' usage never lags ours.
     statuses = ctx.backend.lookup(fd, paths, block_bytes, 0)
-    new = [i for i, status in enumerate(statuses) if status != native.LOOKUP_PRESENT]
-    need = len(new) * block_bytes
+    is_new = [status != native.LOOKUP_PRESENT for status in statuses]
+    left = sum(is_new) * block_bytes  # reserved: new bytes not written yet
     writer = ctx.slot_writer
-    writer.reserve(root.index, need)  # before the check: every later check counts it
+    writer.reserve(root.index, left)  # before any check: every later check counts it
+    deadline = time.monotonic() + ctx.io.room_wait_s
+    done = 0
+    if capacity and left > capacity:  # no eviction can make room for more than it all
+        writer.reserve(root.index, 0)
+        return -errno.ENOSPC, 0, 0, (
+            f"root {root.path}: storing {left // block_bytes} new block(s) ({left} bytes) "
+            f"takes more than the whole budget, capacity_bytes={capacity}; nothing was "
+            "written (raise capacity_bytes or store fewer blocks per job)")
     try:
-        if capacity and need and not _room(ctx, root.index, need):
-            usage = writer.control.usage_now(root.index) - need
-            return -errno.ENOSPC, 0, 0, (
-                f"root {root.path} is full: storing {len(new)} new block(s) ({need} bytes) "
-                f"would take its usage ({usage} bytes) past capacity_bytes={capacity}, and "
-                f"eviction could not make room within {ctx.io.room_wait_s:g} s; nothing "
-                "was written")
-        rc, n_done, index, temp_err = ctx.backend.store(fd, paths, ctx.memory, offsets,
-                                                        block_bytes, root.flags, ctx.tag)
-        if -rc in FULL_ERRNOS:  # out of blocks, inodes or quota: the caretaker evicts
-            writer.count_no_space(root.index)  # on the rise
-        if temp_err:
-            log.warning("mptier: a temporary file in %s could not be removed (%s); the "
-                        "sweeper removes it once this writer's lease is free",
-                        os.path.dirname(f"{root.mapper.blocks_dir}/{paths[index].decode()}"),
-                        os.strerror(temp_err))
-        written = [paths[i] for i in new if i < n_done]
-        writer.count_stored(len(written) * block_bytes,
-                            (n_done - len(written)) * block_bytes)
-        if written:
-            _count_new(ctx, root.index, written)
+        while done < len(paths):
+            # A piece of the run that fits under the budget now; the rest waits for the
+            # caretaker, which sees the whole reservation and evicts for it meanwhile.
+            end = len(paths) if not capacity or not left else \
+                _piece(ctx, root.index, is_new, done, left, deadline)
+            if end == done:
+                usage = writer.control.usage_now(root.index) - left
+                return -errno.ENOSPC, done, done, (
+                    f"root {root.path} is full: storing {left // block_bytes} new "
+                    f"block(s) ({left} bytes) would take its usage ({usage} bytes) past "
+                    f"capacity_bytes={capacity}, and eviction could not make room within "
+                    f"{ctx.io.room_wait_s:g} s; the {done} block(s) before were stored")
+            rc, n, index, temp_err = ctx.backend.store(
+                fd, paths[done:end], ctx.memory, offsets[done:end], block_bytes,
+                root.flags, ctx.tag)
+            if -rc in FULL_ERRNOS:  # out of blocks, inodes or quota: the caretaker
+                writer.count_no_space(root.index)  # evicts on the rise
+            if temp_err:
+                log.warning("mptier: a temporary file in %s could not be removed (%s); "
+                            "the sweeper removes it once this writer's lease is free",
+                            os.path.dirname(f"{root.mapper.blocks_dir}/"
+                                            f"{paths[done + index].decode()}"),
+                            os.strerror(temp_err))
+            written = [paths[i] for i in range(done, done + n) if is_new[i]]
+            writer.count_stored(len(written) * block_bytes,
+                                (n - len(written)) * block_bytes)
+            if written:
+                _count_new(ctx, root.index, written)
+            left -= sum(is_new[done:end]) * block_bytes
+            writer.reserve(root.index, left)  # after the count: both for an instant
+            if rc:
+                return rc, done + n, done + index, ""
+            done = end
     finally:
-        writer.reserve(root.index, 0)  # after the count: for an instant both, never none
-    return rc, n_done, index, ""
+        writer.reserve(root.index, 0)
+    return 0, done, 0, ""
+
+
+def _piece(ctx: WorkerContext, index: int, is_new: list[bool], start: int, left: int,
+           deadline: float) -> int:
+    """The end of the next piece of a store from ``start``: as many blocks as fit under
+    the budget now, counting every other store's reservation and what this one wrote
+    already (``left``: its reserved bytes still to write). When not even
+    STORE_PIECE_BLOCKS fit (or the rest, if fewer), waits for the caretaker (bounded by
+    ``deadline``); returns ``start`` when room did not come."""
+    block = ctx.block_bytes
+    want = min(left, STORE_PIECE_BLOCKS * block)
+    free = _room(ctx, index, left, want, deadline)
+    if free < want:
+        return start
+    end = start
+    while end < len(is_new) and (not is_new[end] or free >= block):
+        free -= block if is_new[end] else 0
+        end += 1
+    return end
 
 
 def _count_new(ctx: WorkerContext, index: int, paths: list[bytes]) -> None:
-    """Count blocks this worker created for the caretaker, sorted against the walk's
-    published position (RootMaintainer.record_other_stores)."""
-    if not paths:
-        return
+    """Count blocks this worker created, for usage_now at once (``made``), and tell the
+    caretaker their paths (the ring): it counts each exactly against its walk
+    (RootMaintainer.record_told) and puts it in its eviction index."""
     writer = ctx.slot_writer
-    control = writer.control
-    pass_id, position, listed = control.walk_state(index)
-    if not listed:  # the pass has not listed the block folder yet: it will see them all
-        ahead = len(paths)
-    else:  # ahead: past the walk's position, in an h3 folder its listing holds
-        tops = [int(p[:3], 16) for p in paths]
-        ahead = sum(1 for top in tops if top > position and control.listed(index, top))
-    behind = len(paths) - ahead
-    size = ctx.block_bytes
-    writer.add_made(index, len(paths) * size)  # first: usage_now counts it from here
-    writer.add_stores(index, pass_id, (ahead * size, ahead), (behind * size, behind))
-    writer.ring_add(index, paths)  # into the caretaker's eviction index at once
+    writer.add_made(index, len(paths) * ctx.block_bytes)  # first: usage_now counts it
+    writer.ring_add(index, paths)
 
 
-def _room(ctx: WorkerContext, index: int, nbytes: int) -> bool:
-    """Whether the ``nbytes`` this store reserved may be written on root ``index``,
-    waiting (bounded by room_wait_s) for its caretaker to evict; this worker evicts
-    itself when it is the caretaker.
+def _room(ctx: WorkerContext, index: int, reserved: int, want: int,
+          deadline: float) -> int:
+    """Bytes free under root ``index``'s budget for this store now: the capacity less
+    the exact usage with every other store's reservation (``usage_now`` less this
+    store's own ``reserved``). Below ``want``, waits (until ``deadline``) for its
+    caretaker to evict; this worker evicts itself when it is the caretaker.
 
-    A store starts at once while the usage before it (the exact usage, every other
-    store's reservation included) is within the budget: it may pass the budget by its
-    own task, which the caretaker, seeing the reservation, evicts for at once. So the
-    budget is exceeded by at most one task per writer in flight, and a store waits only
-    when eviction is a whole task behind (waiting for each unlink made stores wait on
-    nearly every task near the budget)."""
+    A store writes only what fits, so the root passes the budget only by what the usage
+    figure lags (nothing for this tier's own writes). Eviction runs ahead of the
+    stores by the slack and evicts for the whole reservation as soon as it sees it, so
+    a store rarely waits, and then only for the part that did not fit."""
     control = ctx.slot_writer.control
     capacity = ctx.io.capacity_bytes
-    if nbytes > capacity:
-        return False  # no eviction can make room for more than the whole budget
-    if control.usage_now(index) - nbytes <= capacity:
-        return True
+
+    def free() -> int:
+        return capacity - (control.usage_now(index) - reserved)
+
+    room = free()
+    if room >= want:
+        return room
     started = time.monotonic_ns()
-    deadline = time.monotonic() + ctx.io.room_wait_s
     writer = ctx.slot_writer
     try:
         if ctx.caretaker is not None and index in ctx.caretaker.kept:
-            return ctx.caretaker.make_room(index, nbytes, deadline)
-        writer.want_free(index, nbytes)
+            ctx.caretaker.make_room(index, lambda: free() >= want, want, deadline)
+            return free()
+        writer.want_free(index, want)
         try:
             while time.monotonic() < deadline:
                 time.sleep(ROOM_POLL_S)
-                if control.usage_now(index) - nbytes <= capacity:
-                    return True
-            return False
+                room = free()
+                if room >= want:
+                    return room
+            return free()
         finally:
             writer.want_free(index, 0)
     finally:

@@ -8,6 +8,8 @@
   thawed (cgroup v1), like a process stuck on a dead server.
 * :mod:`support.pidns` - a Python process in another PID namespace that shares /dev/shm.
 * :mod:`support.mounts` - mount bookkeeping and unmounting that never hangs.
+* :mod:`support.nodes` - tiers as separate processes on a shared root, sampled while
+  they run (the distributed-file-system tests).
 * :mod:`support.fixtures` - the pytest fixtures over all of these (registered by
   ``tests/conftest.py``).
 

@@ -1,0 +1,60 @@
+"""Tiers as separate processes ("nodes") on a shared root, sampled while they run.
+
+The distributed-file-system tests start a few Python processes, each a tier on one
+mount storing as fast as it can, watch the root's bytes on disk from the test's process
+while they run, and read each node's JSON summary (its last line of output) at the end.
+:func:`run_nodes` is that loop, once: a node still running at the end is killed and
+reaped, whatever failed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class NodesRun:
+    """What :func:`run_nodes` saw: each node's summary (in the order started), the
+    largest sample taken inside the sampling window, and every such sample."""
+
+    summaries: list[dict] = field(default_factory=list)
+    peak: int = 0
+    samples: list[int] = field(default_factory=list)
+
+
+def run_nodes(argvs: Sequence[Sequence[str]], sample: Callable[[], int], *,
+              sample_for_s: float, limit_s: float, every_s: float,
+              envs: Sequence[dict[str, str] | None] | None = None,
+              exit_timeout_s: float = 60.0) -> NodesRun:
+    """Start one process per ``argvs`` entry (its output piped), call ``sample()`` every
+    ``every_s`` while any runs (at most ``limit_s``; samples count for the peak during
+    the first ``sample_for_s``), then wait for each (``exit_timeout_s``) and parse its
+    last line of output as JSON. A node that exits non-zero fails the test with its
+    output; one still running at the end (a failure in between) is killed."""
+    nodes = [subprocess.Popen(list(argv), stdout=subprocess.PIPE, text=True,
+                              env=None if envs is None else envs[i])
+             for i, argv in enumerate(argvs)]
+    run = NodesRun()
+    try:
+        started = time.monotonic()
+        while any(node.poll() is None for node in nodes) \
+                and time.monotonic() - started < limit_s:
+            size = sample()
+            if time.monotonic() - started < sample_for_s:
+                run.peak = max(run.peak, size)
+                run.samples.append(size)
+            time.sleep(every_s)
+        for node in nodes:
+            stdout, _ = node.communicate(timeout=exit_timeout_s)
+            assert node.returncode == 0, stdout
+            run.summaries.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    return run
