@@ -11,8 +11,14 @@ import os
 
 import pytest
 
-from mptier.storage.election import (ELECT_GAP_S, SEAT_NAME, SEAT_STALE_S, RootShare,
-                                     read_usage, share_dir)
+from mptier.storage.election import (
+    ELECT_GAP_S,
+    SEAT_NAME,
+    SEAT_STALE_S,
+    RootShare,
+    read_usage,
+    share_dir,
+)
 
 
 @pytest.fixture
