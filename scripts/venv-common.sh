@@ -82,7 +82,7 @@ venv_recipe_env() {
 # venv_lock: one run at a time per venv, and per cache entry (a developer and a CI run
 # may share a machine, and fresh clones share the cache), yet the two vLLM venvs can
 # be made at once. The lock is a file of the cache folder named after the caller (a
-# cache may hold its own lock file), else this script itself.
+# cache may hold its own lock file), else the calling script itself.
 venv_lock() {
     local cache
     cache=$(venv_cache_dir)
@@ -90,7 +90,7 @@ venv_lock() {
     if [[ -n $cache ]] && mkdir -p "$cache" 2>/dev/null && : >>"$cache/$NAME.lock" 2>/dev/null; then
         exec 9<"$cache/$NAME.lock"
     else
-        exec 9<"${BASH_SOURCE[0]}"
+        exec 9<"${BASH_SOURCE[-1]}"
     fi
     if ! flock -n 9; then
         step "another run making this environment is in progress; waiting for it"
