@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import os
 import time
-import time as _time
 
 import pytest
 from storage_tree import key_for, make_cache, write_block
@@ -66,7 +65,7 @@ class Clock:
 
     @staticmethod
     def time_ns() -> int:
-        return _time.time_ns()  # the wall clock, as file times are: not turned by hand
+        return time.time_ns()  # the wall clock, as file times are: not turned by hand
 
 
 class Host:
@@ -328,3 +327,37 @@ def test_past_the_mark_it_hurries_evicts_the_oldest_and_reports_own_keys(open_ho
     assert (rec.evicted_blocks, rec.evicted_bytes) == (len(gone), len(gone) * BLOCK)
     assert rec.usage_bytes == len(left) * BLOCK
     assert sorted(host.removed_keys()) == sorted(gone)
+
+
+def test_stores_told_at_once_go_oldest_store_first_each_deepest_first(open_host):
+    """Three stores of another worker, read from its ring in one step, with one atime
+    (one tick of the kernel's clock): eviction takes them in the order they were stored,
+    and each store's blocks from its deepest (last) one."""
+    host, keeper = open_host(capacity_bytes=3 * BLOCK)
+    keeper.take([0])
+    deadline = time.monotonic() + 30
+    while not complete(host):  # an empty root: one pass
+        keeper.run(busy=False)
+        assert time.monotonic() < deadline, "no complete pass"
+    other = SlotWriter(host.control, 1, "store")
+    other.set_state(SlotState.IDLE)
+    tick_ns = time.time_ns()
+    stores = [[key_for(10 * s + i) for i in range(2)] for s in range(3)]
+    for keys in stores:
+        rels = []
+        for key in keys:
+            write_block(host.mapper, key, BLOCK, atime_ns=tick_ns)
+            rels.append(os.path.relpath(host.mapper.path_for(key),
+                                        host.mapper.blocks_dir).encode())
+        other.add_made(0, len(keys) * BLOCK)
+        other.ring_add(0, rels)  # one store: one call, as rootio._count_new makes
+    [entries] = [host.control.ring_read(1, 0, 6)]
+    assert [first for _, _, first in entries] == [True, False] * 3
+    while host.control.usage_now(0) > 3 * BLOCK or host.control.root(0).flags & ROOT_EVICTING:
+        keeper.run(busy=False)
+        assert time.monotonic() < deadline, f"no eviction: {host.control.root(0)}"
+        time.sleep(keeper.wait_s(0.05))
+    order = [k for keys in stores for k in reversed(keys)]  # the expected eviction order
+    gone = [k for k in order if not os.path.exists(host.mapper.path_for(k))]
+    assert gone == order[:len(gone)] and len(gone) >= 3, \
+        f"evicted {[order.index(k) for k in gone]} of the order 0..5"

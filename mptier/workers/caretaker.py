@@ -531,18 +531,25 @@ class Caretaker:
         m = kept.maintainer
         size = self.ctx.block_bytes
         entries = control.ring_read(slot, start, end)
-        lost = end - start - len(entries) + sum(1 for _, path in entries if not path)
-        mine = [path.decode() for index, path in entries if index == kept.index and path]
+        lost = end - start - len(entries) + sum(1 for _, path, _ in entries if not path)
+        mine = [(path.decode(), first) for index, path, first in entries
+                if index == kept.index and path]
         if kept.share is not None and not kept.share.walker:  # for the walker to count
-            for path in mine:
+            for path, _ in mine:
                 kept.share.created(f"{self.folder}/{path}", size)
             return len(mine) * size, lost
         top = os.path.join(m.root, self.folder)
-        told_ns = time.time_ns()  # one time: a store's blocks go deepest first (rank)
-        for rank, path in enumerate(mine):
+        # The stores read at once are told 1 ns apart, in the order they were made (the
+        # older goes first); within one store its blocks go deepest first (rank).
+        told_ns = time.time_ns()
+        rank = 0
+        for path, first in mine:
+            if first:
+                told_ns, rank = told_ns + 1, 0
             full = os.path.join(top, path)
             m.record_told(full, size)
             m.record_created(full, size, rank, told_ns)
+            rank += 1
         return len(mine) * size, lost
 
     def _set_slack(self, kept: _Kept, task: int, writers: int) -> None:

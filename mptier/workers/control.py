@@ -174,6 +174,10 @@ ROOT_INODES_LOW = 1  # extras flags: free inodes under the low-inode watermark
 RING_ENTRIES = 512
 _RING_PATH_BYTES = 125  # a block's path under its folder is ~60 bytes
 _RING_ENTRY = struct.Struct(f"<HB{_RING_PATH_BYTES}s")
+# The length byte's top bit marks the first block of one ring_add (one store): the
+# caretaker keeps the stores' order apart from the order of the blocks within each.
+_RING_FIRST = 0x80
+assert _RING_PATH_BYTES < _RING_FIRST
 RING_BYTES = PAGE_BYTES + RING_ENTRIES * _RING_ENTRY.size
 
 
@@ -501,17 +505,17 @@ class ControlBlock:
         """Entries ever written to ``slot``'s ring of created blocks."""
         return struct.unpack_from("<Q", self.memory, self._rings_at + slot * RING_BYTES)[0]
 
-    def ring_read(self, slot: int, start: int, end: int) -> list[tuple[int, bytes]]:
-        """``(root, path under its block folder)`` of ring entries ``start..end`` of
-        ``slot`` (as many of the newest as the ring still holds)."""
+    def ring_read(self, slot: int, start: int, end: int) -> list[tuple[int, bytes, bool]]:
+        """``(root, path under its block folder, first of its store)`` of ring entries
+        ``start..end`` of ``slot`` (as many of the newest as the ring still holds)."""
         base = self._rings_at + slot * RING_BYTES
         out = []
         for n in range(max(start, end - RING_ENTRIES), end):
             root, length, path = _RING_ENTRY.unpack_from(
                 self.memory, base + PAGE_BYTES + (n % RING_ENTRIES) * _RING_ENTRY.size)
-            out.append((n, root, path[:length]))
+            out.append((n, root, path[:length & ~_RING_FIRST], bool(length & _RING_FIRST)))
         overwritten = self.ring_count(slot) - RING_ENTRIES  # lapped while reading
-        return [(root, path) for n, root, path in out if n >= overwritten]
+        return [(root, path, first) for n, root, path, first in out if n >= overwritten]
 
     def reset(self, slot: int, role: str) -> None:
         """Empty ``slot`` for a new worker of ``role`` (state BOOTING)."""
@@ -664,7 +668,8 @@ class SlotWriter:
                 path = b""  # no block path is this long: told as lost (counted high)
             _RING_ENTRY.pack_into(control.memory, base + PAGE_BYTES
                                   + (n % RING_ENTRIES) * _RING_ENTRY.size,
-                                  root, len(path), path)
+                                  root, len(path) | (_RING_FIRST if n == count else 0),
+                                  path)
         struct.pack_into("<Q", control.memory, base, count + len(paths))
 
     def want_free(self, root: int, nbytes: int) -> None:
