@@ -306,8 +306,11 @@ def test_evicted_blocks_take_their_folders_with_them(make_buffer, make_tier, roo
                 os.utime(f"{blocks_dir}/{folder}", (an_hour_ago, an_hour_ago))
     fresh = f"{blocks_dir}/ffc/00_g0"  # just made: a writer may be about to use it
     os.makedirs(fresh)
-    wait_for(lambda: _folders(blocks_dir)[1] == 1 and not root_stats(tier)["evicting"],
-             30, "no empty folder left but the fresh one")
+    # The folders go within a step and the step's figures are published after it: wait
+    # for both (read at once, the count could still be the step's before).
+    wait_for(lambda: _folders(blocks_dir)[1] == 1 and not root_stats(tier)["evicting"]
+             and root_stats(tier)["folders_removed"] >= 4,
+             30, "no empty folder left but the fresh one, and the removals counted")
     assert os.path.isdir(fresh), "a folder made now is kept (FOLDER_GRACE_NS)"
     os.rmdir(fresh)
     os.rmdir(os.path.dirname(fresh))

@@ -445,7 +445,8 @@ def test_idle_metrics_connections_of_another_user_take_no_threads_or_descriptors
     holder = _hold("127.0.0.1", port, 300, "tcp")
     try:
         time.sleep(0.5)  # let the server accept (and turn away) what it will
-        assert _threads() == threads
+        # No thread per held connection (fewer is fine: one of the tier's own may end).
+        assert _threads() <= threads
         assert _fds() <= fds + bounded.MAX_CLIENTS + HOLDER_PIPES
     finally:
         closed = _release(holder)
@@ -463,7 +464,8 @@ def test_idle_status_connections_are_capped_and_timed_out(make_buffer, make_tier
     holder = _hold(path, 0, 200, "unix", as_root=True)
     try:
         time.sleep(0.5)
-        assert _threads() == threads
+        # No thread per held connection (fewer is fine: one of the tier's own may end).
+        assert _threads() <= threads
         assert _fds() <= fds + bounded.MAX_CLIENTS + HOLDER_PIPES
     finally:
         closed = _release(holder)
@@ -543,7 +545,8 @@ def test_every_reattach_releases_the_last_attachments_descriptors_and_mappings(
         time.sleep(link.RETIRE_AFTER_S + 1.5)  # replaced blocks are closed after this
         round_trip(tier, buf, keys_for(2, b"last"), first_job=100)
         assert _control_blocks() == blocks == (2, 1)  # one block: its fd, mmap's dup, map
-        assert _threads() == threads
+        # No thread per held connection (fewer is fine: one of the tier's own may end).
+        assert _threads() <= threads
         assert _fds() <= fds + 1, "descriptors kept by re-attaches"
         assert _maps() <= maps + 2, "mappings kept by re-attaches"
     finally:
