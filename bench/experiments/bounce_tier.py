@@ -13,11 +13,10 @@ mptier | tar -x -C DIR`` plus the built _mptier_cffi*.so), bounced and not.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import time
+
+from ab_trees import HERE, load_line, rounds, run_child
 
 CHILD = r'''
 import json, os, shutil, sys, time
@@ -94,29 +93,20 @@ def main() -> int:
     p.add_argument("--fill-dest", action="store_true",
                    help="allocate the destination half too (a fully written engine buffer)")
     args = p.parse_args()
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    variants = [("bounce", here, "1"), ("no bounce", here, "0")]
+    variants = [("bounce", HERE, "1"), ("no bounce", HERE, "0")]
     if args.old:
         variants = [("old bounce", os.path.abspath(args.old), "1"), *variants]
-    print(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}", flush=True)
-    for rnd in range(args.rounds):
-        order = variants if rnd % 2 == 0 else variants[::-1]
-        for label, tree, bounce in order:
-            env = dict(os.environ, PYTHONPATH=tree)
-            root = os.path.join(args.root, f"perf-exp-bounce-{os.getpid()}")
-            out = subprocess.run([sys.executable, "-c", CHILD, str(args.block),
-                                  str(args.blocks), bounce, root, str(int(args.fill_dest)),
-                                  str(args.loads)], env=env, cwd="/",
-                                 capture_output=True, text=True, check=False)
-            if out.returncode:
-                print(label, "failed:", out.stderr[-2000:])
-                continue
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            assert r["code"].startswith(tree), (r["code"], tree)
-            loads = ", ".join(f"{g:5.2f} GB/s {f} flt {c:.2f} cpu-s" for g, f, c in r["loads"])
-            print(f"round {rnd} {label:>10} ({r['bounce_loads']}): store "
-                  f"{r['store_gbps']:5.2f} GB/s; loads: {loads}; ok {r['ok']}", flush=True)
-    print(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}", flush=True)
+    load_line()
+    for rnd, (label, tree, bounce) in rounds(variants, args.rounds):
+        root = os.path.join(args.root, f"perf-exp-bounce-{os.getpid()}")
+        r = run_child(CHILD, tree, [args.block, args.blocks, bounce, root,
+                                    int(args.fill_dest), args.loads], label)
+        if r is None:
+            continue
+        loads = ", ".join(f"{g:5.2f} GB/s {f} flt {c:.2f} cpu-s" for g, f, c in r["loads"])
+        print(f"round {rnd} {label:>10} ({r['bounce_loads']}): store "
+              f"{r['store_gbps']:5.2f} GB/s; loads: {loads}; ok {r['ok']}", flush=True)
+    load_line()
     return 0
 
 

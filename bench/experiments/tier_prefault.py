@@ -15,11 +15,11 @@ start time, store and load GB/s, and how many pages the machine allocated meanwh
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
+
+from ab_trees import HERE, load_line, rounds, run_child
 
 CHILD = r'''
 import json, os, resource, shutil, sys, time
@@ -85,31 +85,22 @@ def main() -> int:
     p.add_argument("--fill-dest", action="store_true",
                    help="allocate the destination half too (a fully written engine buffer)")
     args = p.parse_args()
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    variants = [("new prefault", here, "1"), ("no prefault", here, "0")]
+    variants = [("new prefault", HERE, "1"), ("no prefault", HERE, "0")]
     if args.old:
         variants.insert(0, ("old prefault", os.path.abspath(args.old), "1"))
-    print(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}", flush=True)
-    for rnd in range(args.rounds):
-        order = variants if rnd % 2 == 0 else variants[::-1]
-        for label, tree, prefault in order:
-            env = dict(os.environ, PYTHONPATH=tree)
-            root = f"/dev/shm/perf-exp-tier-{os.getpid()}"
-            out = subprocess.run([sys.executable, "-c", CHILD, str(args.block),
-                                  str(args.blocks), prefault, root,
-                                  str(int(args.fill_dest))], env=env, cwd="/",
-                                 capture_output=True, text=True, check=False)
-            if out.returncode:
-                print(label, "failed:", out.stderr[-2000:])
-                continue
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            assert r["code"].startswith(tree), (r["code"], tree)
-            print(f"round {rnd} {label:>13}: start {r['start_s']:5.2f} s, store "
-                  f"{r['store_gbps']:5.2f} GB/s, load {r['load_gbps']:5.2f} GB/s, ok "
-                  f"{r['ok']}, workers {r['workers_cpu_s']:.2f} CPU s "
-                  f"{r['workers_minflt']} faults, pages allocated: start {r['alloc_start']}, store "
-                  f"{r['alloc_store']}, load {r['alloc_load']}", flush=True)
-            time.sleep(args.pause)
+    load_line()
+    for rnd, (label, tree, prefault) in rounds(variants, args.rounds):
+        root = f"/dev/shm/perf-exp-tier-{os.getpid()}"
+        r = run_child(CHILD, tree, [args.block, args.blocks, prefault, root,
+                                    int(args.fill_dest)], label)
+        if r is None:
+            continue
+        print(f"round {rnd} {label:>13}: start {r['start_s']:5.2f} s, store "
+              f"{r['store_gbps']:5.2f} GB/s, load {r['load_gbps']:5.2f} GB/s, ok "
+              f"{r['ok']}, workers {r['workers_cpu_s']:.2f} CPU s "
+              f"{r['workers_minflt']} faults, pages allocated: start {r['alloc_start']}, store "
+              f"{r['alloc_store']}, load {r['alloc_load']}", flush=True)
+        time.sleep(args.pause)
     return 0
 
 

@@ -1,0 +1,42 @@
+"""What the tier experiments that compare code trees share (tier_prefault.py,
+bounce_tier.py): each variant runs a child script in a fresh interpreter with one tree
+of the mptier package on its path (``--old DIR`` adds an older copy), in rounds whose
+order alternates, and prints the load average at both ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+# This checkout's tree: the folder holding the mptier package.
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_line() -> None:
+    print(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.2f}", flush=True)
+
+
+def rounds(variants: Sequence[tuple], n: int) -> Iterator[tuple[int, tuple]]:
+    """``(round, variant)``, every variant once a round, odd rounds in reverse order."""
+    for rnd in range(n):
+        for variant in (variants if rnd % 2 == 0 else variants[::-1]):
+            yield rnd, variant
+
+
+def run_child(script: str, tree: str, argv: Sequence[object], label: str) -> dict | None:
+    """Run ``script`` with ``tree`` first on the path; its last line of output is a JSON
+    record whose ``code`` names the mptier it imported (checked to be ``tree``'s).
+    None (and its error printed) when it failed."""
+    out = subprocess.run([sys.executable, "-c", script, *map(str, argv)],
+                         env=dict(os.environ, PYTHONPATH=tree), cwd="/",
+                         capture_output=True, text=True, check=False)
+    if out.returncode:
+        print(label, "failed:", out.stderr[-2000:])
+        return None
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert record["code"].startswith(tree), (record["code"], tree)
+    return record
