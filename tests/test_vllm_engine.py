@@ -409,11 +409,12 @@ def test_blocks_already_on_disk_are_not_written_again(engines):
     first = engines["first"]
     written, skipped = store_figures(first)
     # Each of FIRST's blocks written once. Its second round, under a CPU tier holding a
-    # third of them, computed blocks that were on disk (a promotion finds the CPU tier
-    # full while the requests scheduled together hold it) and stored them again:
-    # skipped, not written.
+    # third of them, may compute blocks that were on disk (a promotion finds the CPU
+    # tier full while the requests scheduled together hold it) and store them again:
+    # skipped, not written. Whether it does is vLLM's scheduling (0 re-stores in one of
+    # three runs here), so the count is checked, not required to be above 0; a store of
+    # present blocks is made sure of in tests/test_present_blocks.py.
     assert written == N_PROMPTS * PROMPT_BLOCKS * block_bytes(), first["stats"]
-    assert skipped > 0, first["stats"]
     metrics = first["metrics_final"]
     assert tier_writes(metrics, "MPFileSystemTierManager") == written + skipped, metrics
     assert (metric(metrics, METRIC_WRITTEN), metric(metrics, METRIC_SKIPPED)) == \
