@@ -5,6 +5,7 @@ order alternates, and prints the load average at both ends."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -40,3 +41,24 @@ def run_child(script: str, tree: str, argv: Sequence[object], label: str) -> dic
     record = json.loads(out.stdout.strip().splitlines()[-1])
     assert record["code"].startswith(tree), (record["code"], tree)
     return record
+
+
+def parser(blocks: int) -> argparse.ArgumentParser:
+    """The arguments every tree-comparing experiment takes (``blocks``: its default)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--old", help="folder holding an older copy of the mptier package")
+    p.add_argument("--block", type=int, default=2 << 20)
+    p.add_argument("--blocks", type=int, default=blocks)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--fill-dest", action="store_true",
+                   help="allocate the destination half too (a fully written engine buffer)")
+    return p
+
+
+def variants(name: str, flag_on: str, flag_off: str, old: str | None) -> list[tuple]:
+    """``(label, tree, flag)``: this tree with the setting on and off, and ``old``'s tree
+    with it on first where given."""
+    out = [(f"new {name}", HERE, flag_on), (f"no {name}", HERE, flag_off)]
+    if old:
+        out.insert(0, (f"old {name}", os.path.abspath(old), flag_on))
+    return out

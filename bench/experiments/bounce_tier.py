@@ -12,11 +12,10 @@ mptier | tar -x -C DIR`` plus the built _mptier_cffi*.so), bounced and not.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from ab_trees import HERE, load_line, rounds, run_child
+from ab_trees import load_line, parser, rounds, run_child, variants
 
 CHILD = r'''
 import json, os, shutil, sys, time
@@ -83,21 +82,13 @@ print(json.dumps({"code": mptier.__file__, "store_gbps": n * block / ts / 1e9,
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--old", help="folder holding an older copy of the mptier package")
+    p = parser(blocks=256)
     p.add_argument("--root", default="/var/tmp")
-    p.add_argument("--block", type=int, default=2 << 20)
-    p.add_argument("--blocks", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--loads", type=int, default=2, help="load passes per tier")
-    p.add_argument("--fill-dest", action="store_true",
-                   help="allocate the destination half too (a fully written engine buffer)")
     args = p.parse_args()
-    variants = [("bounce", HERE, "1"), ("no bounce", HERE, "0")]
-    if args.old:
-        variants = [("old bounce", os.path.abspath(args.old), "1"), *variants]
     load_line()
-    for rnd, (label, tree, bounce) in rounds(variants, args.rounds):
+    for rnd, (label, tree, bounce) in rounds(variants("bounce", "1", "0", args.old),
+                                             args.rounds):
         root = os.path.join(args.root, f"perf-exp-bounce-{os.getpid()}")
         r = run_child(CHILD, tree, [args.block, args.blocks, bounce, root,
                                     int(args.fill_dest), args.loads], label)

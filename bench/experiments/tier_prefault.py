@@ -14,12 +14,11 @@ start time, store and load GB/s, and how many pages the machine allocated meanwh
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
-from ab_trees import HERE, load_line, rounds, run_child
+from ab_trees import load_line, parser, rounds, run_child, variants
 
 CHILD = r'''
 import json, os, resource, shutil, sys, time
@@ -76,20 +75,12 @@ print(json.dumps({"code": mptier.__file__, "start_s": start_s, "store_gbps": n *
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--old", help="folder holding an older copy of the mptier package")
-    p.add_argument("--block", type=int, default=2 << 20)
-    p.add_argument("--blocks", type=int, default=512)
-    p.add_argument("--rounds", type=int, default=3)
+    p = parser(blocks=512)
     p.add_argument("--pause", type=float, default=3.0, help="seconds between runs")
-    p.add_argument("--fill-dest", action="store_true",
-                   help="allocate the destination half too (a fully written engine buffer)")
     args = p.parse_args()
-    variants = [("new prefault", HERE, "1"), ("no prefault", HERE, "0")]
-    if args.old:
-        variants.insert(0, ("old prefault", os.path.abspath(args.old), "1"))
     load_line()
-    for rnd, (label, tree, prefault) in rounds(variants, args.rounds):
+    for rnd, (label, tree, prefault) in rounds(variants("prefault", "1", "0", args.old),
+                                               args.rounds):
         root = f"/dev/shm/perf-exp-tier-{os.getpid()}"
         r = run_child(CHILD, tree, [args.block, args.blocks, prefault, root,
                                     int(args.fill_dest)], label)
