@@ -8,7 +8,11 @@ the module's six engines run in two fresh processes, three each, one after anoth
 
 1. ``baseline``: no KV offloading at all; the token ids every other engine must match;
 2. ``first``: mptier as the file tier under a CPU tier smaller than the working set,
-   every prompt asked twice (the second round loads from the file tier); its engine
+   every prompt asked twice (the second round loads from the file tier; the first asks
+   them one at a time, each once the last one's blocks are stored: a CPU tier that
+   small refuses stores while its chunks wait on cascades in flight, so which blocks
+   reach mptier would be the machine's pace, see
+   ``support.engine_scenario.generate_one_by_one``); its engine
    core runs in a process of its own, as vLLM runs it by default, and is SIGKILLed
    right after a step that submitted stores to mptier, while its workers hold them
    (a last round of new prompts; :mod:`support.engine_probe`);
@@ -277,7 +281,7 @@ def engines(tmp_path_factory) -> Iterator[dict]:
     one = Plan(workdir, "one", run_dir, [
         engine(workdir, "baseline", None, [FIRST, LATER, LATER2], []),
         engine(workdir, "first", ours, [FIRST, FIRST], [root], SMALL_CPU_BYTES,
-               multiprocess=True,
+               multiprocess=True, one_by_one=PROMPT_BLOCKS,
                kill={"prompts": KILLED, "journal": os.path.join(workdir, "kill.json")}),
         engine(workdir, "fs", fs, [FIRST, LATER], [root]),
     ])
@@ -324,7 +328,10 @@ def baseline(engines: dict, prompts: list) -> list:
 
 def test_blocks_are_written_to_the_root(engines):
     first = engines["first"]
-    # Every full block of every prompt (the prompts share no prefix).
+    # Every full block of every prompt (the prompts share no prefix), given to mptier in
+    # the first round (its prompts one at a time; see support.engine_scenario).
+    assert tier_writes(first["metrics"][0], "MPFileSystemTierManager") == \
+        N_PROMPTS * PROMPT_BLOCKS * block_bytes(), first["metrics"][0]
     assert len(first["files"][engines["root"]]) >= N_PROMPTS * PROMPT_BLOCKS
     assert stats_bytes(first, "store") >= N_PROMPTS * PROMPT_BLOCKS * block_bytes()
     mptier_written = set(first["files"][engines["root"]])

@@ -22,8 +22,10 @@ The plan is a list of engines, each a dict: ``model`` (folder, see
 else ``cpu_bytes`` and ``secondary_tiers`` for vLLM's tiering spec with the CPU worker
 of :mod:`support.memmove_spec`), ``multiprocess`` (optional, see above), ``kill``
 (optional, with ``multiprocess``: ``prompts`` and ``journal``, see below), ``rounds``
-(each a list of prompts as token ids,
-generated greedily one round after another), ``max_tokens``, ``block_size`` (tokens per
+(each a list of prompts as token ids, generated greedily one round after another),
+``one_by_one`` (optional: N, the blocks each prompt of the first round stores; that
+round's prompts are then generated one at a time, each once the previous one's N blocks
+are under the roots), ``max_tokens``, ``block_size`` (tokens per
 KV block), ``kv_cache_bytes``, ``max_model_len`` and ``roots`` (folders whose block
 files are counted; after the last round the engine is stepped with short requests that
 complete no block until that count stops changing, since vLLM submits a step's stores
@@ -303,6 +305,40 @@ def settle(llm, roots: list[str]) -> None:
         time.sleep(0.2)
 
 
+def step_until_stored(llm, roots: list[str], want: int) -> None:
+    """Step the engine until ``want`` block files are under ``roots``."""
+    from vllm import SamplingParams
+
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    flush = SamplingParams(temperature=0.0, max_tokens=1)
+    n = 0
+    while (have := sum(len(block_files(r)) for r in roots)) < want:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{have} block files under {roots} after "
+                               f"{SETTLE_TIMEOUT_S} s of steps, {want} wanted")
+        n += 1
+        llm.generate([{"prompt_token_ids": [FLUSH_TOKEN_BASE + n % 50] * FLUSH_PROMPT_TOKENS}],
+                     flush, use_tqdm=False)
+        time.sleep(0.05)
+
+
+def generate_one_by_one(llm, prompts: list, params, roots: list[str], blocks_each: int):
+    """``prompts`` one at a time, each once the previous one's blocks are stored.
+
+    Why: a CPU tier smaller than the prompts scheduled together refuses a store (vLLM
+    counts ``kv_offload_allocation_failure``) while its chunks are pinned by cascades to
+    the file tier still in flight; the refused blocks reach the file tier only if vLLM
+    happens to compute them again. One prompt at a time, with the last one's cascade
+    done, every block is stored once, whatever the machine's pace."""
+    outs = []
+    have = sum(len(block_files(r)) for r in roots)
+    for prompt in prompts:
+        outs.extend(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False))
+        have += blocks_each
+        step_until_stored(llm, roots, have)
+    return outs
+
+
 def run_engine(sc: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -332,12 +368,15 @@ def run_engine(sc: dict) -> dict:
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=sc["max_tokens"], ignore_eos=True)
         result: dict = {"tokens": [], "metrics": [], "files": {}, "mptier": [], "stats": []}
-        for prompts in sc["rounds"]:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
-                                use_tqdm=False)
+        roots = sc.get("roots", [])
+        for i, prompts in enumerate(sc["rounds"]):
+            if i == 0 and sc.get("one_by_one"):
+                outs = generate_one_by_one(llm, prompts, greedy, roots, sc["one_by_one"])
+            else:
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                    use_tqdm=False)
             result["tokens"].append([list(o.outputs[0].token_ids) for o in outs])
             result["metrics"].append(counters(llm))
-        roots = sc.get("roots", [])
         if offload is not None:
             settle(llm, roots)
             result["metrics_final"] = counters(llm)
