@@ -10,6 +10,7 @@ import pathlib
 import resource
 import shutil
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -124,9 +125,13 @@ def test_a_slot_outside_the_buffer_fails_like_the_native_layer(stored, outside, 
 
 def test_close_is_idempotent_and_maps_nothing_before_use():
     bounce = Bounce(BLOCK)
-    assert bounce._map is None
+    assert not bounce.mapped
+    bounce.map()
+    bounce.map()
+    assert bounce.mapped
     bounce.close()
     bounce.close()
+    assert not bounce.mapped
 
 
 def test_fs_type_reads_the_mount_table():
@@ -243,3 +248,42 @@ def test_a_slot_this_process_never_mapped_is_mapped_before_the_copy(tmp_path, ur
     assert (rc, n_done) == (0, n)
     assert landed
     assert faults < pages // 4, f"{faults} minor faults for a copy into {pages} pages"
+
+
+def _resident_bounce_buffers(pid: int, nbytes: int) -> int:
+    """Private anonymous mappings of exactly ``nbytes`` in ``pid`` whose every page is
+    resident (``/proc/PID/smaps``)."""
+    found, size = 0, None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                private_anonymous = head[1].endswith("p") and len(head) == 5
+                size = hi - lo if private_anonymous else None
+            elif head[0] == "Anonymous:" and size == nbytes:
+                found += int(head[1]) * 1024 == nbytes
+    return found
+
+
+@pytest.mark.parametrize("setting", [True, False], ids=["bounced", "direct"])
+def test_workers_map_their_bounce_buffer_as_they_start(make_buffer, make_tier, tmp_path,
+                                                       setting):
+    """The bounce buffer is private memory allocated at the session's start, with the
+    pre-fault, not in the first load's time (where a new worker's first job paid
+    100-400 ms)."""
+    from mptier.workers.bounce import BOUNCE_BYTES
+
+    tier = make_tier(make_buffer(4, BLOCK), root_dir=str(tmp_path / "kv"),
+                     bounce_loads=setting, n_load_workers=1, n_store_workers=1)
+    pids = [w["pid"] for w in tier.stats()["workers"]]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 30
+    while True:  # the workers map the buffer once their session started
+        ready = [_resident_bounce_buffers(p, BOUNCE_BYTES) for p in pids]
+        if not setting or all(ready) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    # No load ran yet.
+    assert tier.stats()["bytes_done"]["load"] == 0
+    assert ready == ([1, 1] if setting else [0, 0]), ready

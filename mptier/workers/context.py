@@ -147,6 +147,8 @@ class WorkerContext:
                   owns_descriptors=mapped is not None,
                   bounce=Bounce(session.block_bytes) if any(r.bounce for r in roots)
                   else None)
+        if ctx.bounce is not None:
+            ctx.bounce.map()  # now, like the pre-fault: not in the first load's time
         ctx.caretaker = Caretaker(ctx)
         ctx.reports = RecordWriter(session.completion)
         return ctx
