@@ -284,6 +284,7 @@ FROZEN_ENGINE = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("stale-shm-sweep")  # sweeps stale objects (test_shm.py)
 def test_engine_killed_while_a_worker_hangs_the_next_engine_is_not_held_up_or_misled(
         services, engines, run_dir, make_frozen_cgroup):
     """The dead engine's last task hangs (its worker frozen): the next engine attaches

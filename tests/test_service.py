@@ -203,6 +203,7 @@ def test_service_killed_mid_run_fails_in_flight_and_reattaches(start_service, at
     round_trip(tier, buf, keys_for(4), first_job=200)
 
 
+@pytest.mark.xdist_group("stale-shm-sweep")  # sweeps stale objects (test_shm.py)
 def test_engine_killed_leaves_the_service_ready_for_the_next(start_service, attach,
                                                             make_buffer, run_dir):
     service = start_service()

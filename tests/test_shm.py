@@ -18,6 +18,11 @@ from mptier.shm import cleanup_stale, hold, unique_name
 KB = 1 << 10
 
 
+# Tests that sweep every stale mptier object (cleanup_stale(min_age_s=0)) run in one test
+# process, one at a time: a sweep in another process removes the object this test made
+# stale and then looks for (seen in CI: test_service's sweep took it first).
+STALE_SWEEP = pytest.mark.xdist_group("stale-shm-sweep")
+
 def keys_for(n: int) -> list[bytes]:
     return [make_key(os.urandom(32), 1) for _ in range(n)]
 
@@ -72,6 +77,7 @@ def test_create_rejects_bad_sizes(num_blocks, block_bytes):
         SharedKVBuffer.create(num_blocks, block_bytes)
 
 
+@STALE_SWEEP
 def test_stale_objects_are_those_nobody_holds():
     held, orphan, young = (unique_name("buf") for _ in range(3))
     paths = {n: f"/dev/shm/{n}" for n in (held, orphan, young)}
@@ -109,6 +115,7 @@ sys.stdin.readline()
 """
 
 
+@STALE_SWEEP
 def test_an_attached_buffer_survives_its_creator_and_cleanup():
     import subprocess
     import sys
@@ -148,6 +155,7 @@ buf.unlink()
 """
 
 
+@STALE_SWEEP
 @pytest.mark.skipif(os.geteuid() != 0, reason="unshare --pid needs root")
 def test_buffer_of_a_process_in_another_pid_namespace_survives_cleanup():
     import shutil
