@@ -43,6 +43,41 @@ def run_child(script: str, tree: str, argv: Sequence[object], label: str) -> dic
     return record
 
 
+# For a child script (pasted at its top): its tier's worker processes -- its children --
+# with their minor faults and CPU seconds, from /proc/PID/stat.
+CHILD_WORKERS = r'''
+import os
+TICK = os.sysconf("SC_CLK_TCK")
+
+def workers():
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            s = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        f = s[s.rindex(")") + 2:].split()
+        if int(f[1]) == os.getpid():  # ppid
+            out[int(pid)] = (int(f[7]), (int(f[11]) + int(f[12])) / TICK)
+    return out
+'''
+
+
+def flag_rounds(child: str, name: str, args: argparse.Namespace, root_prefix: str,
+                argv) -> Iterator[tuple[int, str, dict]]:
+    """Run ``child`` for every variant of :func:`variants` (``name`` on and off, and
+    ``args.old``'s tree) in ``args.rounds`` alternating rounds, each on a fresh folder
+    under ``args.root``; ``argv(flag, root)`` gives the child's arguments. Yields
+    ``(round, label, record)`` for the runs that succeeded."""
+    for rnd, (label, tree, flag) in rounds(variants(name, "1", "0", args.old), args.rounds):
+        root = os.path.join(args.root, f"{root_prefix}-{os.getpid()}")
+        record = run_child(child, tree, argv(flag, root), label)
+        if record is not None:
+            yield rnd, label, record
+
+
 def parser(blocks: int) -> argparse.ArgumentParser:
     """The arguments every tree-comparing experiment takes (``blocks``: its default)."""
     p = argparse.ArgumentParser()

@@ -10,34 +10,17 @@ had mapped before the first job (``/proc/PID/pagemap``).
 
 from __future__ import annotations
 
-import os
 import sys
 
-from ab_trees import load_line, parser, rounds, run_child, variants
+from ab_trees import CHILD_WORKERS, flag_rounds, load_line, parser
 
-CHILD = r'''
+CHILD = CHILD_WORKERS + r'''
 import json, os, shutil, sys, time
 import numpy as np
 from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
 block, region, bounce, root, repeats = (int(sys.argv[1]), int(sys.argv[2]),
     sys.argv[3] == "1", sys.argv[4], int(sys.argv[5]))
 JOB = 64
-TICK = os.sysconf("SC_CLK_TCK")
-
-def workers():
-    out = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            s = open(f"/proc/{pid}/stat").read()
-        except OSError:
-            continue
-        f = s[s.rindex(")") + 2:].split()
-        if int(f[1]) == os.getpid():
-            out[int(pid)] = (int(f[7]), (int(f[11]) + int(f[12])) / TICK)
-    return out
-
 def mapped_destination(pid, nbytes):
     """Pages of the buffer's second half present in pid's page table."""
     for line in open(f"/proc/{pid}/maps"):
@@ -103,13 +86,10 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=8, help="64-block jobs per tier")
     args = p.parse_args()
     load_line()
-    for rnd, (label, tree, bounce) in rounds(variants("bounce", "1", "0", args.old),
-                                             args.rounds):
-        root = os.path.join(args.root, f"perf-exp-first-job-{os.getpid()}")
-        r = run_child(CHILD, tree, [args.block, args.blocks, bounce, root, args.repeats],
-                      label)
-        if r is None:
-            continue
+    def argv(bounce: str, root: str) -> list:
+        return [args.block, args.blocks, bounce, root, args.repeats]
+
+    for rnd, label, r in flag_rounds(CHILD, "bounce", args, "perf-exp-first-job", argv):
         print(f"round {rnd} {label:>10}: jobs (ms) {[round(t) for t in r['ms']]}; "
               f"workers per job {r['cpu_ms']:.0f} ms CPU, {r['faults']:.0f} faults; "
               f"destination pages mapped before {r['mapped']} of {r['pages']}; "

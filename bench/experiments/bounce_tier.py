@@ -12,33 +12,16 @@ mptier | tar -x -C DIR`` plus the built _mptier_cffi*.so), bounced and not.
 
 from __future__ import annotations
 
-import os
 import sys
 
-from ab_trees import load_line, parser, rounds, run_child, variants
+from ab_trees import CHILD_WORKERS, flag_rounds, load_line, parser
 
-CHILD = r'''
+CHILD = CHILD_WORKERS + r'''
 import json, os, shutil, sys, time
 import numpy as np
 from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
 block, n, bounce, root, fill_dest, rounds = (int(sys.argv[1]), int(sys.argv[2]),
     sys.argv[3] == "1", sys.argv[4], sys.argv[5] == "1", int(sys.argv[6]))
-TICK = os.sysconf("SC_CLK_TCK")
-
-def workers():
-    out = {}
-    me = os.getpid()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            s = open(f"/proc/{pid}/stat").read()
-        except OSError:
-            continue
-        f = s[s.rindex(")") + 2:].split()
-        if int(f[1]) == me:  # ppid
-            out[int(pid)] = (int(f[7]), (int(f[11]) + int(f[12])) / TICK)
-    return out
 
 def phase(tier, kind, keys, slots, jid):
     submit = tier.submit_store if kind == "store" else tier.submit_load
@@ -87,13 +70,10 @@ def main() -> int:
     p.add_argument("--loads", type=int, default=2, help="load passes per tier")
     args = p.parse_args()
     load_line()
-    for rnd, (label, tree, bounce) in rounds(variants("bounce", "1", "0", args.old),
-                                             args.rounds):
-        root = os.path.join(args.root, f"perf-exp-bounce-{os.getpid()}")
-        r = run_child(CHILD, tree, [args.block, args.blocks, bounce, root,
-                                    int(args.fill_dest), args.loads], label)
-        if r is None:
-            continue
+    def argv(bounce: str, root: str) -> list:
+        return [args.block, args.blocks, bounce, root, int(args.fill_dest), args.loads]
+
+    for rnd, label, r in flag_rounds(CHILD, "bounce", args, "perf-exp-bounce", argv):
         loads = ", ".join(f"{g:5.2f} GB/s {f} flt {c:.2f} cpu-s" for g, f, c in r["loads"])
         print(f"round {rnd} {label:>10} ({r['bounce_loads']}): store "
               f"{r['store_gbps']:5.2f} GB/s; loads: {loads}; ok {r['ok']}", flush=True)
