@@ -99,8 +99,8 @@ def main() -> int:
             if way == "Bounce.map":
                 b = Bounce(block)
                 b.map()
-                view = b._view  # noqa: SLF001 -- the mapping the workers read into
-                runs += runs_per_block(address_of(b._map), len(view), block)  # noqa: SLF001
+                view = b._view  # the mapping the workers read into
+                runs += runs_per_block(address_of(b._map), len(view), block)
                 keep.append(b)
             else:
                 m, n = small_pages(block)
