@@ -78,9 +78,11 @@ def flag_rounds(child: str, name: str, args: argparse.Namespace, root_prefix: st
             yield rnd, label, record
 
 
-def parser(blocks: int) -> argparse.ArgumentParser:
-    """The arguments every tree-comparing experiment takes (``blocks``: its default)."""
+def parser(blocks: int, root: str = "/var/tmp") -> argparse.ArgumentParser:
+    """The arguments every tree-comparing experiment takes (``blocks``, ``root``: its
+    defaults)."""
     p = argparse.ArgumentParser()
+    p.add_argument("--root", default=root, help="where each run makes its folder")
     p.add_argument("--old", help="folder holding an older copy of the mptier package")
     p.add_argument("--block", type=int, default=2 << 20)
     p.add_argument("--blocks", type=int, default=blocks)

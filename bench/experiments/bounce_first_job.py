@@ -82,7 +82,6 @@ print(json.dumps({"code": mptier.__file__, "ms": times, "ok": ok,
 
 def main() -> int:
     p = parser(blocks=512)
-    p.add_argument("--root", default="/var/tmp")
     p.add_argument("--repeats", type=int, default=8, help="64-block jobs per tier")
     args = p.parse_args()
     load_line()

@@ -88,7 +88,6 @@ print(json.dumps({"code": mptier.__file__, "store_gbps": n * block / ts / 1e9, "
 
 def main() -> int:
     p = parser(blocks=256)
-    p.add_argument("--root", default="/var/tmp")
     p.add_argument("--loads", type=int, default=2, help="load passes per tier")
     args = p.parse_args()
     load_line()

@@ -8,7 +8,7 @@ them: ``--old DIR`` puts DIR first on the child's path; make it with
 a SharedKVBuffer of 2 x BLOCKS slots whose source half is filled and whose destination
 half is a hole (never written, as a fresh engine buffer), a tier with default settings
 except ``prefault``, a store of BLOCKS blocks in 16-block jobs with 16 in flight into a
-fresh folder on /dev/shm, then a load of them into the destination half. Prints tier
+fresh folder under ``--root`` (default /dev/shm), then a load of them into the destination half. Prints tier
 start time, store and load GB/s, and how many pages the machine allocated meanwhile.
 """
 
@@ -75,13 +75,13 @@ print(json.dumps({"code": mptier.__file__, "start_s": start_s, "store_gbps": n *
 
 
 def main() -> int:
-    p = parser(blocks=512)
+    p = parser(blocks=512, root="/dev/shm")
     p.add_argument("--pause", type=float, default=3.0, help="seconds between runs")
     args = p.parse_args()
     load_line()
     for rnd, (label, tree, prefault) in rounds(variants("prefault", "1", "0", args.old),
                                                args.rounds):
-        root = f"/dev/shm/perf-exp-tier-{os.getpid()}"
+        root = os.path.join(args.root, f"perf-exp-tier-{os.getpid()}")
         r = run_child(CHILD, tree, [args.block, args.blocks, prefault, root,
                                     int(args.fill_dest)], label)
         if r is None:
