@@ -28,6 +28,9 @@ from mptier.workers.context import describe
 log = logging.getLogger("mptier.workers")
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+# The kernel keeps a task's name in 16 bytes, its terminating NUL included.
+_TASK_NAME_BYTES = 15
 # What the kernel sends a worker when the thread that started it (the supervisor, in the
 # engine or in ``mptier serve``) ends -- its process SIGKILLed included (vLLM's offline
 # teardown SIGKILLs its EngineCore). Not SIGKILL: the worker finishes the task it holds
@@ -71,6 +74,18 @@ def leave_with_parent(parent_pid: int, control: socket.socket, bound_s: float) -
         pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(0)
+
+
+def name_process(name: str) -> None:
+    """Give this process the name ``top``, ``ps -o comm``, ``pgrep`` and psutil's
+    ``Process.name()`` show (``/proc/PID/comm``: "mptier-load-0" rather than "python"),
+    cut to the kernel's 15 bytes. The command line is left as it is. Best effort: a
+    kernel or libc without prctl leaves the name."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:_TASK_NAME_BYTES], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _watch_supervisor(control: socket.socket, bound_s: float) -> None:

@@ -39,6 +39,7 @@ from mptier.workers.orphan import (
     WATCHED,
     leave_no_trace,
     leave_with_parent,
+    name_process,
 )
 from mptier.workers.serving import LEAVE, serve
 from mptier.workers.session import IoSettings, WorkerSession
@@ -69,6 +70,7 @@ def process_main(boot: dict[str, Any]) -> int:
                      min(ORPHAN_EXIT_S, boot.get("io_timeout_s") or ORPHAN_EXIT_S))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the engine's terminal
     slot, role = boot["slot"], boot["role"]
+    name_process(f"mptier-{role}-{slot}")
     try:
         fault = os.environ.get(BOOT_FAULT_ENV)
         if fault and os.path.exists(fault):
