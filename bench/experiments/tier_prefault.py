@@ -9,7 +9,8 @@ a SharedKVBuffer of 2 x BLOCKS slots whose source half is filled and whose desti
 half is a hole (never written, as a fresh engine buffer), a tier with default settings
 except ``prefault``, a store of BLOCKS blocks in 16-block jobs with 16 in flight into a
 fresh folder under ``--root`` (default /dev/shm), then a load of them into the
-destination half. Prints tier start time, store and load GB/s, and how many pages the machine allocated meanwhile.
+destination half. Prints tier start time, store and load GB/s, and how many pages the
+machine allocated meanwhile.
 """
 
 from __future__ import annotations
