@@ -60,6 +60,7 @@ from mptier.workers.control import (
     ROOT_COMPLETE,
     ROOT_EVICTING,
     ROOT_INODES_LOW,
+    ROOT_WALKER,
     RootState,
 )
 from mptier.workers.evictor import EVICTOR_STOP_S, EVICTOR_THREADS, Evictor
@@ -175,6 +176,7 @@ class _Kept:
     window_at: float = 0.0
     evictor: Evictor | None = None
     folders_base: int = 0
+    walked: int = 0  # directory entries walked ever (the tier's, across caretakers)
     inodes: tuple[int, int] = (0, 0)  # statvfs (f_files, f_favail); 0 files: unknown
     inodes_low: bool = False  # past the high watermark of inodes, not back under low
     inodes_at: float = 0.0  # when the inodes are looked at next
@@ -226,6 +228,7 @@ class Caretaker:
                                           functools.partial(control.set_freed, index))
                          if io.capacity_bytes else None,
                          folders_base=control.root_extra(index)[2],
+                         walked=control.walked_entries(index),
                          no_space_seen=control.no_space_stores(index))
             # What workers created before now is on disk already: this walk finds it.
             for slot in range(control.n_slots):
@@ -367,6 +370,7 @@ class Caretaker:
             return
         finally:
             writer.set_root(None)
+        kept.walked += report.walked
         if report.sweep_error is not None:
             exc = report.sweep_error
             text = f"sweeping root {kept.path}: {exc}"
@@ -618,7 +622,8 @@ class Caretaker:
                               held_bytes=kept.pending)
             except OSError as exc:
                 log.warning("mptier: publishing the usage of root %s: %s", kept.path, exc)
-        flags = (ROOT_COMPLETE if complete else 0) | (ROOT_EVICTING if m.evicting else 0)
+        flags = (ROOT_COMPLETE if complete else 0) | (ROOT_EVICTING if m.evicting else 0) \
+            | (ROOT_WALKER if share is None or share.walker else 0)
         position = m.top_position(self.folder)
         # First say which removals the usage below holds: a reader between the two sees
         # them counted (high), never subtracted twice. Readers of usage_now take the
@@ -636,7 +641,8 @@ class Caretaker:
                                inodes_free=kept.inodes[1],
                                folders_removed=kept.folders_base + m.folders_removed,
                                flags=ROOT_INODES_LOW if kept.inodes_low else 0,
-                               stamp=sum(folded for _, folded in kept.made.values()))
+                               stamp=sum(folded for _, folded in kept.made.values()),
+                               walked=kept.walked)
         control.end_publish(kept.index)
 
     def _send_removed(self, keys: list[bytes]) -> None:
