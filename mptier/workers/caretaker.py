@@ -343,12 +343,17 @@ class Caretaker:
             kept.inherited_bytes = max(kept.inherited_bytes, share.last_usage)
             log.info("mptier: worker pid %d is now the walker of root %s", os.getpid(),
                      kept.path)
-        want = max(want_free, self._collect(kept))
-        want = max(want, kept.pending + self._fold(kept, now))
+        waiting = max(want_free, self._collect(kept))  # stores stopped for room now
+        want = max(waiting, kept.pending + self._fold(kept, now))
         free = self._watch_space(kept, now)
         freeing = m.evicting or bool(want) or bool(free)
         urgent = freeing or _near_high(m, m.usage_bytes + want)
-        walking = now >= kept.rest_until or (freeing and not m.candidates_left)
+        # A store that waits for room waits for this step: with candidates in the index
+        # it evicts without walking first (a walk slice of URGENT_BUDGET entries took
+        # ~150 ms on a loaded disk, many times the task waiting; docs/storage.md,
+        # "Capacity at scale"). The pass goes on in the steps between waits.
+        walking = (now >= kept.rest_until and not (waiting and m.candidates_left)) \
+            or (freeing and not m.candidates_left)
         if walking and kept.pass_began is None:
             kept.pass_began = now
         writer.set_root(kept.index)  # a hang here is blamed on this root
