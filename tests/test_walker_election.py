@@ -21,7 +21,6 @@ from test_capacity import (
 )
 
 from mptier.layout import FileMapper
-
 from mptier.storage.election import ELECT_GAP_S, read_usage, share_dir
 
 # Bytes past the budget the files may hold for an instant: one task per writer in
