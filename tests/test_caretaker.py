@@ -396,3 +396,36 @@ def test_a_store_waiting_for_room_is_not_kept_waiting_for_a_walk_slice(open_host
     clock.sleep(keeper.wait_s(1.0))
     keeper.run(busy=False)
     assert host.control.walked_entries(0) > walked, "the pass stopped for good"
+
+
+def test_without_a_budget_other_tiers_stores_do_not_slow_the_walkers_walk(root, clock):
+    """Other tiers' stores in flight (their reservations, read from the root's share)
+    make the walker evict for them only where there is a budget: without one a walker
+    with contributors walks full slices (MAINT_BUDGET), as a tier alone does. (Measured
+    before: eight tiers storing for 30 s, the walker walked 1,184 entries, 32 a step,
+    against 133,376 for one tier alone on the same root.)"""
+    from mptier.storage.election import RootShare
+
+    host = Host(root)
+    host.io = IoSettings(root_dir=root, lease_locks=True)  # the election, on this root
+    keeper = Caretaker(host)
+    other = None
+    try:
+        write_blocks(host, 3000)
+        keeper.take([0])
+        keeper.run(busy=False)
+        assert host.control.root(0).flags & caretaker_module.ROOT_WALKER
+        other = RootShare(root)  # another tier's caretaker: the seat is taken
+        assert not other.elect(clock.now)
+        other.contribute(8 * BLOCK)  # its stores hold room reserved
+        for _ in range(5):
+            walked = host.control.walked_entries(0)
+            clock.sleep(keeper.wait_s(1.0))
+            keeper.run(busy=False)
+            assert host.control.walked_entries(0) - walked == caretaker_module.MAINT_BUDGET
+        assert keeper.kept[0].share.others_reserved == 8 * BLOCK  # it was seen
+    finally:
+        if other is not None:
+            other.close()
+        keeper.close()
+        host.close()
