@@ -369,6 +369,7 @@ def child(args: argparse.Namespace) -> None:
     """One engine of part b: a tier on ``--root``; prints "ready" once its caretaker
     is in place, stores new blocks from "go" on stdin for ``--b-seconds``, prints its
     figures as one JSON line and shuts down."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the tier shuts down
     size = args.block_bytes
     blocks = CHILD_IN_FLIGHT * args.job_blocks
     with SharedKVBuffer.create(num_blocks=blocks, block_bytes=size) as buf, \
