@@ -1,7 +1,8 @@
 """One walker per root (issue 19 item 3), with real tiers, worker processes and files:
 two tiers on one root elect one walker (it walks, evicts and publishes the root's usage
 in .mptier/walk/usage.json), the other never walks or evicts and its stores still hold
-the budget; when the walker's process is killed another caretaker takes the seat."""
+the budget; when the walker's process is killed another caretaker takes the seat; four
+tiers storing into one root walk it as much as one tier does."""
 
 from __future__ import annotations
 
@@ -9,8 +10,17 @@ import os
 import signal
 
 from conftest import wait_for
-from test_capacity import BLOCK, Driver, blocks_on_disk, keys_for, root_stats
+from test_capacity import (
+    BLOCK,
+    KB,
+    Driver,
+    blocks_on_disk,
+    keys_for,
+    root_stats,
+    write_blocks,
+)
 
+from mptier.layout import FileMapper
 from mptier.storage.election import ELECT_GAP_S, read_usage, share_dir
 
 # Bytes past the budget the files may hold for an instant: one task per writer in
@@ -118,3 +128,54 @@ def test_the_other_tier_takes_the_seat_when_the_walker_is_killed(
         assert blocks_on_disk(root)[1] <= cap + OVER_BYTES
     wait_for(lambda: blocks_on_disk(root)[1] <= cap, 20, "eviction by the new walker")
     assert root_stats(survivor)["evicted_blocks"] > 0
+
+
+def tree_entries(root: str) -> int:
+    """Directory entries under ``root`` outside ``.mptier`` (what one pass lists)."""
+    count = 0
+    for dirpath, dirs, files in os.walk(root):
+        if dirpath == root:
+            dirs[:] = [d for d in dirs if d != ".mptier"]
+        count += len(dirs) + len(files)
+    return count
+
+
+def test_four_tiers_storing_into_one_root_walk_it_as_one_tier_does(
+        make_buffer, make_tier, root):
+    """Issue 19's "8 tiers on one root: total walk work at most 2x one tier's", counted at
+    small scale: four tiers (each its own pool) store into a root of a few thousand
+    blocks while the walker completes passes; only one tier's caretakers walk
+    (``walked_entries``), and the total is at most twice that walker's. Were every tier
+    to walk on its own, all four would have walked a pass each."""
+    size = 4 * KB
+    n = 3000
+    mapper = FileMapper(root, model_name="model")
+    mapper.prepare(size)
+    write_blocks(mapper, keys_for(b"tree", n), size)
+    tiers = []
+    for _ in range(4):
+        buf = make_buffer(8, size)
+        tier = make_tier(buf, model_name="model", n_load_workers=1, n_store_workers=1)
+        tiers.append((tier, buf))
+    for tier, _ in tiers:
+        wait_for(lambda t=tier: root_stats(t)["caretaker_pid"], 20, "a caretaker")
+    wait_for(lambda: any(root_stats(t)["walker"] for t, _ in tiers), 20, "a walker")
+    walker = next(i for i, (t, _) in enumerate(tiers) if root_stats(t)["walker"])
+    passes = root_stats(tiers[walker][0])["walk_passes"]
+    drivers = [Driver(tier, buf) for tier, buf in tiers]
+    entries = tree_entries(root)
+    stored = 0
+    # Every tier stores while the walker walks two more passes.
+    while root_stats(tiers[walker][0])["walk_passes"] < passes + 2:
+        for i, run in enumerate(drivers):
+            result = run.store(keys_for(b"tier%d-%d" % (i, stored), 4))
+            assert result.success, result.error
+        stored += 1
+        assert stored < 2000, "the walker did not complete two passes"
+    walked = [root_stats(tier)["walked_entries"] for tier, _ in tiers]
+    assert walked[walker] >= entries, (walked, entries)  # a pass at least: it counts
+    assert sum(walked) <= 2 * walked[walker], f"tiers walked on their own: {walked}"
+    assert sum(w > 0 for w in walked) <= 2, f"tiers walked on their own: {walked}"
+    assert [root_stats(tier)["walker"] for tier, _ in tiers] == \
+        [i == walker for i in range(4)], "one walker, the same throughout"
+    assert len(contributors(root)) == 3

@@ -60,6 +60,7 @@ from mptier.workers.control import (
     ROOT_COMPLETE,
     ROOT_EVICTING,
     ROOT_INODES_LOW,
+    ROOT_WALKER,
     RootState,
 )
 from mptier.workers.evictor import EVICTOR_STOP_S, EVICTOR_THREADS, Evictor
@@ -175,6 +176,7 @@ class _Kept:
     window_at: float = 0.0
     evictor: Evictor | None = None
     folders_base: int = 0
+    walked: int = 0  # directory entries walked ever (the tier's, across caretakers)
     inodes: tuple[int, int] = (0, 0)  # statvfs (f_files, f_favail); 0 files: unknown
     inodes_low: bool = False  # past the high watermark of inodes, not back under low
     inodes_at: float = 0.0  # when the inodes are looked at next
@@ -226,6 +228,7 @@ class Caretaker:
                                           functools.partial(control.set_freed, index))
                          if io.capacity_bytes else None,
                          folders_base=control.root_extra(index)[2],
+                         walked=control.walked_entries(index),
                          no_space_seen=control.no_space_stores(index))
             # What workers created before now is on disk already: this walk finds it.
             for slot in range(control.n_slots):
@@ -288,7 +291,8 @@ class Caretaker:
         if kept.usage_target is not None or \
                 control.no_space_stores(kept.index) > kept.no_space_seen:
             return True
-        if kept.share is not None and kept.share.walker and kept.share.others_reserved:
+        if kept.share is not None and kept.share.walker and kept.share.others_reserved \
+                and m.capacity_bytes:
             return True  # another tier's stores wait for this walker's eviction
         return any(control.slot_stores(slot, kept.index).want_free
                    for slot in range(control.n_slots))
@@ -340,12 +344,20 @@ class Caretaker:
             kept.inherited_bytes = max(kept.inherited_bytes, share.last_usage)
             log.info("mptier: worker pid %d is now the walker of root %s", os.getpid(),
                      kept.path)
-        want = max(want_free, self._collect(kept))
-        want = max(want, kept.pending + self._fold(kept, now))
+        waiting = max(want_free, self._collect(kept))  # stores stopped for room now
+        want = max(waiting, kept.pending + self._fold(kept, now))
         free = self._watch_space(kept, now)
-        freeing = m.evicting or bool(want) or bool(free)
+        # Without a budget nothing is evicted, whatever stores hold (other tiers'
+        # reservations made a walker with contributors walk 32 entries a step: 1,184
+        # entries in 30 s under eight tiers' stores, against 133,376 for one tier).
+        freeing = m.evicting or (bool(want) and bool(m.capacity_bytes)) or bool(free)
         urgent = freeing or _near_high(m, m.usage_bytes + want)
-        walking = now >= kept.rest_until or (freeing and not m.candidates_left)
+        # A store that waits for room waits for this step: with candidates in the index
+        # it evicts without walking first (a walk slice of URGENT_BUDGET entries took
+        # ~150 ms on a loaded disk, many times the task waiting; docs/storage.md,
+        # "Capacity at scale"). The pass goes on in the steps between waits.
+        walking = (now >= kept.rest_until and not (waiting and m.candidates_left)) \
+            or (freeing and not m.candidates_left)
         if walking and kept.pass_began is None:
             kept.pass_began = now
         writer.set_root(kept.index)  # a hang here is blamed on this root
@@ -367,6 +379,7 @@ class Caretaker:
             return
         finally:
             writer.set_root(None)
+        kept.walked += report.walked
         if report.sweep_error is not None:
             exc = report.sweep_error
             text = f"sweeping root {kept.path}: {exc}"
@@ -618,7 +631,8 @@ class Caretaker:
                               held_bytes=kept.pending)
             except OSError as exc:
                 log.warning("mptier: publishing the usage of root %s: %s", kept.path, exc)
-        flags = (ROOT_COMPLETE if complete else 0) | (ROOT_EVICTING if m.evicting else 0)
+        flags = (ROOT_COMPLETE if complete else 0) | (ROOT_EVICTING if m.evicting else 0) \
+            | (ROOT_WALKER if share is None or share.walker else 0)
         position = m.top_position(self.folder)
         # First say which removals the usage below holds: a reader between the two sees
         # them counted (high), never subtracted twice. Readers of usage_now take the
@@ -636,7 +650,8 @@ class Caretaker:
                                inodes_free=kept.inodes[1],
                                folders_removed=kept.folders_base + m.folders_removed,
                                flags=ROOT_INODES_LOW if kept.inodes_low else 0,
-                               stamp=sum(folded for _, folded in kept.made.values()))
+                               stamp=sum(folded for _, folded in kept.made.values()),
+                               walked=kept.walked)
         control.end_publish(kept.index)
 
     def _send_removed(self, keys: list[bytes]) -> None:

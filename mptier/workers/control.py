@@ -16,7 +16,8 @@ attaches. Three parts::
                   afterwards, so the engine tells "nothing new" from a few integers in
                   shared memory, without a system call
     extras        per root (ROOT_EXTRA_BYTES): its file system's inodes (total, free),
-                  empty folders removed, flags (written by the caretaker)
+                  empty folders removed, flags, entries walked (written by the
+                  caretaker)
     counters_end  one slot per worker (SLOT_BYTES each):
         +0            header: state, started_ns, tasks_done, bytes_done, busy_ns,
                       tasks_failed (u64 each), pid, role (u32 each)
@@ -145,18 +146,22 @@ class RootState(enum.IntEnum):
 
 ROOT_COMPLETE = 1  # flags: the usage is a whole walk's total (else a lower bound)
 ROOT_EVICTING = 2  # flags: past the high watermark, evicting to the low one
+ROOT_WALKER = 4  # flags: this tier's caretaker walks the root (it holds the seat, or
+#                  locks do not work there and it walks alone)
 # extras: inodes total, inodes free (statvfs f_files, f_favail), empty folders removed
 # (u64), flags (u32, pad)
 # inodes total, inodes free, folders removed (u64), flags, pad (u32), then the stamp:
 # the bytes of slots' created blocks the published usage holds, the bytes the
 # caretaker's unlink threads removed (ever), and of those the part the published usage
-# holds (u64 each)
-_ROOT_EXTRA = struct.Struct("<QQQIIQQQ")
+# holds (u64 each), then the directory entries this tier's caretakers walked on the
+# root, ever (u64: the walk work that one walker per root keeps to one tier's)
+_ROOT_EXTRA = struct.Struct("<QQQIIQQQQ")
 _FREED_AT = 40  # the removed bytes' place in a root's extras
 # The pad after the flags holds the publication's sequence number (odd while the
 # caretaker publishes; ControlBlock.begin_publish), the stamp follows it.
 _SEQ_AT = 28
 _STAMP_AT = 32
+_WALKED_AT = 56
 # A reader of a root's usage retries this often at most while its caretaker publishes
 # (a publication is a few stores into shared memory: microseconds), then takes the
 # figure as read (a caretaker killed mid-publication leaves the sequence odd).
@@ -408,13 +413,21 @@ class ControlBlock:
         return struct.unpack_from("<QQ", self.memory, self._slot_at(slot) + SLOT_WAITS_AT)
 
     def set_root_extra(self, index: int, *, inodes_total: int, inodes_free: int,
-                       folders_removed: int, flags: int, stamp: int = 0) -> None:
+                       folders_removed: int, flags: int, stamp: int = 0,
+                       walked: int = 0) -> None:
         """(The root's caretaker.) The removed-bytes fields are left as they are."""
         self._root_at(index)  # range check
         at = self._extras_at + index * ROOT_EXTRA_BYTES
         struct.pack_into("<QQQI", self.memory, at, max(0, inodes_total),
                          max(0, inodes_free), folders_removed, flags)
         struct.pack_into("<Q", self.memory, at + _STAMP_AT, stamp)
+        struct.pack_into("<Q", self.memory, at + _WALKED_AT, walked)
+
+    def walked_entries(self, index: int) -> int:
+        """Directory entries this tier's caretakers walked on root ``index``, ever."""
+        self._root_at(index)
+        return struct.unpack_from("<Q", self.memory, self._extras_at
+                                  + index * ROOT_EXTRA_BYTES + _WALKED_AT)[0]
 
     def begin_publish(self, index: int) -> None:
         """(The root's caretaker.) Its usage, stamp and freed stamp change together:

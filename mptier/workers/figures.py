@@ -15,6 +15,7 @@ from mptier.workers.control import (
     ROOT_COMPLETE,
     ROOT_EVICTING,
     ROOT_INODES_LOW,
+    ROOT_WALKER,
     ControlBlock,
     RootState,
     latency_percentiles,
@@ -68,6 +69,8 @@ def root_figures(control: ControlBlock, io: IoSettings) -> list[dict[str, Any]]:
             "evicting": bool(rec.flags & ROOT_EVICTING),
             "evicted_blocks": rec.evicted_blocks, "evicted_bytes": rec.evicted_bytes,
             "temps_removed": rec.temps_removed, "walk_passes": rec.pass_id,
+            "walker": bool(rec.flags & ROOT_WALKER),
+            "walked_entries": control.walked_entries(index),
             **_inode_figures(control, index),
             "caretaker_pid": rec.caretaker_pid or None})
     return out
