@@ -16,6 +16,7 @@ from conftest import wait_for, wait_results
 
 from mptier import LookupResult, TransferJob, make_key
 from mptier.workers import spawning
+from mptier.workers.watchdog import private_memory
 
 KB = 1 << 10
 BLOCK = 16 * KB
@@ -211,15 +212,25 @@ def test_an_idle_worker_that_stops_answering_is_replaced(make_buffer, make_tier)
 
 
 def test_a_worker_past_its_memory_limit_is_replaced(make_buffer, make_tier, monkeypatch):
-    # Each task leaks 64 MiB at its start. A worker's own private memory is about 25 MiB
-    # (the interpreter, cffi, numpy), so one task keeps it under the limit with room to
-    # spare (~23 MiB) and the second takes it far past: the supervisor may kill it while
-    # that task runs, and the task is then retried on the replacement, which holds one
-    # leak only.
-    monkeypatch.setenv("MPTIER_FAULT_GROW", str(64 << 20))
+    # Each task leaks 128 MiB at its start. The limit is a worker's own private memory
+    # (measured on an idle worker of the same kind: about 41 MiB here, the interpreter,
+    # cffi, numpy and its 16 MiB bounce buffer) plus 1.5 leaks, so one task keeps it
+    # under the limit with 64 MiB to spare for what a serving worker allocates beside
+    # (seen: 34-45 MiB at 64 MiB leaks), and the second takes it far past: the
+    # supervisor may kill it while that task runs, and the task is then retried on the
+    # replacement, which holds one leak only. (A fixed 112 MiB limit left
+    # 7 MiB to spare once the bounce buffer was mapped at start: a worker with one leak
+    # was seen at 112-119 MiB and killed too.)
+    leak = 128 << 20
+    probe = make_tier(make_buffer(4, BLOCK), n_load_workers=0, n_store_workers=1)
+    wait_for(lambda: full_pool(probe, 1), timeout=15, what="the probe's worker")
+    own = private_memory(probe.stats()["workers"][0]["pid"])
+    probe.shutdown()
+    assert own is not None
+    monkeypatch.setenv("MPTIER_FAULT_GROW", str(leak))
     buf = make_buffer(4, BLOCK)
     tier = make_tier(buf, n_load_workers=0, n_store_workers=1,
-                     max_worker_rss_bytes=112 << 20)
+                     max_worker_rss_bytes=own + leak + leak // 2)
     first = tier.stats()["workers"][0]["pid"]
     for job in range(2):
         tier.submit_store(TransferJob(job, [make_key(bytes([job]) * 32)], [0]))
