@@ -975,10 +975,13 @@ def impostor(row: Row, root: str, restarts: int = 2) -> None:
         shutil.rmtree(pub, ignore_errors=True)
 
 
-KILLED_AT_START = """
+# The killed engines' blocks, and the live tier's after them: a root's first tier records
+# its block size there (mptier.json) and a tier of another size is refused on it.
+KILLED_BLOCK = 4096
+KILLED_AT_START = f"""
 import sys, time
 from mptier import FileSystemTier, SharedKVBuffer
-buf = SharedKVBuffer.create(8, 4096)
+buf = SharedKVBuffer.create(8, {KILLED_BLOCK})
 print(buf.name, flush=True)
 tier = FileSystemTier(buf, root_dir=sys.argv[1], n_load_workers=1, n_store_workers=1,
                       prefault=False)
@@ -1028,7 +1031,7 @@ def killed_at_start(row: Row, root: str, engines: int = 30) -> None:
 
         at_kill = (len(shm_left()), len(leases_left()))
         started = time.monotonic()
-        buf = SharedKVBuffer.create(8, BLOCK)
+        buf = SharedKVBuffer.create(8, KILLED_BLOCK)
         tier = FileSystemTier(buf, root_dir=root, n_load_workers=1, n_store_workers=1,
                               prefault=False)
         try:
