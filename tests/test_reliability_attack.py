@@ -334,3 +334,19 @@ def test_the_scenario_runner_runs_and_writes_its_table(tmp_path):
             assert row["notes"] and row["notes"][-1].startswith("skipped: "), row
     assert "| scenario | jobs run |" in out.with_suffix(".md").read_text()
     assert report["load_average_before"] and report["date"]
+
+
+@pytest.mark.slow
+def test_the_runners_lifecycle_scenarios_run_clean(tmp_path):
+    """killed_at_start and root_moved (the runner's round-three scenarios; about 30 s) run
+    and come out whole: killed_at_start once failed its live tier's start (a root refuses
+    a tier whose block size differs from the one it records) and nothing else noticed."""
+    out = tmp_path / "reliability.json"
+    bench = os.path.join(os.path.dirname(__file__), "reliability_run.py")
+    run = subprocess.run([sys.executable, bench, "--only", "killed_at_start,root_moved",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = {r["scenario"]: r for r in json.loads(out.read_text())["rows"]}
+    assert {name: row["status"] for name, row in rows.items()} == {
+        "killed_at_start": "ran", "root_moved": "ran"}, rows
+    assert all(row["objects_leaked"] == 0 for row in rows.values()), rows
