@@ -51,6 +51,10 @@ class TierConfig:
     # blocks are evicted, just the excess. The watermarks: of inodes in use (eviction for
     # inodes starts past high and stops under low).
     capacity_bytes: int = 0
+    # Which blocks leave first (mptier.storage.maintain.POLICIES): "two-queue" keeps
+    # blocks loaded since their store ahead of blocks never asked for again; "lru" takes
+    # the least recently used, whatever it was.
+    eviction_policy: str = "two-queue"
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     # Where file locks do not work, a temporary file this old is a dead writer's.
@@ -286,6 +290,10 @@ class TierConfig:
             _want(isinstance(getattr(self, name), bool), name, getattr(self, name),
                   "true or false")
         _want_int(self, "worker_nice", low=0, high=19)
+        from mptier.storage.maintain import POLICIES
+
+        _want(self.eviction_policy in POLICIES, "eviction_policy", self.eviction_policy,
+              " or ".join(f'"{p}"' for p in POLICIES))
         _want(isinstance(self.worker_cpus, (list, tuple))
               and all(isinstance(c, int) and c >= 0 for c in self.worker_cpus),
               "worker_cpus", self.worker_cpus, "a list of CPU numbers, e.g. [1]")

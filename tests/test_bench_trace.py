@@ -12,7 +12,12 @@ import pytest
 from mptier.bench.cli import main as bench_main
 from mptier.bench.trace_replay import BlockContent, Replay
 from mptier.bench.tracefile import TraceError, footprint_blocks, read_trace
-from mptier.bench.tracesim import simulate_belady, simulate_lru, simulate_unbounded
+from mptier.bench.tracesim import (
+    simulate_belady,
+    simulate_lru,
+    simulate_two_queue,
+    simulate_unbounded,
+)
 
 KB = 1 << 10
 # One worker of each kind: the replays here are small, and every worker boots in turn.
@@ -48,6 +53,22 @@ def test_a_block_held_without_its_parent_is_no_hit():
     assert (belady.blocks_hit, belady.blocks_stored, belady.tokens_hit) == (2, 3, 612)
     assert lru.tokens_requested == belady.tokens_requested == 1736
     assert belady.token_hit_ratio == pytest.approx(612 / 1736)
+
+
+def test_two_queue_keeps_a_used_block_that_lru_lets_go_worked_by_hand():
+    # Capacity 4: 1 and 2 stored, 1 hit (used), 3 and 4 stored: full. LRU then evicts
+    # 2 for 5 and 1 for 6, so the last [1] misses. Two-queue evicts the oldest
+    # never-used blocks while they are more than half: 2, then 3; the last [1] hits.
+    stream = [[1, 2], [1], [3], [4], [5], [6], [1]]
+    assert simulate_lru(stream, 4).blocks_hit == 1
+    assert simulate_two_queue(stream, 4).blocks_hit == 2
+    # Capacity 3, the ghost: 1 evicted for 4, then stored again at once: it enters the
+    # used order, so 5, 6 and 7 push out 3, 4 and 5 instead and the last [1] hits; LRU
+    # (and two-queue without the ghost) let it go at 7.
+    stream = [[1], [2], [3], [4], [1], [5], [6], [7], [1]]
+    assert simulate_lru(stream, 3).blocks_hit == 0
+    tq = simulate_two_queue(stream, 3)
+    assert (tq.blocks_hit, tq.blocks_stored, tq.policy) == (1, 8, "two-queue")
 
 
 def test_lru_keeps_the_recently_used_prefix():

@@ -77,9 +77,9 @@ def test_the_pool_settings_are_derived_from_every_field_of_the_config(tmp_path):
                "prefault": False, "worker_nice": 3, "worker_cpus": [0],
                "io_timeout_s": 7.0, "max_task_retries": 5, "worker_start_timeout_s": 9.0,
                "max_stuck_workers": 1, "heartbeat_s": 0.0, "max_worker_rss_bytes": 1 << 30,
-               "capacity_bytes": 1 << 20, "high_watermark": 0.9, "low_watermark": 0.5,
-               "stale_temp_s": 60.0, "lease_locks": False, "root_failures_to_fail": 9,
-               "root_retry_s": 4.0}
+               "capacity_bytes": 1 << 20, "eviction_policy": "lru",
+               "high_watermark": 0.9, "low_watermark": 0.5, "stale_temp_s": 60.0,
+               "lease_locks": False, "root_failures_to_fail": 9, "root_retry_s": 4.0}
     names = {f.name for f in fields(PoolSettings)} - {"root_dir", "root_dirs", "backend"}
     assert names == set(changed), "a PoolSettings field this test does not change"
     assert all(changed[k] != default_of(k) for k in changed)
@@ -87,8 +87,8 @@ def test_the_pool_settings_are_derived_from_every_field_of_the_config(tmp_path):
     assert {k: getattr(settings, k) for k in changed} == changed
     # ... and IoSettings takes the storage ones from PoolSettings by the same names.
     io = prepare_io(settings, TierConfig().layout_kwargs(), 4096)
-    for name in ("prefault", "capacity_bytes", "high_watermark", "low_watermark",
-                 "stale_temp_s"):
+    for name in ("prefault", "capacity_bytes", "eviction_policy", "high_watermark",
+                 "low_watermark", "stale_temp_s"):
         assert getattr(io, name) == changed[name], name
     assert io.lease_locks is False and io.use_o_direct is False
 

@@ -342,3 +342,72 @@ def test_blocks_of_one_atime_leave_deepest_first_and_keep_their_rank(tmp_path):
     while (e := index.pop_oldest()) is not None:
         order.append(os.path.basename(e.path))
     assert order == ["old", "d", "c", "a", "b", "e"]
+
+
+def _entry(tmp_path, name: str, atime: int, mtime: int | None = None, ino: int = 1):
+    from mptier.storage.walk import Entry
+
+    return Entry(str(tmp_path / name), Kind.BLOCK, BB, atime,
+                 atime if mtime is None else mtime, ino, "f", None)
+
+
+def _drain(index) -> list[str]:
+    order = []
+    while (e := index.pop_oldest()) is not None:
+        order.append(os.path.basename(e.path))
+    return order
+
+
+@pytest.mark.parametrize("policy", ["two-queue", "lru"])
+def test_two_queue_keeps_used_blocks_ahead_of_unused_ones_and_lru_does_not(
+        tmp_path, policy):
+    """a..f stored in that order; b used again (its atime moved while it was known) before
+    e and f were stored. LRU takes the oldest atime: a c d b e f. Two-queue takes the
+    oldest never-used block while those are more than half the index, then the oldest
+    used one: a c d e, then b (used, 1 of 2 left), then f."""
+    from mptier.storage.maintain import BlockIndex
+
+    index = BlockIndex(policy=policy)
+    for i, name in enumerate("abcd"):
+        index.know(_entry(tmp_path, name, T0 + i))
+    index.know(_entry(tmp_path, "b", T0 + 10, mtime=T0 + 1))  # loaded at T0 + 10
+    for i, name in enumerate("ef"):
+        index.know(_entry(tmp_path, name, T0 + 20 + i))
+    assert index.used_blocks == (1 if policy == "two-queue" else 0)
+    want = {"lru": list("acdbef"), "two-queue": list("acdebf")}[policy]
+    assert _drain(index) == want
+
+
+def test_two_queue_marks_blocks_stored_again_after_their_eviction_and_walked_used_ones(
+        tmp_path):
+    """The ghost: a path evicted (forgotten) and then known again is a block the cache
+    let go too early, so it comes back used. A block the walk meets first with its atime
+    well past its mtime (USED_GAP_NS) was loaded after its store: used too. A refused
+    candidate re-known with used=True (its atime moved while out) is used."""
+    from mptier.storage.maintain import USED_GAP_NS, BlockIndex
+
+    index = BlockIndex(policy="two-queue")
+    index.know(_entry(tmp_path, "x", T0))
+    assert index.pop_oldest().path.endswith("x")
+    index.forget(str(tmp_path / "x"))                       # evicted
+    index.know(_entry(tmp_path, "y", T0 + 1))
+    index.know(_entry(tmp_path, "x", T0 + 2, ino=2))        # stored again
+    index.know(_entry(tmp_path, "old", T0 - USED_GAP_NS, mtime=T0 - 2 * USED_GAP_NS - 1))
+    index.know(_entry(tmp_path, "fresh", T0 + 3, mtime=T0 + 3 - USED_GAP_NS // 2))
+    assert index.used_blocks == 2, "x (ghost) and old (loaded long after its store)"
+    out = index.pop_oldest()                                # probation 2 of 4: used first
+    assert out.path.endswith("old")
+    index.know(out._replace(atime_ns=T0 + 9), used=True)    # refused: used while out
+    assert index.used_blocks == 2
+    # x (used; probation 2 of 4), y (probation 2 of 3), old (1 of 2), fresh
+    assert _drain(index) == ["x", "y", "old", "fresh"]
+
+
+def test_an_unknown_eviction_policy_is_refused_naming_the_choices(tmp_path):
+    from mptier import ConfigError, TierConfig
+    from mptier.storage.maintain import BlockIndex
+
+    with pytest.raises(ValueError, match=r"'mru'.*two-queue, lru"):
+        BlockIndex(policy="mru")
+    with pytest.raises(ConfigError, match=r"eviction_policy = 'mru'.*two-queue.* or .*lru"):
+        TierConfig(root_dir=str(tmp_path), eviction_policy="mru").validate()

@@ -29,7 +29,13 @@ from mptier.bench.tracefile import (
     footprint_blocks,
     read_trace,
 )
-from mptier.bench.tracesim import simulate_belady, simulate_lru, simulate_unbounded
+from mptier.bench.tracesim import (
+    simulate_belady,
+    simulate_lru,
+    simulate_two_queue,
+    simulate_unbounded,
+)
+from mptier.storage.maintain import DEFAULT_POLICY, POLICIES
 
 TRACE_SCHEMA = 1
 DEFAULT_BLOCK = "64K"
@@ -64,6 +70,9 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --trace: the tier's byte budget as a fraction of the trace's footprint")
     add("--requests", type=int, metavar="N",
         help="with --trace: replay the first N requests (default: all)")
+    add("--eviction-policy", choices=POLICIES, default=DEFAULT_POLICY,
+        help=f"with --trace: the tier's eviction_policy (default {DEFAULT_POLICY}); "
+             "both are simulated beside it")
 
 
 def _amount(n: int) -> str:
@@ -128,6 +137,7 @@ def trace_doc(requests: list, args: argparse.Namespace, block_bytes: int, root: 
     tokens = [r.block_tokens() for r in requests]
     simulated = {sim.policy: sim.as_dict() for sim in (
         simulate_lru(streams, budget_blocks, tokens),
+        simulate_two_queue(streams, budget_blocks, tokens),
         simulate_belady(streams, budget_blocks, tokens),
         simulate_unbounded(streams, tokens))}
     fs_type, _mount = filesystem_of(root)
@@ -151,7 +161,8 @@ def trace_doc(requests: list, args: argparse.Namespace, block_bytes: int, root: 
               f"{format_size(block_bytes)}) into {folder}, budget "
               f"{_amount(budget_bytes)}", file=sys.stderr, flush=True)
     try:
-        tier = Replay(requests, block_bytes, folder, budget_bytes).run(progress)
+        tier = Replay(requests, block_bytes, folder, budget_bytes,
+                      {"eviction_policy": args.eviction_policy}).run(progress)
     except Exception as exc:  # the tier or a wait failed: say where, keep the cause
         print(f"mptier bench: FAILED: the replay stopped: {type(exc).__name__}: {exc}",
               file=sys.stderr)
@@ -179,7 +190,7 @@ def trace_doc(requests: list, args: argparse.Namespace, block_bytes: int, root: 
         "block_bytes": block_bytes, "root": root, "root_fs": fs_type,
         "budget": {"fraction": args.budget, "bytes": budget_bytes, "blocks": budget_blocks,
                    "footprint_bytes": footprint * block_bytes},
-        "tier": tier, "simulated": simulated,
+        "eviction_policy": args.eviction_policy, "tier": tier, "simulated": simulated,
     }
 
 
@@ -195,15 +206,18 @@ def print_report(doc: dict[str, Any]) -> None:
           f"load average {doc['load_average']['start'][0]:.2f} -> "
           f"{doc['load_average']['end'][0]:.2f}")
     print()
-    print(f"{'':12}{'block hits':>12}{'hit ratio':>11}{'token ratio':>13}{'vs LRU':>8}")
+    print(f"{'':18}{'block hits':>12}{'hit ratio':>11}{'token ratio':>13}{'vs LRU':>8}")
     lru = sim["lru"]["hit_ratio"]
-    rows = [("tier", t["blocks_hit"], t["hit_ratio"], t["token_hit_ratio"])]
+    rows = [(f"tier ({doc.get('eviction_policy', 'lru')})", t["blocks_hit"],
+             t["hit_ratio"], t["token_hit_ratio"])]
     rows += [(name, s["blocks_hit"], s["hit_ratio"], s["token_hit_ratio"])
-             for name, s in (("LRU (sim)", sim["lru"]), ("Belady (sim)", sim["belady"]),
-                             ("unbounded", sim["unbounded"]))]
+             for name, s in (("LRU (sim)", sim["lru"]),
+                             ("two-queue (sim)", sim.get("two-queue")),
+                             ("Belady (sim)", sim["belady"]),
+                             ("unbounded", sim["unbounded"])) if s is not None]
     for name, hits, ratio, tokens in rows:
         versus = f"{ratio / lru:.2f}x" if lru else "-"
-        print(f"{name:12}{hits:>12}{ratio:>11.3f}{tokens:>13.3f}{versus:>8}")
+        print(f"{name:18}{hits:>12}{ratio:>11.3f}{tokens:>13.3f}{versus:>8}")
     print(f"({t['blocks_requested']} blocks asked for: {t['blocks_hit']} hit + "
           f"{t['blocks_requested'] - t['blocks_hit']} missed; tier lookups "
           f"{t['lookups']} = {t['lookup_hits']} hits + {t['lookup_misses']} first misses)")

@@ -23,6 +23,8 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mptier.storage.maintain import PROBATION_SHARE
+
 # A next use that never comes (the block is not asked for again in the stream).
 NEVER = 1 << 62
 
@@ -90,6 +92,46 @@ def simulate_lru(requests: Sequence[Sequence[int]], capacity_blocks: int,
             if len(cache) >= capacity_blocks:
                 cache.popitem(last=False)
             cache[block] = None
+        _count(result, ids, hit, tokens[n] if tokens is not None else [1] * len(ids))
+    return result
+
+
+def simulate_two_queue(requests: Sequence[Sequence[int]], capacity_blocks: int,
+                       tokens: Sequence[Sequence[int]] | None = None,
+                       probation_share: float = PROBATION_SHARE) -> SimResult:
+    """The tier's ``"two-queue"`` eviction (mptier.storage.maintain.BlockIndex) over the
+    same stream and accounting as :func:`simulate_lru`: a hit moves a block to the used
+    order; a block stored again while the ghost (the last evicted, as many as the
+    capacity) remembers it enters the used order; the oldest never-used block leaves
+    while those are more than ``probation_share`` of the cache, else the oldest used."""
+    _check_capacity(capacity_blocks)
+    result = SimResult("two-queue", capacity_blocks)
+    probation: collections.OrderedDict[int, None] = collections.OrderedDict()
+    used: collections.OrderedDict[int, None] = collections.OrderedDict()
+    ghost: collections.OrderedDict[int, None] = collections.OrderedDict()
+    for n, ids in enumerate(requests):
+        hit = 0
+        while hit < len(ids) and (ids[hit] in probation or ids[hit] in used):
+            hit += 1
+        for block in ids[:hit]:  # loaded: used again
+            probation.pop(block, None)
+            used.pop(block, None)
+            used[block] = None
+        for block in ids[hit:]:
+            if block in probation or block in used or capacity_blocks == 0:
+                continue  # present (the tier skips it, touching nothing), or no room
+            while len(probation) + len(used) >= capacity_blocks:
+                held = len(probation) + len(used)
+                if probation and (len(probation) > probation_share * held or not used):
+                    ghost[probation.popitem(last=False)[0]] = None
+                    if len(ghost) > capacity_blocks:
+                        ghost.popitem(last=False)
+                else:
+                    used.popitem(last=False)
+            if ghost.pop(block, False) is None:
+                used[block] = None
+            else:
+                probation[block] = None
         _count(result, ids, hit, tokens[n] if tokens is not None else [1] * len(ids))
     return result
 

@@ -4,16 +4,18 @@
       report = maintainer.step(budget, want_free=reserved)   walk <= budget entries
         ├─ UsageTracker    usage rebuilt pass by pass, own stores/evictions as deltas
         ├─ TempSweeper     stale temporary files and dead writers' leases removed
-        ├─ BlockIndex      every block the walk saw, oldest atime first (a heap)
-        ├─ evict           usage + want_free past capacity - slack: the oldest in the
-        │                  index, exactly the excess (or ``free_bytes``: inodes, ENOSPC)
+        ├─ BlockIndex      every block the walk saw or a worker told, in eviction
+        │                  order (two-queue by default, or LRU: heaps by atime)
+        ├─ evict           usage + want_free past capacity - slack: the index's next,
+        │                  exactly the excess (or ``free_bytes``: inodes, ENOSPC)
         └─ empty folders   <h3> and <h2>_g<group> folders the walk finds empty: removed
       report.removed       -> "removed" events;  maintainer.usage_bytes -> stats()
 
 Eviction never waits for a walk pass: a block enters the index the moment the walk
 lists it, and eviction takes the oldest known one. A candidate used since it was
 indexed (its atime moved) is looked at again (one lstat) and put back with its new
-atime, so the order is LRU by atime over every block walked. The walk only reconciles
+atime (and, under two-queue, as used), so the order is the policy's over every block
+walked. The walk only reconciles
 the index with what others did (their stores are added as it finds them, their
 evictions are dropped when :func:`evict` finds the file gone). Should the index run dry
 while usage is still over, the caretaker walks on at once: what the next step finds is
@@ -67,33 +69,73 @@ FOLDER_GRACE_NS = 10 * 10**9
 # counted as unlisted (high until the next pass, never low). Memory: the blocks stored
 # in this time, not the root's size.
 TOLD_WINDOW_NS = 60 * 10**9
+# Eviction orders (BlockIndex): "lru", or "two-queue" (blocks used again since their
+# store are kept ahead of blocks never used again). Measured on the conversation trace
+# (bench --trace; docs/storage.md "Eviction policy"): two-queue beats an LRU of the full
+# budget while keeping the slack free, LRU of the same files does not.
+POLICIES = ("two-queue", "lru")
+DEFAULT_POLICY = "two-queue"
+# Two-queue: the oldest never-used block leaves while never-used blocks are more than
+# this share of the index, else the oldest used one. Simulated on the whole trace at
+# 0.95 of a 5 %/10 %/25 % budget: 0.3 fell under LRU at 10 %, 0.4-0.6 stayed over it.
+PROBATION_SHARE = 0.5
+# Two-queue: evicted paths remembered (hashes, ~70 bytes each: 18 MB at the bound). The
+# bound is also the index's size, so the ghost covers about one cache's worth.
+GHOST_MAX = 262_144
+# Two-queue: a block the walk meets first whose atime is this far past its mtime was
+# loaded after its store (the store's own touch lands milliseconds after the data).
+USED_GAP_NS = 2 * 10**9
 
 
 class BlockIndex:
-    """Blocks by atime, oldest first: a heap with lazy deletion and a dict of the
-    latest entry per path. Blocks of one atime (a store's blocks share the kernel's
-    clock tick, a few milliseconds) go deepest first: a block's *rank* is its place in
-    the store that created it (``know(entry, rank)``, kept while the block is known), and
-    the higher rank leaves first. A prefix's tail then goes before its head, which keeps
+    """Blocks by atime, oldest first: heaps with lazy deletion and a dict of the latest
+    entry per path. Blocks of one atime (a store's blocks share the kernel's clock tick,
+    a few milliseconds) go deepest first: a block's *rank* is its place in the store
+    that created it (``know(entry, rank)``, kept while the block is known), and the
+    higher rank leaves first. A prefix's tail then goes before its head, which keeps
     more whole prefixes: measured on the conversation trace, 1.02-1.03x the hit ratio of
     an LRU of the same size that leaves a tick's blocks in any order (simulated, 10 % and
-    25 % budgets; docs/storage.md). Not thread-safe (the caretaker's thread owns it)."""
+    25 % budgets; docs/storage.md). Not thread-safe (the caretaker's thread owns it).
 
-    def __init__(self, max_entries: int = DEFAULT_MAX_INDEX) -> None:
+    ``policy`` (:data:`POLICIES`): ``"lru"`` takes the oldest block known.
+    ``"two-queue"`` keeps two LRU orders: *probation*, blocks not used since their
+    store, and *used*, blocks a load touched since (seen as an atime that moved while
+    the block was known, or, for a block first met by the walk, an atime
+    ``USED_GAP_NS`` past its mtime) and blocks stored again soon after this index
+    evicted them (the *ghost*, the last ``GHOST_MAX`` evicted paths). It takes the
+    oldest of probation while probation holds more than ``PROBATION_SHARE`` of the
+    index, else the oldest used block: a burst of blocks asked for once cannot push out
+    the ones asked for again."""
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_INDEX,
+                 policy: str = DEFAULT_POLICY) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"eviction policy {policy!r}: use one of {', '.join(POLICIES)}")
         self.max_entries = max_entries
+        self.policy = policy
         self._known: dict[str, Entry] = {}
         self._rank: dict[str, int] = {}
-        self._heap: list[tuple[int, int, int, Entry]] = []
+        self._used: set[str] = set()   # paths in the used order (two-queue), out or in
+        self._used_known = 0           # of them, those in the index now
+        self._heaps: tuple[list, list] = ([], [])  # probation (and lru), used
+        self._ghost: dict[int, None] = {}  # hashes of evicted paths, oldest first
         self._order = itertools.count()
         self.left_out = 0  # blocks not indexed because it was full
+        self.promoted = 0  # blocks that went to the used order (two-queue)
 
     def __len__(self) -> int:
         return len(self._known)
 
-    def know(self, entry: Entry, rank: int | None = None) -> None:
+    @property
+    def used_blocks(self) -> int:
+        """Known blocks in the used order (0 under ``"lru"``)."""
+        return self._used_known
+
+    def know(self, entry: Entry, rank: int | None = None, used: bool = False) -> None:
         """Index ``entry`` (a walked or re-checked block), replacing what was known of
         its path; ``rank``: its place in the store that created it (kept for later
-        entries of the same path)."""
+        entries of the same path); ``used``: it was used since it was last known (its
+        atime moved: a candidate :func:`evict` refused)."""
         if rank is not None:
             self._rank[entry.path] = rank
         known = self._known.get(entry.path)
@@ -103,32 +145,75 @@ class BlockIndex:
         if known is None and len(self._known) >= self.max_entries:
             self.left_out += 1
             return
+        if self.policy == "two-queue" and entry.path not in self._used:
+            if known is not None:  # a told block's atime is the moment it was told
+                used = used or (known.ino in (entry.ino, UNSEEN_INO)
+                                and entry.atime_ns > known.atime_ns)
+            elif not used:
+                ghost = hash(entry.path) in self._ghost
+                if ghost:
+                    del self._ghost[hash(entry.path)]
+                used = ghost or (entry.ino != UNSEEN_INO
+                                 and entry.atime_ns - entry.mtime_ns > USED_GAP_NS)
+            if used:
+                self._used.add(entry.path)
+                self.promoted += 1
+                if known is not None:
+                    self._used_known += 1
+        if known is None and entry.path in self._used:
+            self._used_known += 1
         self._known[entry.path] = entry
-        heapq.heappush(self._heap, self._item(entry))
-        if len(self._heap) > HEAP_GARBAGE_FACTOR * len(self._known) + 1024:
-            self._heap = [self._item(e) for e in self._known.values()]
-            heapq.heapify(self._heap)
-            if len(self._rank) > HEAP_GARBAGE_FACTOR * len(self._known) + 1024:
-                self._rank = {p: r for p, r in self._rank.items() if p in self._known}
+        heapq.heappush(self._heaps[entry.path in self._used], self._item(entry))
+        if sum(map(len, self._heaps)) > HEAP_GARBAGE_FACTOR * len(self._known) + 1024:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        used = self._used
+        self._heaps = ([], [])
+        for e in self._known.values():
+            self._heaps[e.path in used].append(self._item(e))
+        for heap in self._heaps:
+            heapq.heapify(heap)
+        if len(self._rank) > HEAP_GARBAGE_FACTOR * len(self._known) + 1024:
+            self._rank = {p: r for p, r in self._rank.items() if p in self._known}
+        # Paths out for eviction lose their mark here; refused, they earn it again
+        # (their atime moved).
+        self._used = {p for p in self._used if p in self._known}
+        self._used_known = len(self._used)
 
     def _item(self, entry: Entry) -> tuple[int, int, int, Entry]:
         return (entry.atime_ns, -self._rank.get(entry.path, 0), next(self._order), entry)
 
     def forget(self, path: str) -> None:
-        """``path`` is gone (removed): neither its entry nor its rank is kept."""
-        self._known.pop(path, None)
+        """``path`` is gone (removed): neither its entry nor its rank is kept; under
+        ``"two-queue"`` the ghost remembers it (stored again soon, it was evicted too
+        early: it comes back in the used order)."""
+        if self._known.pop(path, None) is not None and path in self._used:
+            self._used_known -= 1
+        if self.policy == "two-queue":
+            ghost = self._ghost
+            ghost[hash(path)] = None
+            if len(ghost) > min(GHOST_MAX, max(len(self._known), 1024)):
+                del ghost[next(iter(ghost))]
         self._rank.pop(path, None)
+        self._used.discard(path)
 
     def pop_oldest(self) -> Entry | None:
-        """The block of the oldest atime (deepest first among equals), taken out of the
-        index (None: empty). Its rank is kept: a block that turns out used again comes
-        back with it."""
-        heap = self._heap
-        while heap:
-            entry = heapq.heappop(heap)[3]
-            if self._known.get(entry.path) is entry:
-                del self._known[entry.path]
-                return entry
+        """The block to evict next (under ``"lru"`` the oldest atime, deepest first
+        among equals; under ``"two-queue"`` the oldest of the order the class docstring
+        says), taken out of the index (None: empty). Its rank and order are kept: a
+        block that turns out used again comes back with them (:meth:`know`)."""
+        probation, used = self._heaps
+        first = used if (self._used_known and len(self._known) - self._used_known
+                         <= PROBATION_SHARE * len(self._known)) else probation
+        for heap in (first, used if first is probation else probation):
+            while heap:
+                entry = heapq.heappop(heap)[3]
+                if self._known.get(entry.path) is entry \
+                        and (entry.path in self._used) is (heap is used):
+                    del self._known[entry.path]
+                    self._used_known -= heap is used
+                    return entry
         return None
 
 
@@ -200,7 +285,8 @@ class RootMaintainer:
                  block_bytes: int | Mapping[str, int] | None = None,
                  stale_temp_s: float = DEFAULT_STALE_TEMP_S, locks_work: bool | None = None,
                  sweep: bool = True, max_index: int = DEFAULT_MAX_INDEX,
-                 hand_out: bool = False, slack_bytes: int | None = None) -> None:
+                 hand_out: bool = False, slack_bytes: int | None = None,
+                 eviction_policy: str = DEFAULT_POLICY) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 (0 = unlimited), got "
                              f"{capacity_bytes}")
@@ -219,7 +305,7 @@ class RootMaintainer:
         self.tracker = UsageTracker(self.root, default_block_bytes=block_bytes)
         self.sweeper = TempSweeper(self.root, locks_work=locks_work,
                                    stale_temp_s=stale_temp_s) if sweep else None
-        self.index = BlockIndex(max_index) if capacity_bytes else None
+        self.index = BlockIndex(max_index, eviction_policy) if capacity_bytes else None
         self._pass_begun = False
         self.evicting = False   # the last step found usage past capacity - slack
         self.evicted_blocks = 0
@@ -318,7 +404,7 @@ class RootMaintainer:
         now = recheck(entry)
         if now is not None and self.index is not None:
             self.rechecked += 1
-            self.index.know(now)
+            self.index.know(now, used=now.atime_ns > entry.atime_ns)
 
     def _remove_folder(self, path: str, report: StepReport) -> None:
         """An empty block folder the walk found: removed, and for a <h2>_g<group>
@@ -454,8 +540,8 @@ class RootMaintainer:
             if entry.ino == UNSEEN_INO and not (self.hand_out and self.hand_out_unseen):
                 # told, not walked: its real atime and inode
                 seen = recheck(entry)
-                if seen is not None:
-                    index.know(seen)
+                if seen is not None:  # used since it was told: its atime moved past
+                    index.know(seen, used=seen.atime_ns > entry.atime_ns)
                 continue
             # Leaving: what the walk listed of it is forgotten, so that a block stored
             # again at this path (a new file) is not taken for the one listed.

@@ -219,7 +219,7 @@ class Caretaker:
                 path, capacity_bytes=io.capacity_bytes, high_watermark=io.high_watermark,
                 low_watermark=io.low_watermark, block_bytes=ctx.block_bytes,
                 stale_temp_s=io.stale_temp_s, locks_work=io.lease_locks,
-                hand_out=bool(io.capacity_bytes))
+                hand_out=bool(io.capacity_bytes), eviction_policy=io.eviction_policy)
             kept = _Kept(index, path, maintainer, pass_base=rec.pass_id + 2,
                          inherited_bytes=0 if fresh else rec.usage_bytes,
                          evicted_base=(rec.evicted_blocks, rec.evicted_bytes),

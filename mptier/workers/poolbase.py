@@ -55,6 +55,7 @@ class PoolSettings(SupervisionSettings):
     worker_cpus: list[int] = field(default_factory=list)
     root_dirs: list[str] = field(default_factory=list)  # several roots (else root_dir)
     capacity_bytes: int = default_of("capacity_bytes")
+    eviction_policy: str = default_of("eviction_policy")
     high_watermark: float = default_of("high_watermark")
     low_watermark: float = default_of("low_watermark")
     stale_temp_s: float = default_of("stale_temp_s")

@@ -38,6 +38,7 @@ def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
                       checksum=first.checksum, touch=True, tmpfile=first.tmpfile,
                       uring=first.uring,
                       roots=roots, capacity_bytes=settings.capacity_bytes,
+                      eviction_policy=settings.eviction_policy,
                       high_watermark=settings.high_watermark,
                       low_watermark=settings.low_watermark,
                       stale_temp_s=settings.stale_temp_s,

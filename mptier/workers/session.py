@@ -74,6 +74,7 @@ class IoSettings:
     uring: bool = False  # batches through io_uring, several blocks in flight
     roots: list[RootIo] = field(default_factory=list)  # empty: root_dir alone
     capacity_bytes: int = default_of("capacity_bytes")  # per root; 0 = unlimited
+    eviction_policy: str = default_of("eviction_policy")
     high_watermark: float = default_of("high_watermark")
     low_watermark: float = default_of("low_watermark")
     stale_temp_s: float = default_of("stale_temp_s")
