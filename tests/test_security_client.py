@@ -247,6 +247,10 @@ def test_a_client_clearing_o_nonblock_after_attach_hangs_no_worker(service_env):
     service = service_env(heartbeat_s=1)
     workers = sorted(service.children())
     assert blocking_after_attach(socket_of(service), wait_s=4.0) == {1: 0}
-    assert sorted(service.children()) == workers
+    # Every worker is still the one that started (a passing child beside them, such as
+    # the process that removes a closed session's temporary files, is no replacement:
+    # seen in CI, a third child for a moment).
+    children = service.children()
     log = (Path(service.root).parent / "serve.log").read_text()
+    assert set(workers) <= set(children), (children, log[-3000:])
     assert "did not answer a heartbeat" not in log

@@ -48,6 +48,20 @@ def is_open(fd: int) -> bool:
     return True
 
 
+def identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def still_holds(fd: int, ident: tuple[int, int]) -> bool:
+    """Whether ``fd`` is open on the file it named before: a closed number may be taken
+    at once by a thread of this test process opening something else."""
+    try:
+        return identity(fd) == ident
+    except OSError:
+        return False
+
+
 def test_a_session_sent_to_another_process_gives_it_every_channel_and_the_buffer(
         make_buffer):
     buf = make_buffer(4, BLOCK)
@@ -75,9 +89,10 @@ def test_a_session_sent_to_another_process_gives_it_every_channel_and_the_buffer
                           "layout": {"model": "m"}, "segments": len(segments)}
         assert drain_records(channels.queues[TaskKind.STORE].read_fd) == []  # it took it
         assert all(is_open(fd) for fd in pool_copy.descriptors())
+        held = {fd: identity(fd) for fd in pool_copy.descriptors()}
         pool_copy.close()
         pool_copy.close()  # idempotent
-        assert not any(is_open(fd) for fd in pool_copy.descriptors())
+        assert not any(still_holds(fd, ident) for fd, ident in held.items())
         assert all(is_open(fd) for fd in session.descriptors())  # the engine's own stay
     finally:
         for seg in segments:
