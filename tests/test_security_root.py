@@ -211,6 +211,10 @@ def _read_only_then_writable(tier, buf, point: str) -> None:
     finally:
         _remount(point, "rw")
     wait_for(lambda: run.store(new).success, 30, "stores resuming on the root")
+    # The store's success reaches the root's health through its worker's report, which
+    # the health owner may take a moment after the job's completion (seen in CI at load:
+    # still read_only right after the store); within a retry period it is seen.
+    wait_for(lambda: not tier.stats()["roots"][0]["read_only"], 15, "read_only cleared")
     stats = tier.stats()["roots"][0]
     assert stats["in_rotation"] and not stats["read_only"] and stats["errno"] == 0
     assert run.load(new).success
