@@ -393,6 +393,10 @@ print(json.dumps({"closed_by_server": closed}), flush=True)
 
 # The holder's stdin and stdout pipes, open in this process while it holds.
 HOLDER_PIPES = 2
+# Descriptors the tier's own threads hold for a moment whenever they like (the pool's
+# periodic sweep of /dev/shm opens each object it judges; seen in CI: one more than
+# the bound). Far below the 200 connections a thread-per-client design would hold.
+PASSING_FDS = 4
 
 
 def _threads() -> int:
@@ -447,7 +451,7 @@ def test_idle_metrics_connections_of_another_user_take_no_threads_or_descriptors
         time.sleep(0.5)  # let the server accept (and turn away) what it will
         # No thread per held connection (fewer is fine: one of the tier's own may end).
         assert _threads() <= threads
-        assert _fds() <= fds + bounded.MAX_CLIENTS + HOLDER_PIPES
+        assert _fds() <= fds + bounded.MAX_CLIENTS + HOLDER_PIPES + PASSING_FDS
     finally:
         closed = _release(holder)
     assert closed == 300  # turned away at once or timed out: none held for good
@@ -466,7 +470,7 @@ def test_idle_status_connections_are_capped_and_timed_out(make_buffer, make_tier
         time.sleep(0.5)
         # No thread per held connection (fewer is fine: one of the tier's own may end).
         assert _threads() <= threads
-        assert _fds() <= fds + bounded.MAX_CLIENTS + HOLDER_PIPES
+        assert _fds() <= fds + bounded.MAX_CLIENTS + HOLDER_PIPES + PASSING_FDS
     finally:
         closed = _release(holder)
     assert closed == 200
