@@ -31,6 +31,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 from mptier.errors import ConfigError
 from mptier.storage.leases import DEFAULT_STALE_TEMP_S
+from mptier.storage.maintain import DEFAULT_POLICY, POLICIES
 from mptier.units import MiB, parse_byte_count
 
 
@@ -54,7 +55,7 @@ class TierConfig:
     # Which blocks leave first (mptier.storage.maintain.POLICIES): "two-queue" keeps
     # blocks loaded since their store ahead of blocks never asked for again; "lru" takes
     # the least recently used, whatever it was.
-    eviction_policy: str = "two-queue"
+    eviction_policy: str = DEFAULT_POLICY
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     # Where file locks do not work, a temporary file this old is a dead writer's.
@@ -290,8 +291,6 @@ class TierConfig:
             _want(isinstance(getattr(self, name), bool), name, getattr(self, name),
                   "true or false")
         _want_int(self, "worker_nice", low=0, high=19)
-        from mptier.storage.maintain import POLICIES
-
         _want(self.eviction_policy in POLICIES, "eviction_policy", self.eviction_policy,
               " or ".join(f'"{p}"' for p in POLICIES))
         _want(isinstance(self.worker_cpus, (list, tuple))
