@@ -32,7 +32,6 @@ import os
 from collections.abc import Sequence
 
 from mptier import fskind
-from mptier.native._crc32c import crc32c
 from mptier.native._pure_resolve import (
     MKDIR_TRIES,
     _close_dir,
@@ -77,6 +76,16 @@ class _Timespec(ctypes.Structure):
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _ATIME_NOW = (_Timespec * 2)((0, _UTIME_NOW), (0, _UTIME_OMIT))  # atime now, mtime kept
+
+
+def crc32c(data, value: int = 0) -> int:
+    """CRC32C of ``data`` after ``value``: :func:`mptier.native._crc32c.crc32c`, imported
+    at first use. That module needs numpy and builds its tables as it is imported (a
+    fifth of a second of CPU), which a worker of the native backend, that reads only
+    this module's constants, would otherwise pay at every start."""
+    from mptier.native._crc32c import crc32c as numpy_crc32c
+
+    return numpy_crc32c(data, value)
 
 
 def _touch(fd: int) -> None:
