@@ -4,10 +4,12 @@ pool comes back by itself."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
 import signal
+import threading
 import time
 
 import numpy as np
@@ -240,3 +242,58 @@ def test_a_worker_past_its_memory_limit_is_replaced(make_buffer, make_tier, monk
     wait_for(lambda: full_pool(tier, 1), timeout=15, what="its replacement")
     assert first not in [w["pid"] for w in tier.stats()["workers"]]
     assert "max_worker_rss_bytes" in tier.stats()["pool"]["last_deaths"][-1]
+
+
+def test_an_answer_about_an_ended_session_is_not_the_next_sessions(tmp_path, make_buffer):
+    """A worker that was slow to take session 1 (stopped here) answers its attach after
+    session 1 is over and session 2 has begun; session 1's buffer was broken meanwhile
+    (its engine shrank it), so the answer is a failure. That failure is session 1's: the
+    worker is handed session 2 and session 2 attaches (a service told the next engine
+    "could not attach to the buffer" of an engine long gone)."""
+    from mptier import TierConfig
+    from mptier.channels import EngineChannels
+    from mptier.errors import MptierError
+    from mptier.workers import PoolSettings, WorkerPool
+    from mptier.workers.supervised import Phase
+
+    config = TierConfig(root_dir=str(tmp_path), n_load_workers=1, n_store_workers=1,
+                        worker_start_timeout_s=3.0, heartbeat_s=60.0)
+    pool = WorkerPool(PoolSettings.from_config(config))
+    opened: list = []
+
+    def session_of(buf, label):
+        channels = EngineChannels()
+        segments = buf.open_segments()
+        opened.append((channels, segments))
+        return channels.session(segments=segments, nbytes=buf.nbytes, block_bytes=BLOCK,
+                                layout=config.layout_kwargs(), label=label), segments
+
+    slow = 0
+    try:
+        pool.start()
+        slow = pool.pids()[0]
+        os.kill(slow, signal.SIGSTOP)
+        first, segments = session_of(make_buffer(4, BLOCK), "engine one")
+        with pytest.raises(MptierError, match="did not attach within"):
+            pool.attach(first)  # the stopped worker cannot answer
+        os.ftruncate(segments[0].fd, 0)  # the attach it has not read yet now fails
+        second, _ = session_of(make_buffer(4, BLOCK), "engine two")
+        resume = threading.Timer(0.5, os.kill, (slow, signal.SIGCONT))
+        resume.start()
+        pool.attach(second)
+        resume.join()
+        sup = pool._supervisor
+        with sup.lock:
+            phases = {w.pid: (w.phase, w.session_id) for w in sup.workers}
+        assert set(phases.values()) == {(Phase.SERVING, sup.session_id)}, phases
+        assert slow in pool.pids()  # answered, not replaced
+        pool.end_session(ask_workers=True)
+    finally:
+        if slow:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(slow, signal.SIGCONT)
+        pool.stop()
+        for channels, segments in opened:
+            for seg in segments:
+                os.close(seg.fd)
+            channels.close()

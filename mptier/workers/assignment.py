@@ -75,7 +75,7 @@ class Assignment(SupervisorState):
         w.phase = Phase.ATTACHING
         w.session_id = self.session_id
         if not self._send(w, protocol.ATTACH, fds, session=description,
-                          io=self.session_io.to_wire()):
+                          session_id=self.session_id, io=self.session_io.to_wire()):
             w.phase = Phase.IDLE
             w.session_id = 0
 

@@ -138,7 +138,10 @@ class WorkerPool(ControlDoor, Pool):
                 if errors or time.monotonic() > deadline:
                     break
                 sup.changed.wait(0.5)
-        self.end_session(ask_workers=True)
+        # Workers that answered are told to detach and waited for; one that has not
+        # answered within worker_start_timeout_s reads the detach after its attach.
+        self._end(True, DETACH_GRACE_S, None,
+                  (Phase.SERVING, Phase.ATTACHING) if errors else (Phase.SERVING,))
         if errors:
             raise MptierError(f"mptier workers could not attach to the buffer: {errors[0]}")
         raise MptierError(f"mptier workers did not attach within "
@@ -148,13 +151,16 @@ class WorkerPool(ControlDoor, Pool):
                     on_wait: Callable[[], object] | None = None) -> None:
         """End the current session and wait (bounded) until no worker serves it: after
         the engine closed its lifeline, or with ``ask_workers`` to make them stop."""
+        self._end(ask_workers, timeout_s, on_wait, (Phase.SERVING, Phase.ATTACHING))
+
+    def _end(self, ask_workers: bool, timeout_s: float,
+             on_wait: Callable[[], object] | None, waited: tuple[Phase, ...]) -> None:
         sup = self._supervisor
         sup.call_soon(lambda: sup.end_session(ask_workers))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with sup.changed:
-                if sup.session is None and not any(
-                        w.phase in (Phase.SERVING, Phase.ATTACHING) for w in sup.workers):
+                if sup.session is None and not any(w.phase in waited for w in sup.workers):
                     return
                 sup.changed.wait(0.05)
             if on_wait is not None:

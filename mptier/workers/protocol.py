@@ -8,7 +8,7 @@ when a session is handed over). The supervisor may live in the engine (a thread)
     worker                               supervisor
       ready / boot_failed  ───────────▶    (after start; boot_failed then exit 3)
       ◀─────────────────── attach + fds     an engine's queues, pipes and buffer
-      attached / attach_failed ───────▶
+      attached / attach_failed ───────▶    (both echo the attach's session id)
       ◀─────────────────── ping             heartbeat while idle
       pong ───────────────────────────▶
       ◀─────────────────── caretake         look after these roots (while serving)
@@ -18,6 +18,10 @@ when a session is handed over). The supervisor may live in the engine (a thread)
       ◀─────────────────── detach           the supervisor ends the session
       ◀─────────────────── exit             leave (after detaching)
       leaving ────────────────────────▶    a planned exit: never counted as a crash
+
+An answer to an attach carries the session id the attach named: a worker still opening
+an ended session's buffer answers after the next session began, and its failure is that
+session's, not the new one's.
 
 End of file on the socket means the other side is gone: a worker then leaves; the
 supervisor learns the exit from the worker's pidfd.

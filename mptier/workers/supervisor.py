@@ -253,23 +253,38 @@ class Supervisor(Spawning, HeldTasks, Watchdog, Assignment):
         elif op == protocol.BOOT_FAILED:
             w.boot_error = message.get("error", "")
         elif op == protocol.ATTACHED:
-            if w.phase is Phase.ATTACHING and w.session_id == self.session_id:
+            if (w.phase is Phase.ATTACHING and w.session_id == self.session_id
+                    and message.get("session_id", w.session_id) == self.session_id):
                 w.phase = Phase.SERVING
                 w.temp_tag = message.get("temp_tag", "")
                 w.backend = message.get("backend", "")
         elif op == protocol.ATTACH_FAILED:
             error = f"{w.role} worker pid {w.pid}: {message.get('error', '')}"
-            log.error("mptier: a worker could not attach to %s: %s",
-                      self.session.label if self.session else "the session", error)
-            with self.lock:
-                self.attach_errors.append(error)
+            current = message.get("session_id", w.session_id) == self.session_id
+            if current:
+                log.error("mptier: a worker could not attach to %s: %s",
+                          self.session.label if self.session else "the session", error)
+                with self.lock:
+                    self.attach_errors.append(error)
+            else:
+                # An ended session's buffer (its engine may have broken it on its way
+                # out): nothing to do with the current session, offered at once.
+                log.info("mptier: a worker could not attach to an ended session: %s",
+                         error)
             if w.phase is Phase.ATTACHING:
                 w.phase = Phase.IDLE
-                w.attach_failed_at = time.monotonic()
+                w.session_id = 0
+                if current:
+                    w.attach_failed_at = time.monotonic()
+                elif self.session is not None and not self._stopping:
+                    self._send_attach(w)
         elif op == protocol.DETACHED:
-            if w.phase in (Phase.SERVING, Phase.ATTACHING):
-                w.phase = Phase.IDLE
-            w.session_id = 0
+            # "Not attached" (session 0) answers a detach that crossed an attach still
+            # on its way to the worker: that attach's answer decides.
+            if message.get("session_id", w.session_id) == w.session_id:
+                if w.phase in (Phase.SERVING, Phase.ATTACHING):
+                    w.phase = Phase.IDLE
+                w.session_id = 0
         elif op == protocol.LEAVING:
             if w.alive:
                 w.phase = Phase.LEAVING

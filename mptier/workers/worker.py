@@ -115,7 +115,7 @@ def _between_sessions(control: socket.socket, writer: SlotWriter, role: str,
             protocol.send(control, protocol.LEAVING)
             return 0
         elif op == protocol.DETACH:
-            protocol.send(control, protocol.DETACHED, reason="not attached")
+            protocol.send(control, protocol.DETACHED, reason="not attached", session_id=0)
         elif op == protocol.ATTACH:
             ended = _attached(control, writer, role, backend, message, fds)
             if ended in LEAVE:
@@ -141,7 +141,8 @@ def _attached(control: socket.socket, writer: SlotWriter, role: str, backend: An
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        protocol.send(control, protocol.ATTACH_FAILED, error=describe(exc))
+        protocol.send(control, protocol.ATTACH_FAILED, error=describe(exc),
+                      session_id=message.get("session_id", 0))
         return ""
     def report_root(index: int, ok: bool, err: int, text: str) -> None:
         with contextlib.suppress(OSError):
@@ -154,14 +155,15 @@ def _attached(control: socket.socket, writer: SlotWriter, role: str, backend: An
 
     ctx.report_root, ctx.report_probe = report_root, report_probe
     protocol.send(control, protocol.ATTACHED, backend=backend.name,
-                  temp_tag=ctx.tag.decode())
+                  temp_tag=ctx.tag.decode(), session_id=message.get("session_id", 0))
     try:
         ended = serve(ctx, control)
     finally:
         ctx.close()
         writer.set_state(SlotState.IDLE)
     if ended not in LEAVE:
-        protocol.send(control, protocol.DETACHED, reason=ended)
+        protocol.send(control, protocol.DETACHED, reason=ended,
+                      session_id=message.get("session_id", 0))
     return ended
 
 
