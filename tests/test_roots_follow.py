@@ -7,6 +7,7 @@ Real mounts and folders; docs/storage.md states the rule."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 
@@ -16,6 +17,7 @@ from support import mounts
 from test_capacity import Driver, blocks_on_disk, keys_for
 
 from mptier import LookupResult
+from mptier.storage.election import ELECT_GAP_S
 
 BLOCK = 64 << 10
 
@@ -58,6 +60,42 @@ def test_a_file_system_mounted_over_a_running_root_is_followed(make_buffer, make
     assert answer(tier, during[0], "r2") is LookupResult.MISS
     wait_for(lambda: tier.stats()["roots"][0]["usage_bytes"] == 4 * BLOCK, 30,
              "usage of the bare folder again")
+
+
+def test_a_mount_seen_first_by_the_walker_seat_check_is_followed(make_buffer, make_tier):
+    """The caretaker's walker seat lies in the root's .mptier/walk: after a mount over
+    the root the seat check finds its lock file gone and the election fails there for
+    good. The workers stand still over the mount (longer than the seat check's gap), so
+    that check comes due in the caretaker's first step after it; the move is seen all
+    the same, and the usage is the mounted file system's."""
+    root = str(mounts.new_mount_dir("seat-"))
+    buf = make_buffer(8, BLOCK)
+    tier = make_tier(buf, root_dir=root, task_bytes=BLOCK)
+    run = Driver(tier, buf)
+    before, during = (keys_for(tag, 2) for tag in (b"bare", b"mounted"))
+    assert run.store(before).success
+    wait_for(lambda: tier.stats()["roots"][0]["usage_bytes"] == 2 * BLOCK, 30,
+             "usage of the bare folder")
+    pids = tier.worker_pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "mptier-seat", root],
+                       check=True, capture_output=True, timeout=30)
+        time.sleep(3 * ELECT_GAP_S)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    try:
+        # no task yet: only the caretaker's own steps can find the move
+        wait_for(lambda: tier.stats()["roots"][0]["usage_bytes"] == 0, 30,
+                 "usage of the (empty) mounted file system")
+        assert run.store(during).success
+        wait_for(lambda: tier.stats()["roots"][0]["usage_bytes"] == 2 * BLOCK, 30,
+                 "usage of the mounted file system")
+        assert os.path.exists(os.path.join(root, ".mptier", "walk", "seat.lock"))
+    finally:
+        mounts.unmount(root)
 
 
 def test_a_root_renamed_away_is_followed_by_path(make_buffer, make_tier, tmp_path):

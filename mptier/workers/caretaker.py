@@ -325,6 +325,15 @@ class Caretaker:
         if state == RootState.OUT and time.monotonic_ns() < retry_at:
             kept.next_at = now + REST_CHECK_S  # an operation will probe it, not us
             return
+        # First whether the path still leads to the folder walked: after a mount over
+        # the root, the election below would fail for good (its .mptier/walk is on the
+        # file system underneath) and this step would never come to the check.
+        writer.set_root(kept.index)  # a hang in the stat is blamed on this root
+        try:
+            if self._moved(kept):
+                return
+        finally:
+            writer.set_root(None)
         share = kept.share
         try:
             if share is not None and share.walker and not share.keep_seat(now):
@@ -362,8 +371,6 @@ class Caretaker:
             kept.pass_began = now
         writer.set_root(kept.index)  # a hang here is blamed on this root
         try:
-            if self._moved(kept):
-                return
             shared = share is not None and bool(share.cursors)  # others hand us blocks
             m.hand_out_unseen = shared
             report = m.step(URGENT_BUDGET if urgent else MAINT_BUDGET, want_free=want,
