@@ -24,7 +24,6 @@ the engine.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
@@ -39,7 +38,10 @@ _MAP_FIXED = 0x10
 _PROT_NONE = 0
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+# The process's own symbols, libc's among them (as fskind and _pure take them):
+# ctypes.util.find_library("c") would run ldconfig in a subprocess, ~25 ms at every
+# import, in every worker start.
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                        ctypes.c_int, ctypes.c_long]
 _libc.mmap.restype = ctypes.c_void_p
