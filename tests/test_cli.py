@@ -50,3 +50,35 @@ def test_the_systemd_unit_starts_a_command_the_cli_accepts():
     args = build_parser().parse_args(argv[1:])
     assert (args.command, args.name, args.config) == ("serve", "kv", "/etc/mptier/kv.toml")
     assert args.metrics_port == 9464
+
+
+def test_the_bench_options_reach_the_benchs_own_parser(capsys):
+    """`mptier bench` hands what follows it to mptier.bench.cli: its help lists the
+    bench's options, and an option it does not know is named by it."""
+    import pytest
+
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--help"])
+    assert done.value.code == 0
+    assert "--block-bytes" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--no-such-option"])
+    assert done.value.code == 2
+    assert "mptier bench: error: unrecognized arguments: --no-such-option" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["status", "--no-such-option"])  # other commands still refuse extras
+    assert done.value.code == 2
+
+
+def test_commands_other_than_the_bench_start_without_numpy():
+    """`mptier serve`, `status` and `gc` run at every service start and monitoring poll:
+    building the command line loads neither the bench nor numpy."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from mptier.cli import build_parser; build_parser(); "
+             "print(sorted(m for m in ('numpy', 'mptier.bench') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out.strip() == "[]"
