@@ -37,12 +37,15 @@ import secrets
 import stat
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
 import posix_ipc
 
 from mptier.errors import ConfigError, MptierError
 from mptier.mapping import PAGE_SIZE, Segment
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +303,9 @@ class SharedKVBuffer:
     @classmethod
     def _from_mmap(cls, mapping: mmap.mmap, name: str, fd: int, *, owner: bool,
                    num_blocks: int, block_bytes: int) -> SharedKVBuffer:
+        # numpy is imported here, not at the top: the sweeps of /dev/shm (the watchdog's,
+        # in every pool and service) need none, and a service never maps a buffer.
+        import numpy as np
         view = np.frombuffer(mapping, dtype=np.uint8, count=num_blocks * block_bytes)
         view = view.reshape(num_blocks, block_bytes)
         # The descriptor stays open while the buffer is: it holds the lock that proves
@@ -325,6 +331,7 @@ class SharedKVBuffer:
             block_bytes = mv.strides[0]
         if not mv.c_contiguous:
             raise ConfigError("the primary buffer must be C-contiguous")
+        import numpy as np
         flat = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv,
                              dtype=np.uint8)
         if flat.nbytes % block_bytes:

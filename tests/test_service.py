@@ -127,6 +127,24 @@ def test_engine_attaches_and_round_trips_through_the_service(start_service, atta
     assert tier.worker_pids() and os.getpid() not in tier.worker_pids()
 
 
+def test_the_service_process_runs_without_numpy(start_service, attach, make_buffer):
+    """A service maps control blocks, never an engine's buffer: it starts without
+    numpy (a quarter of a second of CPU, and its pages), also after serving an engine
+    whose buffer its workers map. The engine (this process) has numpy, which shows
+    the check sees it."""
+    service = start_service()
+    buf = make_buffer(8, BLOCK)
+    tier = attach(service, buf)
+    round_trip(tier, buf, keys_for(4))
+
+    def maps_numpy(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return any("/numpy/" in line for line in f)
+
+    assert maps_numpy(os.getpid())
+    assert not maps_numpy(service.proc.pid)
+
+
 def test_sigterm_stops_cleanly_and_leaves_nothing(start_service, attach, make_buffer,
                                                  run_dir):
     service = start_service()
