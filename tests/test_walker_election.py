@@ -7,6 +7,7 @@ tiers storing into one root walk it as much as one tier does."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 from conftest import wait_for
@@ -128,6 +129,26 @@ def test_the_other_tier_takes_the_seat_when_the_walker_is_killed(
         assert blocks_on_disk(root)[1] <= cap + OVER_BYTES
     wait_for(lambda: blocks_on_disk(root)[1] <= cap, 20, "eviction by the new walker")
     assert root_stats(survivor)["evicted_blocks"] > 0
+
+
+def test_a_walk_folder_removed_under_a_live_tier_is_made_again(make_buffer, make_tier,
+                                                               root):
+    """Someone removes <root>/.mptier/walk while a tier runs (a clean-up of the root):
+    the walker's seat lock and the usage it publishes went with it. The caretaker makes
+    the folder again and takes the seat there; the usage follows the files."""
+    buf = make_buffer(8, BLOCK)
+    tier = make_tier(buf, root_dir=root, task_bytes=BLOCK)
+    run = Driver(tier, buf)
+    assert run.store(keys_for(b"before", 2)).success
+    wait_for(lambda: read_usage(root) is not None, 10, "the walker's publication")
+    shutil.rmtree(share_dir(root))
+    wait_for(lambda: os.path.exists(os.path.join(share_dir(root), "seat.lock")),
+             10 * ELECT_GAP_S + 10, "the walk folder and its seat made again")
+    assert run.store(keys_for(b"after", 2)).success
+    wait_for(lambda: root_stats(tier)["usage_bytes"] == 4 * BLOCK and
+             (read_usage(root) or {}).get("usage_bytes") == 4 * BLOCK, 20,
+             "the usage of the four blocks, in stats() and published")
+    assert walker_record(root)["pid"] in tier.worker_pids()
 
 
 def tree_entries(root: str) -> int:

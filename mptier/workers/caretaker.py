@@ -42,6 +42,7 @@ the measurement behind it; its unlink threads are in evictor.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import math
@@ -51,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mptier.errors import MptierError
 from mptier.jobs import MessageType, encode_message, pack_keys
 from mptier.storage import RootMaintainer
 from mptier.storage.election import RootShare
@@ -343,6 +345,8 @@ class Caretaker:
             elected = share is not None and not share.walker and share.elect(now)
         except OSError as exc:  # the root's .mptier/walk folder is gone or failing
             log.warning("mptier: the walker election of root %s: %s", kept.path, exc)
+            if exc.errno == errno.ENOENT:
+                self._share_again(kept)
             kept.next_at = now + ERROR_BACKOFF_S
             return
         if share is not None and not share.walker:
@@ -437,6 +441,21 @@ class Caretaker:
         del self.kept[kept.index]
         self.take([kept.index], fresh=True)
         return True
+
+    def _share_again(self, kept: _Kept) -> None:
+        """The root's .mptier/walk was removed under a live tier (the root itself still
+        leads to the folder walked: _moved said so). A fresh share makes the folder
+        again and the next step elects there; without it no tier would ever walk the
+        root again. A root that is gone as well keeps the old share, tried again."""
+        try:
+            fresh = RootShare(kept.maintainer.root)
+        except (OSError, MptierError) as exc:
+            log.debug("mptier: root %s: no fresh walker election yet (%s)", kept.path, exc)
+            return
+        _close_share(kept)
+        kept.share = fresh
+        log.warning("mptier: %s/.mptier/walk was removed; made again, the walker election "
+                    "starts over", kept.path)
 
     def _watch_space(self, kept: _Kept, now: float) -> int:
         """Bytes to evict now for what the byte budget does not see (module docstring):
