@@ -121,7 +121,9 @@ class WorkerPool(ControlDoor, Pool):
         deadline = time.monotonic() + self.settings.worker_start_timeout_s
         with sup.changed:
             while True:
-                errors = list(sup.attach_errors)
+                # (Read only once the supervisor thread has begun the session: until
+                # then the list holds the last session's failures.)
+                errors = list(sup.attach_errors) if ids else []
                 if ids and not errors:
                     live = [w for w in sup.workers if w.alive]
                     # A worker still serving an earlier session (in a service whose last

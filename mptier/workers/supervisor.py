@@ -260,7 +260,8 @@ class Supervisor(Spawning, HeldTasks, Watchdog, Assignment):
                 w.backend = message.get("backend", "")
         elif op == protocol.ATTACH_FAILED:
             error = f"{w.role} worker pid {w.pid}: {message.get('error', '')}"
-            current = message.get("session_id", w.session_id) == self.session_id
+            current = self.session is not None and \
+                message.get("session_id", w.session_id) == self.session_id
             if current:
                 log.error("mptier: a worker could not attach to %s: %s",
                           self.session.label if self.session else "the session", error)
