@@ -17,6 +17,7 @@ import pytest
 from conftest import wait_for, wait_results
 
 from mptier import LookupResult, TransferJob, make_key
+from mptier.errors import MptierError
 from mptier.workers import spawning
 from mptier.workers.watchdog import private_memory
 
@@ -244,76 +245,81 @@ def test_a_worker_past_its_memory_limit_is_replaced(make_buffer, make_tier, monk
     assert "max_worker_rss_bytes" in tier.stats()["pool"]["last_deaths"][-1]
 
 
-def test_a_failed_attach_is_not_reported_to_the_next_session(tmp_path, make_buffer):
+@pytest.fixture
+def bare_pool(tmp_path, make_buffer):
+    """A WorkerPool driven by hand, without a manager: ``bare_pool(**config)`` returns
+    the pool (one load and one store worker) and ``session_of(buffer, label)``, which
+    makes a session over the buffer and returns it with its segments. The pool is
+    stopped and every descriptor closed at the end, before the buffers of
+    ``make_buffer`` (set up first, so torn down after) go."""
+    from mptier import TierConfig
+    from mptier.channels import EngineChannels
+    from mptier.workers import PoolSettings, WorkerPool
+
+    pools: list = []
+    opened: list = []
+
+    def make(**fields):
+        config = TierConfig(root_dir=str(tmp_path), n_load_workers=1, n_store_workers=1,
+                            heartbeat_s=60.0, **fields)
+        pool = WorkerPool(PoolSettings.from_config(config))
+        pools.append(pool)
+
+        def session_of(buf, label):
+            channels = EngineChannels()
+            segments = buf.open_segments()
+            opened.append((channels, segments))
+            return channels.session(segments=segments, nbytes=buf.nbytes,
+                                    block_bytes=BLOCK, layout=config.layout_kwargs(),
+                                    label=label), segments
+
+        return pool, session_of
+
+    yield make
+    for pool in pools:
+        pool.stop()
+    for channels, segments in opened:
+        for seg in segments:
+            os.close(seg.fd)
+        channels.close()
+
+
+def assert_all_serving_the_session(pool) -> None:
+    from mptier.workers.supervised import Phase
+
+    sup = pool._supervisor
+    with sup.lock:
+        phases = {w.pid: (w.phase, w.session_id) for w in sup.workers}
+    assert set(phases.values()) == {(Phase.SERVING, sup.session_id)}, phases
+
+
+def test_a_failed_attach_is_not_reported_to_the_next_session(bare_pool, make_buffer):
     """Session 1's buffer is broken before its attach (its engine shrank it): every
     worker fails to attach and the pool says so. Session 2, with a sound buffer, then
     attaches: the failures kept from session 1 are not read as session 2's before the
     supervisor thread has even begun it (a service told the next engine "could not
     attach to the buffer" of the engine before, 5 times in 12 loaded runs)."""
-    from mptier import TierConfig
-    from mptier.channels import EngineChannels
-    from mptier.errors import MptierError
-    from mptier.workers import PoolSettings, WorkerPool
-    from mptier.workers.supervised import Phase
-
-    config = TierConfig(root_dir=str(tmp_path), n_load_workers=1, n_store_workers=1,
-                        worker_start_timeout_s=10.0, heartbeat_s=60.0)
-    pool = WorkerPool(PoolSettings.from_config(config))
-    opened: list = []
-
-    def session_of(buf, label):
-        channels = EngineChannels()
-        segments = buf.open_segments()
-        opened.append((channels, segments))
-        return channels.session(segments=segments, nbytes=buf.nbytes, block_bytes=BLOCK,
-                                layout=config.layout_kwargs(), label=label), segments
-
-    try:
-        pool.start()
-        for round_ in range(3):
-            broken, segments = session_of(make_buffer(4, BLOCK), f"broken {round_}")
-            os.ftruncate(segments[0].fd, 0)
-            with pytest.raises(MptierError, match="could not attach to the buffer"):
-                pool.attach(broken)
-            sound, _ = session_of(make_buffer(4, BLOCK), f"sound {round_}")
-            pool.attach(sound)
-            sup = pool._supervisor
-            with sup.lock:
-                phases = {w.pid: (w.phase, w.session_id) for w in sup.workers}
-            assert set(phases.values()) == {(Phase.SERVING, sup.session_id)}, phases
-            pool.end_session(ask_workers=True)
-    finally:
-        pool.stop()
-        for channels, segments in opened:
-            for seg in segments:
-                os.close(seg.fd)
-            channels.close()
+    pool, session_of = bare_pool(worker_start_timeout_s=10.0)
+    pool.start()
+    for round_ in range(3):
+        broken, segments = session_of(make_buffer(4, BLOCK), f"broken {round_}")
+        os.ftruncate(segments[0].fd, 0)
+        with pytest.raises(MptierError, match="could not attach to the buffer"):
+            pool.attach(broken)
+        sound, _ = session_of(make_buffer(4, BLOCK), f"sound {round_}")
+        pool.attach(sound)
+        assert_all_serving_the_session(pool)
+        pool.end_session(ask_workers=True)
 
 
-def test_an_answer_about_an_ended_session_is_not_the_next_sessions(tmp_path, make_buffer):
+def test_an_answer_about_an_ended_session_is_not_the_next_sessions(bare_pool,
+                                                                  make_buffer):
     """A worker that was slow to take session 1 (stopped here) answers its attach after
     session 1 is over and session 2 has begun; session 1's buffer was broken meanwhile
     (its engine shrank it), so the answer is a failure. That failure is session 1's: the
     worker is handed session 2 and session 2 attaches (a service told the next engine
     "could not attach to the buffer" of an engine long gone)."""
-    from mptier import TierConfig
-    from mptier.channels import EngineChannels
-    from mptier.errors import MptierError
-    from mptier.workers import PoolSettings, WorkerPool
-    from mptier.workers.supervised import Phase
-
-    config = TierConfig(root_dir=str(tmp_path), n_load_workers=1, n_store_workers=1,
-                        worker_start_timeout_s=3.0, heartbeat_s=60.0)
-    pool = WorkerPool(PoolSettings.from_config(config))
-    opened: list = []
-
-    def session_of(buf, label):
-        channels = EngineChannels()
-        segments = buf.open_segments()
-        opened.append((channels, segments))
-        return channels.session(segments=segments, nbytes=buf.nbytes, block_bytes=BLOCK,
-                                layout=config.layout_kwargs(), label=label), segments
-
+    pool, session_of = bare_pool(worker_start_timeout_s=3.0)
     slow = 0
     try:
         pool.start()
@@ -328,18 +334,10 @@ def test_an_answer_about_an_ended_session_is_not_the_next_sessions(tmp_path, mak
         resume.start()
         pool.attach(second)
         resume.join()
-        sup = pool._supervisor
-        with sup.lock:
-            phases = {w.pid: (w.phase, w.session_id) for w in sup.workers}
-        assert set(phases.values()) == {(Phase.SERVING, sup.session_id)}, phases
+        assert_all_serving_the_session(pool)
         assert slow in pool.pids()  # answered, not replaced
         pool.end_session(ask_workers=True)
     finally:
         if slow:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(slow, signal.SIGCONT)
-        pool.stop()
-        for channels, segments in opened:
-            for seg in segments:
-                os.close(seg.fd)
-            channels.close()
