@@ -80,7 +80,11 @@ def test_vllm_loads_its_c_extension_built_from_the_sdist():
     # The build from the sdist links no torch or CUDA library (the wheel's did).
     linked = subprocess.run(["ldd", ext.__file__], capture_output=True, text=True,
                             check=True).stdout
-    assert not re.search(r"torch|c10|cuda|nvrtc", linked), linked
+    # The names and paths only: a load address such as 0x00007f843533e000 holds "c10"
+    # now and then (CI, 2026-12-04).
+    libraries = [line.split(" (0x")[0].strip() for line in linked.splitlines()]
+    assert "libc.so.6" in " ".join(libraries), linked  # the parse sees the libraries
+    assert not [lib for lib in libraries if re.search(r"torch|c10|cuda|nvrtc", lib)], linked
 
 
 # vLLM's 46 cases take 1.5 min on an idle 2-core machine, several on a busy one.
