@@ -26,6 +26,14 @@ from mptier.errors import RootFileError
 # what a planted file can make a tier read into memory.
 ROOT_FILE_LIMIT_BYTES = 1 << 20
 
+# A record is replaced by a rename, and on a shared file system the rename may come
+# from another node while this one reads the old file: NFS then says ESTALE, JuiceFS
+# EBADF on the read (measured: two tiers on two mounts starting at once, each
+# publishing mptier.json). The name leads to the new record by then, so it is opened
+# again; this many tries, since a record is renamed over only at a tier's start.
+REPLACED_ERRNOS = frozenset({errno.ESTALE, errno.EBADF})
+REPLACED_TRIES = 3
+
 _EMEDIUMTYPE = getattr(errno, "EMEDIUMTYPE", errno.EINVAL)
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -44,7 +52,21 @@ def read_root_file(path: str, limit: int = ROOT_FILE_LIMIT_BYTES) -> bytes | Non
     bytes, and does not update the file's access time where it may (reading a record is
     not using it). Raises :class:`RootFileError` for a symlink, a non-regular file or a
     file larger than ``limit``; ``OSError`` for anything else the file system says.
+    A record replaced through another node while it is read is read again by name
+    (:data:`REPLACED_ERRNOS`).
     """
+    tries = 1
+    while True:
+        try:
+            return _read_once(path, limit)
+        except OSError as exc:
+            if exc.errno not in REPLACED_ERRNOS or isinstance(exc, RootFileError) \
+                    or tries >= REPLACED_TRIES:
+                raise
+            tries += 1
+
+
+def _read_once(path: str, limit: int) -> bytes | None:
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         try:

@@ -112,7 +112,9 @@ def test_four_tiers_on_two_mounts_hold_the_budget_within_5_percent(dfs_dirs):
     walkers = [i for i, s in enumerate(summaries) if s["root"]["evicted_blocks"]]
     # (The seat may pass on while the tiers shut down one by one: the last record can be
     # a later walker's, so only the evictions say who walked during the traffic.)
-    assert len(walkers) == 1, f"tiers {walkers} evicted: {summaries}"
+    assert len(walkers) == 1, (f"tiers {walkers} evicted; what their caretakers said of "
+                               f"the election: {run.warnings('walk', 'elect', 'seat')}; "
+                               f"summaries: {summaries}")
     _, final, temps = blocks_on_disk(str(dfs_dirs.a))
     assert not temps, temps[:5]
     figures = {"peak": peak / CAPACITY, "final": final / CAPACITY,

@@ -21,7 +21,7 @@ from test_capacity import Driver, blocks_on_disk, keys_for, root_stats
 from mptier import LookupResult
 from mptier.errors import RootFileError
 from mptier.layout import FileMapper
-from mptier.rootfile import ROOT_FILE_LIMIT_BYTES, read_root_file
+from mptier.rootfile import REPLACED_TRIES, ROOT_FILE_LIMIT_BYTES, read_root_file
 from mptier.storage import tools
 
 KB = 1 << 10
@@ -73,6 +73,32 @@ def test_read_root_file_reads_a_regular_file_and_misses_a_missing_one(tmp_path):
     assert read_root_file(str(path)) is None
     path.write_bytes(b"x" * ROOT_FILE_LIMIT_BYTES)  # exactly the limit is fine
     assert read_root_file(str(path)) == b"x" * ROOT_FILE_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("err", [errno.EBADF, errno.ESTALE], ids=["EBADF", "ESTALE"])
+def test_read_root_file_reads_a_record_replaced_through_another_node_again(make_fuse_fs,
+                                                                           err):
+    """JuiceFS fails the read of a record another mount renamed over with EBADF (seen
+    when two tiers on two mounts start at once), NFS with ESTALE: the name leads to the
+    new record, so it is opened again, a bounded number of times."""
+    fs = make_fuse_fs(direct_io=True)  # every read reaches the file system
+    path = fs.path("mptier.json")
+    path.write_bytes(b'{"block_bytes": 4096}')
+    reads = fs.calls("read")
+    fs.fail("read", err, "/mptier.json", times=REPLACED_TRIES - 1)
+    assert read_root_file(str(path)) == b'{"block_bytes": 4096}'
+    # two reads failed, then the record and its end of file were read
+    assert fs.calls("read") - reads == REPLACED_TRIES + 1
+    reads = fs.calls("read")
+    fs.fail("read", err, "/mptier.json", times=REPLACED_TRIES)
+    with pytest.raises(OSError) as info:
+        read_root_file(str(path))
+    assert info.value.errno == err and fs.calls("read") - reads == REPLACED_TRIES
+    reads = fs.calls("read")
+    fs.fail("read", errno.EIO, "/mptier.json", times=1)  # a fault: never read again
+    with pytest.raises(OSError) as info:
+        read_root_file(str(path))
+    assert info.value.errno == errno.EIO and fs.calls("read") - reads == 1
 
 
 # The record a start reads, and how it was replaced (the I/O backend plays no part).

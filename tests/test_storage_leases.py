@@ -3,6 +3,8 @@ never touched, a SIGKILLed writer's are removed, and without working locks age d
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import signal
@@ -58,6 +60,34 @@ def test_lease_file_holds_its_writer_and_is_locked(tmp_path):
 def test_probe_locks_finds_working_locks_and_leaves_nothing(tmp_path):
     assert probe_locks(str(tmp_path)) is True
     assert os.listdir(tmp_path / ".mptier") == []
+
+
+def _flock_failing(err: int, on_call: int):
+    """A flock that fails its ``on_call``-th call with ``err`` (the way a file system's
+    lock calls fail: this machine's file systems all take locks)."""
+    real, calls = fcntl.flock, []
+
+    def flock(fd, op):
+        calls.append(op)
+        if len(calls) == on_call:
+            raise OSError(err, os.strerror(err))
+        return real(fd, op)
+    return flock
+
+
+@pytest.mark.parametrize("on_call", [1, 2], ids=["first-lock", "second-lock"])
+def test_probe_locks_says_no_only_when_the_file_system_refuses_locks(tmp_path, monkeypatch,
+                                                                      on_call):
+    """ENOLCK (NFS without its lock manager) is an answer: no locks. EIO (JuiceFS's
+    metadata engine busy) is a failure of the moment: it raises, so the caller asks
+    again later instead of walking the root alone for good."""
+    monkeypatch.setattr(fcntl, "flock", _flock_failing(errno.ENOLCK, on_call))
+    assert probe_locks(str(tmp_path)) is False
+    monkeypatch.setattr(fcntl, "flock", _flock_failing(errno.EIO, on_call))
+    with pytest.raises(OSError) as info:
+        probe_locks(str(tmp_path))
+    assert info.value.errno == errno.EIO
+    assert os.listdir(tmp_path / ".mptier") == []  # no probe file left either way
 
 
 def test_lease_refuses_a_symlinked_meta_folder(tmp_path):

@@ -6,9 +6,12 @@ tiers storing into one root walk it as much as one tier does."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
+
+import pytest
 
 from conftest import wait_for
 from test_capacity import (
@@ -153,6 +156,27 @@ def test_a_walk_folder_removed_under_a_live_tier_is_made_again(make_buffer, make
              (read_usage(root) or {}).get("usage_bytes") == 4 * BLOCK, 20,
              "the usage of the four blocks, in stats() and published")
     assert walker_record(root)["pid"] in tier.worker_pids()
+
+
+@pytest.mark.fuse
+def test_a_tier_that_could_not_join_the_election_at_its_start_joins_it_later(
+        make_buffer, make_tier, fuse_fs, capfd):
+    """The election's folder cannot be made when the caretaker starts (a distributed
+    file system's metadata failing for a moment: a tier on JuiceFS in CI then walked and
+    evicted beside the elected walker for the whole session). The caretaker walks alone
+    meanwhile, tries again and joins: the seat and the published usage are its own."""
+    root = str(fuse_fs.path("kv"))
+    fuse_fs.fail("mkdir", errno.EIO, "/kv/.mptier/walk", times=3)
+    buf = make_buffer(8, BLOCK)
+    tier = make_tier(buf, root_dir=root, task_bytes=BLOCK)
+    run = Driver(tier, buf)
+    assert run.store(keys_for(b"joined", 2)).success
+    wait_for(lambda: (read_usage(root) or {}).get("usage_bytes") == 2 * BLOCK,
+             10 * ELECT_GAP_S + 10, "the usage of the two blocks, published as the walker")
+    assert walker_record(root)["pid"] in tier.worker_pids()
+    assert os.path.exists(os.path.join(share_dir(root), "seat.lock"))
+    assert "cannot join its walker election yet" in capfd.readouterr().err, \
+        "the failure reached the caretaker"
 
 
 def tree_entries(root: str) -> int:

@@ -194,7 +194,12 @@ class Lease:
 
 def probe_locks(root: str | os.PathLike[str]) -> bool:
     """Whether flock works under ``root``: two open file descriptions of one file must
-    conflict. Blocks on a few metadata calls; ``OSError`` when ``root`` is unusable."""
+    conflict. False when the file system refuses locks (an errno of
+    ``_LOCK_UNSUPPORTED``) or grants both; any other failure is the file system failing
+    now, not an answer (a distributed file system's metadata engine busy under load
+    fails a lock with EIO), and raises ``OSError``, so the caller asks again later
+    rather than deciding for good that every tier must walk the root alone. Blocks on
+    a few metadata calls; ``OSError`` also when ``root`` is unusable."""
     root = os.path.normpath(os.fspath(root))
     path = f"{_ensure_meta_dir(root)}/lockprobe.{new_tag()}"
     fd1 = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -202,16 +207,17 @@ def probe_locks(root: str | os.PathLike[str]) -> bool:
     try:
         fd2 = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            try:
-                fcntl.flock(fd1, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                return False
-            try:
-                fcntl.flock(fd2, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            except OSError:
-                return False
+            for fd, second in ((fd1, False), (fd2, True)):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if second:
+                        return True  # the first lock holds the second off: locks work
+                    raise  # a new file (O_EXCL) locked by someone: the fs is failing
+                except OSError as exc:
+                    if exc.errno in _LOCK_UNSUPPORTED:
+                        return False
+                    raise
             return False  # both granted: locks are accepted but do nothing here
         finally:
             os.close(fd2)

@@ -55,7 +55,7 @@ from typing import Any, Protocol
 from mptier.errors import MptierError
 from mptier.jobs import MessageType, encode_message, pack_keys
 from mptier.storage import RootMaintainer
-from mptier.storage.election import RootShare
+from mptier.storage.election import ELECT_GAP_S, RootShare
 from mptier.storage.maintain import EVICT_SLACK_FRACTION
 from mptier.storage.roots import root_identity
 from mptier.workers.control import (
@@ -189,8 +189,11 @@ class _Kept:
     # path, and the budget counts what is behind the path.
     identity: tuple[int, int] | None = None
     # The root's walker election (mptier/storage/election.py); None where locks do not
-    # work (this caretaker then walks and evicts on its own, as every tier's did).
+    # work (this caretaker then walks and evicts on its own, as every tier's did), or
+    # until the election could be joined (share_at: when it is tried again; None once
+    # it is joined, or locks are known not to work).
     share: RootShare | None = None
+    share_at: float | None = None
 
 
 class Caretaker:
@@ -240,7 +243,7 @@ class Caretaker:
             control.set_freed_stamp(index, 0)
             with contextlib.suppress(OSError):  # a root that fails now: the walk says so
                 kept.identity = root_identity(path)
-            kept.share = _share_of(maintainer)
+            _join_election(kept, time.monotonic())
             self.kept[index] = kept
             self._publish(kept)
             log.debug("mptier: worker pid %d takes care of root %s", os.getpid(), path)
@@ -336,6 +339,8 @@ class Caretaker:
                 return
         finally:
             writer.set_root(None)
+        if kept.share_at is not None and now >= kept.share_at:
+            _join_election(kept, now)
         share = kept.share
         try:
             if share is not None and share.walker and not share.keep_seat(now):
@@ -692,16 +697,27 @@ class Caretaker:
                 return  # the engine is gone; serve() finds out at its next write
 
 
-def _share_of(m: RootMaintainer) -> RootShare | None:
-    """The root's election, where locks prove the walker alive (else None: walk alone)."""
+def _join_election(kept: _Kept, now: float) -> None:
+    """Join the root's walker election, where locks prove the walker alive. A root
+    whose locks do not work gets none: this tier walks it alone. One that fails now
+    (the probe or the election's folder: a distributed file system's metadata busy
+    under load) is tried again ELECT_GAP_S later, walked alone meanwhile: giving up for
+    good would leave a second walker evicting beside the elected one all session."""
+    m = kept.maintainer
+    again = kept.share_at is not None
+    kept.share_at = None
     try:
         if m.sweeper is None or not m.sweeper.locks_work:
-            return None
-        return RootShare(m.root)
+            return
+        kept.share = RootShare(m.root)
     except OSError as exc:
-        log.warning("mptier: root %s: no walker election (%s); this tier walks it alone",
-                    m.root, exc)
-        return None
+        kept.share_at = now + ELECT_GAP_S
+        log.log(logging.DEBUG if again else logging.WARNING,
+                "mptier: root %s: cannot join its walker election yet (%s); this tier "
+                "walks it alone until it can (tried every %g s)", m.root, exc, ELECT_GAP_S)
+        return
+    if again:
+        log.info("mptier: root %s: joined its walker election", m.root)
 
 
 def _close_share(kept: _Kept) -> None:

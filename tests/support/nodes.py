@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,11 +21,19 @@ from dataclasses import dataclass, field
 @dataclass
 class NodesRun:
     """What :func:`run_nodes` saw: each node's summary (in the order started), the
-    largest sample taken inside the sampling window, and every such sample."""
+    largest sample taken inside the sampling window, every such sample, and each
+    node's standard error (its tier's warnings: what a failed assertion should show)."""
 
     summaries: list[dict] = field(default_factory=list)
     peak: int = 0
     samples: list[int] = field(default_factory=list)
+    stderrs: list[str] = field(default_factory=list)
+
+    def warnings(self, *words: str) -> list[str]:
+        """The lines of the nodes' standard error naming any of ``words``, each
+        prefixed with its node's index."""
+        return [f"node {i}: {line}" for i, text in enumerate(self.stderrs)
+                for line in text.splitlines() if any(w in line for w in words)]
 
 
 def run_nodes(argvs: Sequence[Sequence[str]], sample: Callable[[], int], *,
@@ -34,9 +44,12 @@ def run_nodes(argvs: Sequence[Sequence[str]], sample: Callable[[], int], *,
     ``every_s`` while any runs (at most ``limit_s``; samples count for the peak during
     the first ``sample_for_s``), then wait for each (``exit_timeout_s``) and parse its
     last line of output as JSON. A node that exits non-zero fails the test with its
-    output; one still running at the end (a failure in between) is killed."""
-    nodes = [subprocess.Popen(list(argv), stdout=subprocess.PIPE, text=True,
-                              env=None if envs is None else envs[i])
+    output; one still running at the end (a failure in between) is killed. Each node's
+    standard error goes to a temporary file (kept in ``stderrs``, and copied to this
+    process's standard error for pytest to show)."""
+    errs = [tempfile.TemporaryFile(mode="w+") for _ in argvs]
+    nodes = [subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=errs[i],
+                              text=True, env=None if envs is None else envs[i])
              for i, argv in enumerate(argvs)]
     run = NodesRun()
     try:
@@ -57,4 +70,10 @@ def run_nodes(argvs: Sequence[Sequence[str]], sample: Callable[[], int], *,
             if node.poll() is None:
                 node.kill()
                 node.wait()
+        for i, err in enumerate(errs):
+            err.seek(0)
+            run.stderrs.append(err.read())
+            err.close()
+            if run.stderrs[-1]:
+                sys.stderr.write(f"-- node {i}'s standard error --\n{run.stderrs[-1]}")
     return run
