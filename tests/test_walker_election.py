@@ -12,7 +12,6 @@ import shutil
 import signal
 
 import pytest
-
 from conftest import wait_for
 from test_capacity import (
     BLOCK,

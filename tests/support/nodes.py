@@ -9,6 +9,7 @@ reaped, whatever failed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import IO
 
 
 @dataclass
@@ -47,7 +49,16 @@ def run_nodes(argvs: Sequence[Sequence[str]], sample: Callable[[], int], *,
     output; one still running at the end (a failure in between) is killed. Each node's
     standard error goes to a temporary file (kept in ``stderrs``, and copied to this
     process's standard error for pytest to show)."""
-    errs = [tempfile.TemporaryFile(mode="w+") for _ in argvs]
+    with contextlib.ExitStack() as files:
+        errs = [files.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in argvs]
+        return _run(argvs, sample, errs, sample_for_s=sample_for_s, limit_s=limit_s,
+                    every_s=every_s, envs=envs, exit_timeout_s=exit_timeout_s)
+
+
+def _run(argvs: Sequence[Sequence[str]], sample: Callable[[], int], errs: list[IO[str]], *,
+         sample_for_s: float, limit_s: float, every_s: float,
+         envs: Sequence[dict[str, str] | None] | None, exit_timeout_s: float) -> NodesRun:
+    """:func:`run_nodes` with each node's standard error going to ``errs``."""
     nodes = [subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=errs[i],
                               text=True, env=None if envs is None else envs[i])
              for i, argv in enumerate(argvs)]
@@ -73,7 +84,6 @@ def run_nodes(argvs: Sequence[Sequence[str]], sample: Callable[[], int], *,
         for i, err in enumerate(errs):
             err.seek(0)
             run.stderrs.append(err.read())
-            err.close()
             if run.stderrs[-1]:
                 sys.stderr.write(f"-- node {i}'s standard error --\n{run.stderrs[-1]}")
     return run
