@@ -58,6 +58,9 @@ class TierConfig:
     eviction_policy: str = DEFAULT_POLICY
     high_watermark: float = 0.95
     low_watermark: float = 0.85
+    # A store waits at most this long (and a quarter of io_timeout_s) for eviction to
+    # make its room, then fails with ENOSPC.
+    room_wait_s: float = 2.0
     # Where file locks do not work, a temporary file this old is a dead writer's.
     # (The storage tools' own default, which they need without a TierConfig.)
     stale_temp_s: float = DEFAULT_STALE_TEMP_S
@@ -372,7 +375,7 @@ class TierConfig:
         _want(self.low_watermark < self.high_watermark, "low_watermark", self.low_watermark,
               f"a fraction below high_watermark = {self.high_watermark!r} (0 < "
               "low_watermark < high_watermark <= 1, e.g. 0.85 and 0.95)")
-        for name in ("stale_temp_s", "root_retry_s"):
+        for name in ("stale_temp_s", "root_retry_s", "room_wait_s"):
             value = getattr(self, name)
             _want(isinstance(value, (int, float)) and not isinstance(value, bool)
                   and value > 0, name, value, "a positive number of seconds")

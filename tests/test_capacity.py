@@ -297,6 +297,37 @@ def test_a_new_caretaker_takes_over_when_the_old_one_dies(make_buffer, make_tier
     assert run.evicted()
 
 
+@pytest.mark.parametrize("backend", ["native"], indirect=True)
+def test_a_store_waits_room_wait_s_for_eviction_then_fails_naming_it(make_buffer, make_tier,
+                                                                     root):
+    """The caretaker stopped (SIGSTOP, as one stalled on its file system): a store that
+    needs room waits room_wait_s for it and fails with ENOSPC naming the option, nothing
+    half-written; with the caretaker back the same store goes through."""
+    cap = 8 * BLOCK
+    buf = make_buffer(4, BLOCK)
+    tier = make_tier(buf, capacity_bytes=cap, task_bytes=BLOCK, n_load_workers=1,
+                     n_store_workers=2, room_wait_s=0.5, heartbeat_s=0)
+    run = Driver(tier, buf)
+    wait_for(lambda: root_stats(tier)["caretaker_pid"], 10, "a caretaker")
+    keeper = root_stats(tier)["caretaker_pid"]
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        for key in keys_for(b"past", 16):
+            result = run.store([key])
+            if not result.success:
+                break
+        assert not result.success, "16 blocks fit a budget of 8 with no eviction"
+        assert result.errno == errno.ENOSPC and "room_wait_s=0.5 s" in result.error, \
+            result.error
+        assert not os.path.exists(tier.path_for(key))
+        waited = sum(w["room_wait_s"] for w in tier.stats()["workers"])
+        assert waited >= 0.5, f"the store waited {waited} s for room, not room_wait_s"
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    assert run.store([key]).success
+    wait_for(lambda: settled(tier, root, cap), 30, "back within the budget")
+
+
 def test_thread_workers_evict_too(make_tier, root):
     """A buffer the workers cannot map: I/O threads in the engine, one of them the
     caretaker."""
@@ -388,8 +419,11 @@ def test_the_budget_holds_with_every_worker_storing(make_buffer, make_tier, root
     task = 2 * BLOCK
     writers = 4
     buf = make_buffer(32, BLOCK)
+    # room_wait_s: what this test checks is the reservations (no store fails for lack
+    # of room eviction can make), not how fast eviction is; beside the other slow tests
+    # a store once waited past the default 2 s for it (cause not identified).
     tier = make_tier(buf, capacity_bytes=cap, task_bytes=task, n_store_workers=writers,
-                     n_load_workers=1)
+                     n_load_workers=1, room_wait_s=10.0)
     keys = keys_for(b"wave", 8 * 4 * 12)
     job = 0
     for wave in range(12):

@@ -34,6 +34,8 @@ def test_from_toml_with_table_and_overrides(tmp_path):
     ({"task_bytes": "lots"}, "task_bytes"),
     ({"task_bytes": 0}, "task_bytes"),
     ({"io_timeout_s": 0}, "io_timeout_s"),
+    ({"room_wait_s": 0}, "room_wait_s"),
+    ({"room_wait_s": "2s"}, "room_wait_s"),
     ({"use_o_direct": "maybe"}, "use_o_direct"),
     ({"native": "yes"}, "native"),
     ({"worker_nice": 20}, "worker_nice"),

@@ -1,7 +1,7 @@
 """Wall time and thread CPU time per GB of worker-like native loads, several ways side by
 side (interleaved rounds, odd ones reversed): O_DIRECT into the slots ("direct"), through
 a bounce buffer ("bounce"), buffered ("buffered"), each with checksums or without
-("-nocrc"). Stores the blocks first, in the tier's layout; evicts them from the page
+("-nocrc") and with the atime touch or without ("-notouch"). Stores the blocks first, in the tier's layout; evicts them from the page
 cache before every round.
 
     python bench/experiments/load_cpu.py --root /var/tmp --block-bytes 2M --blocks 128 --task 4
@@ -72,7 +72,7 @@ def drop():
 def way(name):
     crc = "nocrc" not in name
     direct = "buffered" not in name
-    f = fl(direct=direct, crc=crc)
+    f = fl(direct=direct, crc=crc, touch="notouch" not in name)
     for s in range(0, n, a.task):
         if name.startswith("bounce"):
             rc, d, ix = bounce.load(

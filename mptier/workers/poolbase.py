@@ -58,6 +58,7 @@ class PoolSettings(SupervisionSettings):
     eviction_policy: str = default_of("eviction_policy")
     high_watermark: float = default_of("high_watermark")
     low_watermark: float = default_of("low_watermark")
+    room_wait_s: float = default_of("room_wait_s")
     stale_temp_s: float = default_of("stale_temp_s")
     lease_locks: bool | str = default_of("lease_locks")
 

@@ -16,7 +16,7 @@ from mptier.errors import ConfigError, MptierError
 from mptier.layout import FileMapper
 from mptier.workers.bounce import needs_bounce
 from mptier.workers.poolbase import PoolSettings
-from mptier.workers.session import ROOM_WAIT_S, IoSettings, RootIo
+from mptier.workers.session import IoSettings, RootIo
 
 log = logging.getLogger("mptier.workers")
 
@@ -44,7 +44,7 @@ def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
                       stale_temp_s=settings.stale_temp_s,
                       lease_locks=None if settings.lease_locks == "auto"
                       else bool(settings.lease_locks),
-                      room_wait_s=min(ROOM_WAIT_S, settings.io_timeout_s / 4))
+                      room_wait_s=min(settings.room_wait_s, settings.io_timeout_s / 4))
 
 
 def _prepare_root(settings: PoolSettings, root: str, layout: dict[str, Any],

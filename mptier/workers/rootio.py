@@ -231,7 +231,8 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
                     f"root {root.path} is full: storing {left // block_bytes} new "
                     f"block(s) ({left} bytes) would take its usage ({usage} bytes) past "
                     f"capacity_bytes={capacity}, and eviction could not make room within "
-                    f"{ctx.io.room_wait_s:g} s; the {done} block(s) before were stored")
+                    f"room_wait_s={ctx.io.room_wait_s:g} s; the {done} block(s) before "
+                    "were stored")
             rc, n, index, temp_err = ctx.backend.store(
                 fd, paths[done:end], ctx.memory, offsets[done:end], block_bytes,
                 root.flags, ctx.tag)

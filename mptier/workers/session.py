@@ -46,13 +46,6 @@ class RootIo:
     bounce: bool = False  # process workers load through a bounce buffer (bounce.py)
 
 
-# A store waits at most this long (and at most a quarter of io_timeout_s) for the
-# caretaker to evict enough for it before it fails with ENOSPC: long enough for a few
-# eviction steps between the caretaker's own tasks, short enough that a store which can
-# never fit fails promptly.
-ROOM_WAIT_S = 2.0
-
-
 @dataclass
 class IoSettings:
     """The pool's side of how blocks are read and written (JSON-able).
@@ -80,7 +73,9 @@ class IoSettings:
     stale_temp_s: float = default_of("stale_temp_s")
     lease_locks: bool | None = None  # None: probe each root (mptier.storage.probe_locks)
     # How long a store waits for the caretaker to make room before failing (ENOSPC).
-    room_wait_s: float = ROOM_WAIT_S
+    # A store waits at most this long for the caretaker to evict enough for it before
+    # it fails with ENOSPC (TierConfig.room_wait_s, at most a quarter of io_timeout_s).
+    room_wait_s: float = default_of("room_wait_s")
 
     def __post_init__(self) -> None:
         self.roots = [r if isinstance(r, RootIo) else RootIo(**r) for r in self.roots]
