@@ -1,8 +1,8 @@
 """Wall time and thread CPU time per GB of worker-like native loads, several ways side by
 side (interleaved rounds, odd ones reversed): O_DIRECT into the slots ("direct"), through
 a bounce buffer ("bounce"), buffered ("buffered"), each with checksums or without
-("-nocrc") and with the atime touch or without ("-notouch"). Stores the blocks first, in the tier's layout; evicts them from the page
-cache before every round.
+("-nocrc") and with the atime touch or without ("-notouch"). Stores the blocks first, in
+the tier's layout; evicts them from the page cache before every round.
 
     python bench/experiments/load_cpu.py --root /var/tmp --block-bytes 2M --blocks 128 --task 4
     python bench/experiments/load_cpu.py --root /dev/shm --uring 0 --ways direct,direct-nocrc
