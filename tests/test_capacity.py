@@ -18,6 +18,7 @@ from conftest import wait_for, wait_results
 
 from mptier import FileSystemTier, LookupResult, SharedKVBuffer, TransferJob, make_key
 from mptier.layout import FileMapper
+from mptier.native._pure_resolve import MKDIR_TRIES  # the C core has the same (MPT_MKDIR_TRIES)
 from mptier.storage.maintain import EVICT_SLACK_FRACTION
 from mptier.workers.caretaker import MAX_SLACK_FRACTION
 
@@ -252,6 +253,31 @@ def test_enospc_from_the_file_system_fails_the_job_with_nothing_half_written(
     n, _, temps = blocks_on_disk(root)
     assert n == 1 and not temps
     assert run.store(keys[1:]).success  # the file system has room again
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("backend", ["native", "python"], indirect=True)
+def test_a_store_whose_folder_keeps_vanishing_lists_the_folders_above_and_goes_on(
+        make_buffer, make_tier, fuse_fs):
+    """Through a stale entry (JuiceFS: the folder removed by eviction through another
+    mount) every try of the core to make a block's folder again meets ENOENT. The store
+    lists the folders above the block, which refreshes such entries, and stores the rest
+    again; the file system here answers ENOENT to twice as many tries as one run of the
+    core makes (MKDIR_TRIES + 1, and the native core's io_uring path one more)."""
+    root = str(fuse_fs.path("kv"))
+    buf = make_buffer(4, BLOCK)
+    tier = make_tier(buf, root_dir=root, task_bytes=4 * BLOCK)
+    run = Driver(tier, buf)
+    keys = keys_for(b"stale", 4)
+    assert run.store(keys[:1]).success
+    lists = fuse_fs.calls("readdir")
+    fuse_fs.fail("create", errno.ENOENT, "/kv/*.tmp", times=2 * (MKDIR_TRIES + 1))
+    result = run.store(keys[1:])
+    assert result.success, result.error
+    assert all(os.path.exists(tier.path_for(k)) for k in keys)
+    assert fuse_fs.calls("readdir") > lists, "the folders above were listed"
+    n, _, temps = blocks_on_disk(root)
+    assert n == 4 and not temps
 
 
 @pytest.mark.parametrize("backend", ["native"], indirect=True)

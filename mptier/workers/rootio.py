@@ -30,6 +30,11 @@ ROOM_POLL_S = 0.005
 # which runs meanwhile); it waits for room only when not even this many new blocks fit:
 # one native call per few blocks would cost more calls than the wait saves.
 STORE_PIECE_BLOCKS = 8
+# A store whose block folder keeps vanishing (ENOENT after the core made it again
+# MPT_MKDIR_TRIES times) lists the folders above it and goes on, this many times per
+# run: on JuiceFS a folder removed through another mount stays in this mount's entries
+# until its parent is listed (1-5 stores of ~1,400 failed so in a four-tier run).
+STALE_FOLDER_RETRIES = 2
 
 
 def transfer(ctx: WorkerContext, store: bool, keys: list[bytes], offsets: list[int]
@@ -212,7 +217,7 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
     writer = ctx.slot_writer
     writer.reserve(root.index, left)  # before any check: every later check counts it
     deadline = time.monotonic() + ctx.io.room_wait_s
-    done = 0
+    done = refreshed = 0
     if capacity and left > capacity:  # no eviction can make room for more than it all
         writer.reserve(root.index, 0)
         return -errno.ENOSPC, 0, 0, (
@@ -249,6 +254,18 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
                                 (n - len(written)) * block_bytes)
             if written:
                 _count_new(ctx, root.index, written)
+            if rc == -errno.ENOENT and refreshed < STALE_FOLDER_RETRIES:
+                # The block's folder was removed (eviction empties and removes folders)
+                # and the core made it again MPT_MKDIR_TRIES times in vain: through a
+                # distributed file system's stale entry for it (JuiceFS, removed
+                # through another mount) a name keeps leading to the removed folder
+                # until its parent is listed. List, then store the rest again.
+                refreshed += 1
+                left -= sum(is_new[done:done + n]) * block_bytes
+                writer.reserve(root.index, left)
+                _list_folders_of(root, paths[done + index])
+                done += n
+                continue
             left -= sum(is_new[done:end]) * block_bytes
             writer.reserve(root.index, left)  # after the count: both for an instant
             if rc:
@@ -257,6 +274,20 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
     finally:
         writer.reserve(root.index, 0)
     return 0, done, 0, ""
+
+
+def _list_folders_of(root: RootHandle, path: bytes) -> None:
+    """List the folders above the block at ``path`` (relative to the blocks folder),
+    from the blocks folder down to the first one missing: on a distributed file system
+    that refreshes the kernel's entries for their sub-folders (see STALE_FOLDER_RETRIES).
+    Errors are left to the store tried again."""
+    folder = root.mapper.blocks_dir
+    for part in [b"", *path.split(b"/")[:-2]]:
+        folder = f"{folder}/{part.decode()}" if part else folder
+        try:
+            os.listdir(folder)
+        except OSError:
+            return
 
 
 def _piece(ctx: WorkerContext, index: int, is_new: list[bool], start: int, left: int,
