@@ -506,17 +506,26 @@ def test_with_descriptors_low_a_dead_worker_is_still_replaced(make_buffer, make_
 
 # -- finding 10: a re-attach gives back what the last attachment held -------------------
 
-def _control_blocks() -> tuple[int, int]:
-    """(descriptors, mappings) of service control blocks in this process."""
-    fds = 0
+def _control_entries() -> tuple[list[int], list[int]]:
+    """The inodes of the service control blocks (memfds) this process holds: one per
+    descriptor, one per mapping."""
+    fds = []
     for fd in os.listdir("/proc/self/fd"):
         try:
-            fds += "mptier-control" in os.readlink(f"/proc/self/fd/{fd}")
+            if "mptier-control" in os.readlink(f"/proc/self/fd/{fd}"):
+                fds.append(os.stat(f"/proc/self/fd/{fd}").st_ino)
         except OSError:
             pass
     with open("/proc/self/maps") as f:
-        maps = sum("mptier-control" in line for line in f)
+        maps = [int(line.split()[4]) for line in f if "mptier-control" in line]
     return fds, maps
+
+
+def _control_blocks(others: frozenset[int] = frozenset()) -> tuple[int, int]:
+    """(descriptors, mappings) of service control blocks in this process, but for the
+    blocks (inodes) in ``others``."""
+    fds, maps = _control_entries()
+    return (sum(ino not in others for ino in fds), sum(ino not in others for ino in maps))
 
 
 def _maps() -> int:
@@ -528,8 +537,9 @@ def test_every_reattach_releases_the_last_attachments_descriptors_and_mappings(
         run_dir, services, make_buffer, monkeypatch):
     monkeypatch.setattr(link, "RECONNECT_S", 0.2)
     # Other tests in this process may have left a control block mapped (a thread-workers
-    # tier's slot views keep its mapping: ControlBlock.close); only this tier's count.
-    before = _control_blocks()
+    # tier's slot views keep its mapping, ControlBlock.close), which garbage collection
+    # may close at any time: only this tier's blocks count.
+    others = frozenset(ino for entries in _control_entries() for ino in entries)
     os.makedirs(run_dir)
     service = services(run_dir)
     buf = make_buffer(16, BLOCK)
@@ -537,7 +547,7 @@ def test_every_reattach_releases_the_last_attachments_descriptors_and_mappings(
     try:
         round_trip(tier, buf, keys_for(2, b"first"), first_job=1)
         fds, maps, threads = _fds(), _maps(), _threads()
-        blocks = _control_blocks()
+        blocks = _control_blocks(others)
         restarts = 6
         for n in range(restarts):
             service.stop(signal.SIGKILL if n % 2 else signal.SIGTERM)
@@ -553,9 +563,8 @@ def test_every_reattach_releases_the_last_attachments_descriptors_and_mappings(
         round_trip(tier, buf, keys_for(2, b"last"), first_job=100)
         # The link's thread closes a replaced block at its first turn past the deadline;
         # on a loaded machine that turn can come late (CI: one block still open).
-        wait_for(lambda: _control_blocks() == blocks, 10, "the replaced blocks closed")
-        assert _control_blocks() == blocks == (before[0] + 2, before[1] + 1)  # one block:
-        # its fd, mmap's dup, its mapping
+        wait_for(lambda: _control_blocks(others) == blocks, 10, "the replaced blocks closed")
+        assert _control_blocks(others) == blocks == (2, 1)  # one block: its fd, mmap's dup, map
         # No thread per held connection (fewer is fine: one of the tier's own may end).
         assert _threads() <= threads
         assert _fds() <= fds + 1, "descriptors kept by re-attaches"
