@@ -235,14 +235,20 @@ def test_a_store_that_cannot_fit_fails_with_enospc_and_writes_nothing(
     assert run.load(more).success
 
 
+def fuse_tier(make_buffer, make_tier, fuse_fs) -> tuple[str, FileSystemTier, Driver]:
+    """A tier of 4 slots, one task per job, on the FUSE test file system's "kv" folder:
+    (root, tier, driver)."""
+    root = str(fuse_fs.path("kv"))
+    buf = make_buffer(4, BLOCK)
+    tier = make_tier(buf, root_dir=root, task_bytes=4 * BLOCK)
+    return root, tier, Driver(tier, buf)
+
+
 @pytest.mark.fuse
 @pytest.mark.parametrize("backend", ["native"], indirect=True)
 def test_enospc_from_the_file_system_fails_the_job_with_nothing_half_written(
         make_buffer, make_tier, fuse_fs):
-    root = str(fuse_fs.path("kv"))
-    buf = make_buffer(4, BLOCK)
-    tier = make_tier(buf, root_dir=root, task_bytes=4 * BLOCK)
-    run = Driver(tier, buf)
+    root, tier, run = fuse_tier(make_buffer, make_tier, fuse_fs)
     keys = keys_for(b"full", 4)
     assert run.store(keys[:1]).success
     rule = fuse_fs.fail("write", errno.ENOSPC, "/kv/*.tmp")
@@ -264,10 +270,7 @@ def test_a_store_whose_folder_keeps_vanishing_lists_the_folders_above_and_goes_o
     lists the folders above the block, which refreshes such entries, and stores the rest
     again; the file system here answers ENOENT to twice as many tries as one run of the
     core makes (MKDIR_TRIES + 1, and the native core's io_uring path one more)."""
-    root = str(fuse_fs.path("kv"))
-    buf = make_buffer(4, BLOCK)
-    tier = make_tier(buf, root_dir=root, task_bytes=4 * BLOCK)
-    run = Driver(tier, buf)
+    root, tier, run = fuse_tier(make_buffer, make_tier, fuse_fs)
     keys = keys_for(b"stale", 4)
     assert run.store(keys[:1]).success
     lists = fuse_fs.calls("readdir")
