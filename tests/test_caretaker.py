@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 from storage_tree import key_for, make_cache, write_block
@@ -24,6 +25,7 @@ from mptier.jobs import MessageType, decode_messages, unpack_keys
 from mptier.pipes import RecordWriter
 from mptier.storage import RootMaintainer
 from mptier.workers import caretaker as caretaker_module
+from mptier.workers import rootio
 from mptier.workers.caretaker import (
     BUSY_GAP_S,
     EVICT_GAP_S,
@@ -396,6 +398,49 @@ def test_a_store_waiting_for_room_is_not_kept_waiting_for_a_walk_slice(open_host
     clock.sleep(keeper.wait_s(1.0))
     keeper.run(busy=False)
     assert host.control.walked_entries(0) > walked, "the pass stopped for good"
+
+
+def test_the_caretakers_own_store_writes_into_the_room_it_saw(open_host, monkeypatch):
+    """(rootio._room, a store of the caretaker's own worker.) The store evicts until its
+    room is there and then writes into the room it saw. Another writer whose task
+    begins right after that look (its reservation counted at once) must not make it fail
+    for room it had: it read the room a second time, and failed at once with "could not
+    make room within room_wait_s=10 s" after ~1 s of waiting (CI, test_capacity's
+    every-worker test, about 1 run in 12 under load). The other writer counts this
+    store's reservation and waits for its own room: the budget holds."""
+    cap, want = 8 * BLOCK, 2 * BLOCK
+    host, keeper = open_host(capacity_bytes=cap)
+    write_blocks(host, 8)
+    keeper.take([0])
+    for _ in range(MAX_ROUNDS):
+        keeper.run(busy=False)
+        if complete(host):
+            break
+        time.sleep(keeper.wait_s(0.05))
+    assert complete(host) and host.control.usage_now(0) == cap
+    host.slot_writer.reserve(0, want)  # as rootio._store_run reserves, before its look
+    other = SlotWriter(host.control, 1, "store")
+    other.set_state(SlotState.IDLE)
+    control = host.control
+    real_usage_now = control.usage_now
+    looks = []
+
+    def usage_now(index: int, reserved: bool = True) -> int:
+        usage = real_usage_now(index, reserved)
+        looks.append(cap - (usage - want))
+        if looks[-1] >= want and not control.slot_reserved(1, 0):
+            other.reserve(0, want)  # another store begins right after this look
+        return usage
+
+    monkeypatch.setattr(control, "usage_now", usage_now)
+    ctx = SimpleNamespace(slot_writer=host.slot_writer, io=host.io, caretaker=keeper)
+    room = rootio._room(ctx, 0, want, want, time.monotonic() + 10.0)
+    assert looks[0] < want, "the store had to wait for eviction"
+    assert room >= want, f"room {room} after looks {looks}: the store would fail"
+    assert host.control.root(0).evicted_blocks > 0 or keeper.kept[0].maintainer.handed_bytes
+    assert control.slot_reserved(1, 0) == want  # the other store began meanwhile...
+    # ...and, counting this store's reservation, waits for its own room.
+    assert cap - (real_usage_now(0) - want) < want
 
 
 def test_without_a_budget_other_tiers_stores_do_not_slow_the_walkers_walk(root, clock):

@@ -302,21 +302,21 @@ class Caretaker:
         return any(control.slot_stores(slot, kept.index).want_free
                    for slot in range(control.n_slots))
 
-    def make_room(self, index: int, fits: Callable[[], bool], nbytes: int,
-                  deadline: float) -> bool:
-        """(A store of this worker, on a root it takes care of.) Evict until ``fits()``
-        (``nbytes`` more fit under the capacity: rootio._room's rule), or ``deadline``
-        (monotonic) passes."""
+    def make_room(self, index: int, room: Callable[[], int], nbytes: int,
+                  deadline: float) -> int:
+        """(A store of this worker, on a root it takes care of.) Evict until ``room()``
+        (bytes free under the capacity: rootio._room's rule) reaches ``nbytes``, or
+        ``deadline`` (monotonic) passes. Returns the last ``room()`` read: the room the
+        store may write into. Reading it again would be wrong, since another writer's
+        reservation (or a block counted twice for an instant) can take it in between,
+        and the store would fail at once for room it had."""
         kept = self.kept.get(index)
-        if kept is None:
-            return False
-        while True:
-            if fits():
-                return True
-            if time.monotonic() >= deadline:
-                return False
+        free = room()
+        while kept is not None and free < nbytes and time.monotonic() < deadline:
             self._step(kept, time.monotonic(), want_free=nbytes)
             time.sleep(MAKE_ROOM_POLL_S)  # the evictor thread removes meanwhile
+            free = room()
+        return free
 
     # -- one step ----------------------------------------------------------------------
 

@@ -342,8 +342,7 @@ def _room(ctx: WorkerContext, index: int, reserved: int, want: int,
     writer = ctx.slot_writer
     try:
         if ctx.caretaker is not None and index in ctx.caretaker.kept:
-            ctx.caretaker.make_room(index, lambda: free() >= want, want, deadline)
-            return free()
+            return ctx.caretaker.make_room(index, free, want, deadline)
         writer.want_free(index, want)
         try:
             while time.monotonic() < deadline:
