@@ -17,7 +17,7 @@ import os
 import secrets
 from typing import Any
 
-from mptier.keys import NAME_MAX, key_block_hash, key_group_idx
+from mptier.keys import GROUP_IDX_BYTES, NAME_MAX
 from mptier.rootfile import read_root_file
 
 CONFIG_FILENAME = "config.json"
@@ -144,8 +144,11 @@ class FileMapper:
     def relative_path_for(self, key: bytes) -> str:
         """Path of the block file for ``key`` relative to :attr:`blocks_dir` (the root
         the native batch calls resolve beneath)."""
-        hex_hash = key_block_hash(key).hex()
-        return f"{hex_hash[:3]}/{hex_hash[3:5]}_g{key_group_idx(key)}/{hex_hash}.bin"
+        # (key_block_hash and key_group_idx inlined: a worker makes one path per key of
+        # every task, and the two calls were 45 % of it, ~1 µs a key.)
+        hex_hash = key[:-GROUP_IDX_BYTES].hex()
+        group = int.from_bytes(key[-GROUP_IDX_BYTES:], "big")
+        return f"{hex_hash[:3]}/{hex_hash[3:5]}_g{group}/{hex_hash}.bin"
 
     def config_text(self) -> str:
         """The exact text of ``config.json`` (no trailing newline, as vLLM writes it)."""

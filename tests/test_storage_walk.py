@@ -15,6 +15,7 @@ from storage_tree import key_for, make_cache, write_block
 
 from mptier.storage import Kind, Lease, UsageTracker, Walker
 from mptier.storage.names import temp_name
+from mptier.storage.walk import relative_to
 
 BB = 4096
 TAG = "0123456789abcdef"
@@ -248,6 +249,32 @@ def test_walk_position_tells_what_it_will_still_reach(tmp_path):
     assert not walker.will_visit(blocks[-1])
     with pytest.raises(ValueError, match="not under the walked root"):
         walker.will_visit("/elsewhere/x.bin")
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except ValueError as exc:  # relpath's for an empty path: relative_to raises it too
+        return repr(exc)
+
+
+@pytest.mark.parametrize("root", ["/var/tmp/kv", "/", "/a", "relative/root"])
+def test_relative_to_is_relpath_for_every_form_of_path(root):
+    """relative_to cuts a path the tier made by string (the caretaker's accounting of
+    every stored block) and must answer what os.path.relpath does for any path: doubled
+    or trailing slashes, "." and ".." components, hidden names, the root itself,
+    absolute paths elsewhere."""
+    tails = ["m_r0/abc/de_g0/x.bin", "m//x", "m/./x", "m/../x", "../x", "m/", "", "m",
+             ".mptier/walk", "m/.hidden/x", "/abs", "//abs", "m/x.", "x/..", "."]
+    checked = 0
+    for tail in tails:
+        for path in (f"{root}/{tail}", f"{root}{tail}", tail, f"/{tail}"):
+            if os.path.isabs(path) != os.path.isabs(root):
+                continue  # relpath mixes in the working folder there; the tier never does
+            assert _outcome(relative_to, os.path.normpath(root), path) == \
+                _outcome(os.path.relpath, path, root), path
+            checked += 1
+    assert checked > 20
 
 
 def test_walk_survives_the_tree_vanishing_between_steps(tmp_path):

@@ -33,7 +33,7 @@ import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from mptier.storage.walk import Entry, Kind, Walker, remove_empty_parents
+from mptier.storage.walk import Entry, Kind, Walker, relative_to, remove_empty_parents
 
 # Default bound on eviction candidates kept in memory (about 150-250 bytes each, path
 # included, so ~10 MB). One pass can then plan at most this many evictions; more waits
@@ -70,8 +70,8 @@ class Usage:
 
 
 def folder_of(root: str, path: str) -> str:
-    rel = os.path.relpath(path, root)
-    return rel.split(os.sep, 1)[0]
+    """The first component of ``path`` under ``root`` (a normalised absolute path)."""
+    return relative_to(root, path).split(os.sep, 1)[0]
 
 
 class UsageTracker:

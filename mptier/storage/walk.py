@@ -107,6 +107,20 @@ class _Frame:
         self.prefix = prefix          # first 3 (then 5) hex digits a name must start with
 
 
+def relative_to(root: str, path: str) -> str:
+    """``os.path.relpath(path, root)`` for a normalised absolute ``root``. A path the
+    tier made itself (``root`` + "/" + plain names: what the caretaker reads from the
+    workers' rings, one per block stored) is cut by string, in ~0.3 µs where relpath's
+    two ``abspath`` calls took ~15 µs (a quarter of a 256 KiB tmpfs store's CPU, for
+    the caretaker's accounting alone); anything else goes through relpath."""
+    n = len(root)
+    rest = path[n:]  # "/" + the relative path, when it is one
+    if path.startswith(root) and rest[:1] == "/" and len(rest) > 1 and "//" not in rest \
+            and "/." not in rest and not rest.endswith("/"):
+        return rest[1:]
+    return os.path.relpath(path, root)
+
+
 def _by_name(entry: os.DirEntry) -> str:
     return entry.name
 
@@ -136,7 +150,7 @@ class Walker:
     # -- position ------------------------------------------------------------------------
 
     def _components(self, path: str) -> tuple[str, ...]:
-        rel = os.path.relpath(os.fspath(path), self.root)
+        rel = relative_to(self.root, os.fspath(path))
         if rel == "." or rel.startswith(".." + os.sep) or rel == "..":
             raise ValueError(f"{path!r} is not under the walked root {self.root!r}")
         return tuple(rel.split(os.sep))
