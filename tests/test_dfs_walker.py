@@ -29,12 +29,20 @@ MB = 1 << 20
 CAPACITY = 48 * MB
 STORE_S = 30.0
 SETTLE_S = 8.0
-TOLERANCE = 0.05  # issue 19's target: held at load 7-10 (peak 0.92x, final 0.97x)
-# What this test enforces: on a loaded machine the walker falls behind for seconds (a
-# peak of 1.18x was seen with a vLLM engine running beside it), so the enforced bound
-# on the peak is this looser one; the figures printed say how near the target a run got.
-# Before the election every tier evicted on its own: peak 1.56x, final 0.85x.
-PEAK_BOUND = 1.25
+TOLERANCE = 0.05  # issue 19's target
+# The bound on the sampled peak. By construction the files stay under the budget: a
+# contributor stores only within the room the walker granted it, and the walker counts
+# every grant as used until the contributor's blocks are folded (its usage plus the
+# grants plus its own tier's stores stay within the capacity; election.py), so a late
+# figure makes a store wait instead of the root overshoot. What is allowed above 1.0 is
+# the sampling's: a sample is a walk of the mount (~0.3-1 s) while ~10 MiB/s is stored
+# and evicted, so it adds up folders seen at different moments (a block evicted after
+# its folder was listed, one stored before its folder was reached). Measured with the
+# grants (6 runs, load 2-8): peaks 0.92-0.97x, never above the settled figure. Before
+# them the tiers trusted a figure a round trip late: peaks 1.09-1.11x on a quiet
+# machine, 1.27x at load ~10, 1.18x beside a vLLM engine (the bound was 1.25 then);
+# before the election, every tier evicting on its own: 1.56x.
+PEAK_BOUND = 1 + TOLERANCE
 
 # One tier storing distinct blocks as fast as it can for STORE_S (INFLIGHT jobs of JOB
 # blocks at a time), then idling SETTLE_S; prints a JSON summary.
@@ -122,4 +130,8 @@ def test_four_tiers_on_two_mounts_hold_the_budget_within_5_percent(dfs_dirs):
                "published": record["usage_bytes"] / CAPACITY}
     print(json.dumps(figures))
     assert peak <= PEAK_BOUND * CAPACITY, figures
-    assert (1 - 3 * TOLERANCE) * CAPACITY <= final <= CAPACITY, figures
+    # The final is the walker's eviction target (the capacity less its slack, one store
+    # per writer here) less the unlinks it overshot by: 0.964-0.974x in four runs since
+    # the slack counts one store (0.92-0.97x before, a slot's blocks told at one look).
+    # The target is 1 - TOLERANCE; enforced with one more TOLERANCE for a loaded CI.
+    assert (1 - 2 * TOLERANCE) * CAPACITY <= final <= CAPACITY, figures

@@ -8,14 +8,19 @@ tier sweeps the root anyway) is tests/test_leases_live.py."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from mptier.storage.election import (
+    ALIVE_CHECK_S,
     ELECT_GAP_S,
     SEAT_NAME,
     SEAT_STALE_S,
+    USAGE_NAME,
     RootShare,
+    publish_record,
     read_usage,
     share_dir,
 )
@@ -122,3 +127,232 @@ def test_a_dead_walkers_seat_is_taken_at_once(shares):
     publish(a, 0.0)
     a.close()  # its lock goes, as with its process
     assert b.elect(ELECT_GAP_S), "a free seat was not taken at the next try"
+
+
+# -- grants: a contributor stores only within the room the walker lent it -------------
+
+BLOCK = 1 << 16
+CAP = 40 * BLOCK
+
+
+class Disk:
+    """The blocks on the root, and the walker's side of them: the blocks it folded (its
+    usage, evicted oldest first) and its share. The walker has no stores of its own; its
+    slack (what eviction keeps free beyond what stores hold) is room for the
+    contributors' headroom."""
+
+    def __init__(self, walker: RootShare, slack: int = 8 * BLOCK) -> None:
+        self.walker = walker
+        self.slack = slack
+        self.files: dict[str, int] = {}   # every block on the root
+        self.counted: dict[str, int] = {}  # those the walker folded (its usage)
+        self.made = 0
+
+    @property
+    def usage(self) -> int:
+        return sum(self.counted.values())
+
+    def fold(self, now: float) -> int:
+        self.walker.fold_at = 0.0
+        return self.walker.fold(now, self.counted.__setitem__)
+
+    def step(self, now: float) -> None:
+        """Fold, evict what the contributors' stores hold room for, grant, publish."""
+        held = self.fold(now)
+        while self.counted and self.usage + held > CAP - self.slack:
+            path = next(iter(self.counted))
+            del self.counted[path], self.files[path]
+        self.walker.grant(CAP - self.usage - self.walker.outstanding(), self.slack)
+        self.walker.publish(now, self.usage, len(self.counted), True, CAP, force=True)
+        self.check()
+
+    def store(self, share: RootShare, blocks: int) -> int:
+        """A contributor's stores: as many of ``blocks`` as its grant leaves room for."""
+        done = 0
+        while done < blocks and share.grant_left() >= BLOCK:
+            self.made += 1
+            path = f"{share.root}/kv/{self.made:06d}.bin"
+            share.created(path[len(share.root) + 1:], BLOCK)
+            self.files[path] = BLOCK
+            done += 1
+        self.check()
+        return done
+
+    def check(self) -> None:
+        on_root = sum(self.files.values())
+        counted = self.usage + self.walker.outstanding()
+        assert on_root <= counted <= CAP, (on_root, counted, CAP)
+
+
+def contribute(share: RootShare, now: float, reserved: int = 0, headroom: int = 0,
+               record: dict | None = None) -> None:
+    """A contributor's step: its record, a read of the walker's (``record``: a stale one
+    the file system still shows instead), its acknowledgement."""
+    share.contribute(reserved, headroom)
+    if record is not None:
+        publish_record(f"{share_dir(share.root)}/{USAGE_NAME}", record)
+    share.read_at = 0.0
+    share.refresh(now)
+    share.acknowledge(reserved)
+
+
+def grant_of(record: dict, share: RootShare) -> tuple[int, int]:
+    """(limit, its number) of ``share`` in a walker's ``record``."""
+    entry = record["folded"][share.tag]
+    return entry[4], entry[5]
+
+
+def test_a_contributor_stores_within_its_grant_whatever_record_it_reads(shares):
+    w, c = shares(), shares()
+    assert w.elect(0.0) and not c.elect(0.0)
+    disk = Disk(w)
+    now = 0.0
+    contribute(c, now, headroom=8 * BLOCK)  # its stores ask for 8 blocks of room
+    disk.step(now)
+    big = read_usage(w.root)
+    contribute(c, now)
+    assert c.grant_left() == 8 * BLOCK, "the grant is the room it may use: 8 blocks"
+    assert disk.store(c, 3) == 3
+    for _ in range(3):  # idle now: the walker takes the rest back
+        now += 1.0
+        contribute(c, now)
+        disk.step(now)
+    limit, seq = grant_of(read_usage(w.root), c)
+    assert limit == 3 * BLOCK and seq > grant_of(big, c)[1]
+    assert w.outstanding() == 0 and c.grant_left() == 0
+    # The file system shows the old record (5 blocks of room left then): it names an
+    # older grant, which the contributor must not take for its own again.
+    contribute(c, now + 1.0, record=big)
+    assert c.limit == limit and disk.store(c, 100) == 0
+    # Its stores ask again; a stale record keeps showing meanwhile: no room...
+    contribute(c, now + 2.0, reserved=4 * BLOCK, record=big)
+    assert disk.store(c, 4) == 0
+    # ...until the walker's answer shows through.
+    disk.step(now + 2.0)
+    contribute(c, now + 3.0, reserved=4 * BLOCK)
+    assert disk.store(c, 4) == 4
+
+
+def test_a_grant_taken_back_counts_until_the_contributor_acknowledges_it(shares):
+    w, c = shares(), shares()
+    assert w.elect(0.0) and not c.elect(0.0)
+    disk = Disk(w)
+    contribute(c, 0.0, headroom=8 * BLOCK)
+    disk.step(0.0)
+    contribute(c, 0.0)
+    assert c.limit == 8 * BLOCK and w.outstanding() == 8 * BLOCK
+    # Idle: the walker takes the room back...
+    contribute(c, 1.0)
+    disk.step(1.0)
+    assert grant_of(read_usage(w.root), c)[0] == 0
+    # ...but counts the 8 blocks while the contributor may still store under them.
+    assert w.outstanding() == 8 * BLOCK
+    assert disk.store(c, 2) == 2  # a store that looked at the old figure writes
+    disk.step(2.0)
+    assert w.outstanding() == 8 * BLOCK
+    # It reads the smaller limit, but what it created does not fit in it: no ack.
+    contribute(c, 3.0)
+    assert c.limit < 2 * BLOCK and c.ack < c.grant_seq
+    disk.step(3.0)
+    assert w.outstanding() >= 6 * BLOCK, "a limit it may be using stopped counting"
+    # The walker gives it what it created; it acknowledges that, and the rest goes.
+    contribute(c, 4.0)
+    assert c.ack == c.grant_seq and c.limit == 2 * BLOCK
+    contribute(c, 5.0)
+    disk.step(5.0)
+    assert w.outstanding() == 0 and disk.usage == 2 * BLOCK
+
+
+def test_a_new_walker_counts_the_grants_the_last_one_published(shares):
+    w, c, d = shares(), shares(), shares()
+    assert w.elect(0.0) and not c.elect(0.0) and not d.elect(0.0)
+    disk = Disk(w)
+    contribute(c, 0.0, headroom=8 * BLOCK)
+    disk.step(0.0)
+    contribute(c, 0.0)
+    assert disk.store(c, 3) == 3
+    c.contribute(0, 5 * BLOCK)  # logged, not folded yet; the rest of its room wanted
+    w.close()  # the walker's process dies: its seat goes
+    assert d.elect(ELECT_GAP_S)
+    disk.walker = d
+    # Before reading anything of the contributor's, the new walker counts its grant.
+    assert d.outstanding() == 8 * BLOCK
+    disk.fold(2 * ELECT_GAP_S)  # its 3 blocks are folded now
+    assert disk.usage == 3 * BLOCK and d.outstanding() == 5 * BLOCK
+    disk.step(3 * ELECT_GAP_S)
+    contribute(c, 3 * ELECT_GAP_S)
+    assert disk.store(c, 100) == 5
+    # The new walker numbers its grants after the last one's: the contributor takes them.
+    contribute(c, 4 * ELECT_GAP_S, headroom=8 * BLOCK)
+    disk.step(4 * ELECT_GAP_S)
+    contribute(c, 4 * ELECT_GAP_S, headroom=8 * BLOCK)
+    assert disk.store(c, 100) == 8
+
+
+CHILD = """
+import sys
+from mptier.storage.election import RootShare
+share = RootShare(sys.argv[1])
+assert not share.elect(0.0)
+for line in sys.stdin:
+    if line.startswith("ask"):
+        share.contribute(0, int(line.split()[1]))
+    elif line.startswith("store"):
+        share.read_at = 0.0
+        share.refresh(1.0)
+        for i in range(int(line.split()[1])):
+            share.created(f"kv/child{i}.bin", int(line.split()[2]))
+        share.contribute(0, 0)
+    print("ok", flush=True)
+"""
+
+
+def test_a_dead_contributors_grant_stops_counting_once_its_log_is_folded(shares, tmp_path):
+    w = shares()
+    assert w.elect(0.0)
+    disk = Disk(w)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        child.stdin.write(f"ask {8 * BLOCK}\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "ok\n"
+        disk.step(0.0)
+        child.stdin.write(f"store 3 {BLOCK}\n")  # it takes the grant, stores 3 blocks
+        child.stdin.flush()
+        assert child.stdout.readline() == "ok\n"
+    finally:
+        child.stdin.close()
+        child.wait(10)  # it dies with its files left and its lock gone
+    tag = next(t for t in w.cursors)
+    assert w.outstanding() == 8 * BLOCK
+    disk.fold(ALIVE_CHECK_S / 2)
+    assert disk.usage == 3 * BLOCK and w.outstanding() == 5 * BLOCK
+    disk.fold(ALIVE_CHECK_S)
+    assert tag not in w.cursors and w.outstanding() == 0, "a dead contributor's grant counts"
+    assert disk.usage == 3 * BLOCK  # its blocks were folded before
+    assert not [n for n in os.listdir(share_dir(w.root)) if n.startswith(tag)]
+
+
+def test_an_idle_contributors_room_goes_back_to_the_cache(shares):
+    """A contributor that stored with headroom and stopped: within a few steps the
+    walker counts nothing for it, so the cache may fill to the budget again: its own
+    tier's room checks (room_held) and eviction (fold) keep nothing free for it."""
+    w, c = shares(), shares()
+    assert w.elect(0.0) and not c.elect(0.0)
+    disk = Disk(w)
+    now = 0.0
+    for _ in range(60):  # four budgets' worth, in steps of its headroom
+        contribute(c, now, headroom=8 * BLOCK)
+        disk.store(c, 8)
+        c.contribute(0, 8 * BLOCK)
+        disk.step(now)
+        now += 0.1
+    assert disk.made >= 4 * CAP // BLOCK
+    assert w.outstanding() >= 8 * BLOCK
+    for _ in range(4):  # it stops: its headroom goes to 0
+        contribute(c, now)
+        disk.step(now)
+        now += 0.1
+    w.fold_at = 0.0
+    assert w.room_held(CAP) == 0 and disk.fold(now) == 0

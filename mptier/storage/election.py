@@ -7,8 +7,9 @@
     │ walker: walks, evicts, folds the       │───────▶               (O_EXCL temp+rename)
     │   others' logs, publishes usage.json   │        <tag>.alive    flock held by a
     │ contributor: appends its new blocks to │───────▶               live contributor
-    │   <tag>.<gen>.paths, its reservations  │        <tag>.json     {gen, reserved}
-    │   to <tag>.json; trusts usage.json     │        <tag>.<gen>.paths  "size path\\n"
+    │   <tag>.<gen>.paths, its reservations  │        <tag>.json     {gen, reserved,
+    │   and wants to <tag>.json; stores only │                        want, ack, limit}
+    │   within the grant in usage.json       │        <tag>.<gen>.paths  "size path\\n"
     └───────────────────────────────────────┘
 
 The walker is whoever holds the flock on ``seat.lock``: the kernel (or, across nodes, the
@@ -34,16 +35,44 @@ the paths of the blocks its tier created (appended to its log, ``size relpath`` 
 line, so the walker counts each exactly once against its own walk's position and can
 evict it at once) and the room its stores hold reserved (in ``<tag>.json``). The walker
 publishes the root's usage together with how many of each contributor's bytes it holds
-(``folded``): a contributor's figure for its room checks is the published usage plus
-what it created since the walker folded it. Every file here is read bounded
-(:func:`mptier.rootfile.read_root_file`, at most :data:`SHARE_FILE_LIMIT` bytes), every
-record published through a fresh ``O_EXCL`` temporary and a rename.
+(``folded``). Every file here is read bounded (:func:`mptier.rootfile.read_root_file`, at
+most :data:`SHARE_FILE_LIMIT` bytes), every record published through a fresh
+``O_EXCL`` temporary and a rename.
+
+Room is lent, not guessed (the grant). Every figure a contributor reads is late by a
+round trip (its step, FOLD_GAP_S, PUBLISH_GAP_S, READ_GAP_S, the file system's metadata):
+had it trusted the usage, the root would pass the budget by what the other tiers store
+meanwhile. Instead the walker publishes for each contributor a *limit*: cumulative bytes,
+in the units of what it logged (``sent``) and the walker ``folded``, that its blocks ever
+created plus its stores' reservations now may reach. The contributor's room checks stay
+within its limit (``RootShare.room_held``), and the walker counts every limit as used:
+its eviction and its own tier's room checks keep ::
+
+    usage + sum over contributors of (limit in force - folded) + own stores <= capacity
+
+so the root's bytes (the usage plus each contributor's created-not-folded) stay under
+the capacity whatever the delays: a late figure only makes a contributor wait. Limits
+only grow (a stale read then restricts), except to take back what an idle contributor
+does not use: a smaller limit is published with the next number of that contributor's
+grant sequence, and the walker keeps counting the larger one until the contributor
+acknowledges (``ack`` in ``<tag>.json``) that number, which it does only once it has
+adopted it (it adopts the highest number it reads), its room checks use it, and what it
+created plus what it holds reserved fits in it. A contributor asks (``want``: its
+reservations plus a headroom for what its stores will take before the next answer, 0
+when idle: mptier.workers.caretaker.GRANT_WINDOW_S) beyond what it logged. The walker
+evicts for what the contributors' stores hold and grants it from the room its own
+tier's room checks do not hold, after lowering its own tier's figure by the ask (a store
+of its own that looked before is then counted in the room it reads); the headroom it
+grants only out of its slack (:meth:`RootShare.grant`), so the cache still settles at
+the capacity less the slack. A new walker counts the limits the last record says are in
+force; a dead contributor's stops counting once its log is folded.
 
 Where locks do not work (``probe_locks`` false) there is no election: every tier walks
 and evicts as before (the caller does not make a ``RootShare``).
 
-Long because the seat, the contributors' logs and records, and the published figure are
-one protocol on the root: each side reads what the other writes, so both sides live here.
+Long because the seat, the contributors' logs and records, the grants and the published
+figure are one protocol on the root: each side reads what the other writes, so both
+sides live here.
 """
 
 from __future__ import annotations
@@ -90,8 +119,12 @@ PUBLISH_GAP_S = 0.02
 # A contributor reads the published figure at most this often.
 READ_GAP_S = 0.02
 # How often the walker checks that a contributor still holds its ``.alive`` lock (a dead
-# one's reservations stop counting and its files are removed).
+# one's reservations and grant stop counting and its files are removed).
 ALIVE_CHECK_S = 1.0
+# Limits the walker keeps per contributor until acknowledged (past this, the two oldest
+# are counted as one: the larger limit, retired with the later number). A contributor
+# acknowledges within a round trip, so a few are pending at a time.
+GRANT_HISTORY = 32
 # The records here are a few hundred bytes (usage.json names each contributor: ~80
 # bytes each); a log is read in pieces of this size.
 SHARE_FILE_LIMIT = 256 << 10
@@ -190,6 +223,49 @@ class _Cursor:
     folded: int = 0          # bytes of blocks folded from this contributor, ever
     reserved: int = 0        # what its stores hold reserved now (its last record)
     alive_at: float = 0.0    # when its lock was last seen held
+    # Its grant, cumulative bytes in the units of ``folded``: the newest limit published
+    # and its number, and every (number, limit) from the one it acknowledged on: it may
+    # still be using any of them, so the largest is in force.
+    limit: int = 0
+    grant_seq: int = 0
+    ack: int = 0
+    grants: list[tuple[int, int]] = field(default_factory=list)
+    used: int = 0            # the limit its last record says it uses
+    sent: int = 0            # what its log held when it wrote that record
+    want: int = 0            # what it asks beyond its log: reserved plus a headroom
+
+    @property
+    def in_force(self) -> int:
+        """The largest limit it may be storing under."""
+        return max(self.used, self.limit, *(limit for _, limit in self.grants))
+
+    @property
+    def need(self) -> int:
+        """The limit it asks for: what it created, holds and may take next."""
+        return max(self.folded, self.sent) + self.want
+
+    @property
+    def hard(self) -> int:
+        """The limit its stores need now: what it created and holds (no headroom)."""
+        return max(self.folded, self.sent) + min(self.reserved, self.want)
+
+    def set_limit(self, limit: int) -> None:
+        self.grant_seq += 1
+        self.limit = limit
+        self.grants.append((self.grant_seq, limit))
+        if len(self.grants) > GRANT_HISTORY:
+            (_, first), (seq, second) = self.grants[:2]
+            self.grants[:2] = [(seq, max(first, second))]
+
+    def acknowledged(self, ack: int) -> None:
+        """It uses no limit numbered below ``ack`` any more."""
+        if ack > self.grant_seq:
+            # Numbered by a walker whose last record we did not read: what it says it
+            # uses is in force, and our numbers go on from its.
+            self.grant_seq, self.limit = ack, max(self.limit, self.used)
+            self.grants = [(ack, self.limit)]
+        self.ack = max(self.ack, ack)
+        self.grants = [(seq, limit) for seq, limit in self.grants if seq >= self.ack]
 
 
 @dataclass
@@ -207,13 +283,23 @@ class RootShare:
     buffered: list[str] = field(default_factory=list)
     buffered_bytes: int = 0
     reserved: int = 0               # last published in our state record
+    want: int = 0                   # (idem) reserved plus headroom: what we ask for
     log_size: int = 0
     published: dict | None = None   # the walker's last record we read
     read_at: float = 0.0
+    granted: bool = False           # the walker lends room (it has a budget)
+    limit: int = 0                  # our grant: sent + buffered + reserved stay within
+    grant_seq: int = 0              # its number (we adopt only higher ones)
+    ack: int = 0                    # the highest number we use and fit in
+    shrunk: bool = False            # we adopted a smaller limit: the walker awaits our ack
+    state_written: tuple | None = None
     # walker
+    granting: bool = True           # lends room to the contributors (it has a budget)
     cursors: dict[str, _Cursor] = field(default_factory=dict)
     seq: int = 0
     others_reserved: int = 0        # the contributors' reservations, at the last fold
+    grant_turn: int = 0             # whose ask grant() serves first
+    unfolded_own: list[tuple[str, int]] = field(default_factory=list)  # see elect()
     fold_at: float = 0.0
     publish_at: float = 0.0
     elect_at: float = 0.0
@@ -248,18 +334,45 @@ class RootShare:
         self.walker = True
         self.keep_at = now + ELECT_GAP_S
         self.beat = self.beat_at = None
-        last = self.published if self.published is not None else read_usage(self.root)
+        # The last record read now, not the one we read as a contributor: the grants
+        # it says are in force are counted (a contributor may store under them).
+        last = read_usage(self.root) or self.published
         self.published = last
         # Carry on from what the last walker folded: the rest of each log is new to it.
         self.cursors.clear()
         for tag, entry in ((last or {}).get("folded") or {}).items():
             if str(tag) == self.tag:
-                continue  # a walker again after a takeover: our own log is folded below
+                continue  # our own: unfolded_own below
             with contextlib.suppress(TypeError, ValueError, IndexError):
-                self.cursors[str(tag)] = _Cursor(int(entry[0]), int(entry[1]),
-                                                 int(entry[2]), alive_at=now)
+                cursor = _Cursor(int(entry[0]), int(entry[1]), int(entry[2]), alive_at=now)
+                if len(entry) >= 7:
+                    cursor.limit, cursor.grant_seq = int(entry[4]), int(entry[5])
+                    cursor.grants = [(cursor.grant_seq, max(cursor.limit, int(entry[6])))]
+                self.cursors[str(tag)] = cursor
+        self.unfolded_own = self._unfolded_own(last)
         self._stop_contributing()
         return True
+
+    def _unfolded_own(self, last: dict | None) -> list[tuple[str, int]]:
+        """``(path, bytes)`` of the blocks this tier created as a contributor that the
+        last walker did not fold (the rest of our log, and what we had not logged yet):
+        the caller counts them, since our log goes now."""
+        if self._alive is None:
+            return []
+        cursor = _Cursor(self.gen)
+        entry = ((last or {}).get("folded") or {}).get(self.tag)
+        with contextlib.suppress(TypeError, ValueError, IndexError):
+            if int(entry[0]) == self.gen:  # type: ignore[index]
+                cursor.offset = int(entry[1])  # type: ignore[index]
+        found: list[tuple[str, int]] = []
+
+        def add(path: str, nbytes: int) -> None:
+            found.append((path, nbytes))
+
+        self._read_log(self.tag, cursor, add)
+        for line in self.buffered:
+            self._fold_line(line.rstrip("\n").encode(), cursor, add)
+        return found
 
     def _walker_stuck(self, now: float, seat_ino: int) -> bool:
         """Whether the walker's publication has stood still for SEAT_STALE_S (counted
@@ -317,6 +430,9 @@ class RootShare:
         self.cursors.clear()
         self.published = read_usage(self.root)
         self.elect_at = now + ELECT_GAP_S
+        # A new contributor, under a new tag: the new walker knows nothing of our old
+        # counts, and our grant starts at nothing.
+        self.tag = new_tag()
         self._start_contributing()
         return False
 
@@ -331,6 +447,10 @@ class RootShare:
     # -- contributor -------------------------------------------------------------------
 
     def _start_contributing(self) -> None:
+        self.gen = self.sent = self.log_size = self.reserved = self.want = 0
+        self.limit = self.grant_seq = self.ack = 0
+        self.granted = self.shrunk = False
+        self.state_written = None
         fd = os.open(f"{self.dir}/{self.tag}{ALIVE_SUFFIX}",
                      os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try_flock(fd)  # a new file (O_EXCL): nobody else holds it
@@ -353,18 +473,25 @@ class RootShare:
                 f"{d}/{self.tag}{ALIVE_SUFFIX}"]
 
     def _write_state(self) -> None:
+        state = (self.gen, self.reserved, self.want, self.ack)
         publish_record(f"{self.dir}/{self.tag}{STATE_SUFFIX}",
-                       {"gen": self.gen, "reserved": self.reserved, "host": self.host,
-                        "pid": os.getpid()})
+                       {"gen": self.gen, "reserved": self.reserved, "want": self.want,
+                        "sent": self.sent, "ack": self.ack, "limit": self.limit,
+                        "host": self.host, "pid": os.getpid()})
+        self.state_written = state
+        if self.ack >= self.grant_seq:
+            self.shrunk = False
 
     def created(self, relpath: str, nbytes: int) -> None:
         """(Contributor.) A block this tier created at ``relpath`` under the root."""
         self.buffered.append(f"{nbytes} {relpath}\n")
         self.buffered_bytes += nbytes
 
-    def contribute(self, reserved: int) -> None:
-        """(Contributor.) Hand the walker the blocks created since the last call and
-        the room reserved now."""
+    def contribute(self, reserved: int, headroom: int = 0) -> None:
+        """(Contributor.) Hand the walker the blocks created since the last call, the
+        room reserved now (created and not logged yet, or reserved by stores), and ask
+        for a limit that leaves ``headroom`` more (what the stores may take before the
+        next answer: 0 when idle)."""
         if self.walker:
             return
         if self._alive is None:
@@ -391,8 +518,14 @@ class RootShare:
                 os.unlink(f"{self.dir}/{self.tag}.{self.gen}{LOG_SUFFIX}")
             self.gen += 1
             self.log_size = 0
-        if rotate or reserved != self.reserved:
-            self.reserved = reserved
+        self.reserved, self.want = reserved, reserved + max(0, headroom)
+        # An acknowledgement alone is worth a write only after a limit was taken back
+        # (while limits only grow the largest is the newest, in force anyway): a write
+        # is a few metadata round trips on a network file system.
+        state = (self.gen, self.reserved, self.want, self.ack)
+        written = self.state_written
+        if rotate or written is None or state[:3] != written[:3] or (
+                self.shrunk and self.ack != written[3]):
             self._write_state()
 
     def _folded_here(self) -> tuple[int, tuple[int, int]]:
@@ -403,32 +536,58 @@ class RootShare:
         except (TypeError, ValueError):
             return 0, (-1, -1)
 
-    def _held_by_others(self) -> int:
-        """What the other tiers' stores hold beyond the published usage (the walker's
-        figure less this tier's own reservation, which its own count holds)."""
-        record = self.published or {}
-        entry = (record.get("folded") or {}).get(self.tag)
-        try:
-            mine = int(entry[3]) if entry is not None else 0  # type: ignore[index]
-            return max(0, int(record.get("held_bytes", 0)) - mine)
-        except (TypeError, ValueError, IndexError):
-            return 0
-
     def refresh(self, now: float) -> None:
-        """(Contributor.) Read the walker's publication again (at most every READ_GAP_S)."""
+        """(Contributor.) Read the walker's publication again (at most every READ_GAP_S)
+        and adopt the grant it names for us if its number is higher than ours (a stale
+        record, or one from a walker that did not know our grant yet, changes nothing)."""
         if now < self.read_at:
             return
         self.read_at = now + READ_GAP_S
         record = read_usage(self.root)
-        if record is not None:
-            self.published = record
+        if record is None:
+            return
+        self.published = record
+        self.granted = bool(record.get("grants"))
+        entry = (record.get("folded") or {}).get(self.tag)
+        try:
+            limit, seq = int(entry[4]), int(entry[5])  # type: ignore[index]
+        except (TypeError, ValueError, IndexError):
+            return
+        if seq > self.grant_seq:
+            self.shrunk = self.shrunk or limit < self.limit
+            self.limit, self.grant_seq = max(0, limit), seq
+
+    def grant_left(self) -> int:
+        """(Contributor.) Bytes our stores may still reserve or create under our limit
+        (less whatever they reserved or created since the last collection)."""
+        return self.limit - self.sent - self.buffered_bytes
+
+    def acknowledge(self, pending: int) -> None:
+        """(Contributor.) Say, with the next record, that we use the newest limit we
+        adopted, once our room checks count it (the caller published it first) and what
+        we created plus ``pending`` (created and not logged yet, or reserved) fits in it:
+        the walker then stops counting older, larger limits."""
+        if self.grant_seq > self.ack and \
+                self.sent + self.buffered_bytes + pending <= self.limit:
+            self.ack = self.grant_seq
+
+    def room_held(self, capacity: int) -> int:
+        """Bytes of ``capacity`` this tier's room checks count as held beyond its usage
+        figure (ControlBlock.usage_now): the walker's, every contributor's limit in force
+        not yet folded; a contributor's, all the capacity but what its limit leaves it
+        (with :meth:`usage_for_tier` as its usage, its room is then exactly
+        :meth:`grant_left` less its stores' pending bytes). 0 without grants."""
+        if self.walker:
+            return self.outstanding() if self.granting else 0
+        if not self.granted or not capacity:
+            return 0
+        return capacity - self.usage_for_tier() - self.grant_left()
 
     def usage_for_tier(self) -> int:
         """(Contributor.) The root's usage as this tier counts it: the walker's figure
         plus the blocks this tier created that the figure does not hold yet."""
         folded = self._folded_here()[0]
-        return self.last_usage + self._held_by_others() + max(
-            0, self.sent + self.buffered_bytes - folded)
+        return self.last_usage + max(0, self.sent + self.buffered_bytes - folded)
 
     @property
     def published_complete(self) -> bool:
@@ -438,16 +597,18 @@ class RootShare:
 
     def fold(self, now: float, record_store: Callable[[str, int], None]) -> int:
         """(Walker.) Count the blocks the contributors created since the last fold
-        (``record_store(path, nbytes)`` for each) and return the room their stores hold
-        reserved or created and not folded. At most every FOLD_GAP_S (else the last
-        figure)."""
+        (``record_store(path, nbytes)`` for each), take in their records (reservations,
+        asks, acknowledgements) and return the room their stores hold beyond the usage
+        (what eviction must leave room for: created and not folded, or reserved; the
+        headroom they ask for comes out of the walker's slack, see :meth:`grant`). At
+        most every FOLD_GAP_S (else the figure of the last fold)."""
         if now < self.fold_at:
-            return self.others_reserved
+            return self._held_or_asked()
         self.fold_at = now + FOLD_GAP_S
         try:
             names = os.listdir(self.dir)
         except OSError:
-            return 0
+            return self._held_or_asked()
         tags = {n[:-len(STATE_SUFFIX)] for n in names
                 if n.endswith(STATE_SUFFIX) and n != USAGE_NAME and "." not in
                 n[:-len(STATE_SUFFIX)]}
@@ -461,6 +622,10 @@ class RootShare:
             try:
                 gen, cursor.reserved = int(state.get("gen", 0)), max(0, int(
                     state.get("reserved", 0)))
+                cursor.want = max(0, int(state.get("want", cursor.reserved)))
+                cursor.sent = max(0, int(state.get("sent", 0)))
+                cursor.used = max(0, int(state.get("limit", 0)))
+                cursor.acknowledged(max(0, int(state.get("ack", 0))))
             except (TypeError, ValueError):
                 continue
             self._read_log(tag, cursor, record_store)
@@ -473,10 +638,67 @@ class RootShare:
                 else:
                     self._reap(tag, cursor)
         for tag in [t for t in self.cursors if t not in tags]:
-            if now - self.cursors[tag].alive_at >= ALIVE_CHECK_S:
-                del self.cursors[tag]  # gone (its state record removed): nothing to fold
+            cursor = self.cursors[tag]
+            if now - cursor.alive_at < ALIVE_CHECK_S:
+                continue
+            if self._contributor_alive(tag):  # its record gone, itself not: its grant
+                cursor.alive_at = now         # still counts
+            else:
+                self._reap(tag, cursor)  # gone (closed, or dead and reaped): nothing more
         self.others_reserved = sum(c.reserved for c in self.cursors.values())
-        return self.others_reserved
+        return self._held_or_asked()
+
+    def _held_or_asked(self) -> int:
+        if not self.granting:
+            return self.others_reserved
+        return sum(max(0, c.hard - c.folded) for c in self.cursors.values())
+
+    def outstanding(self) -> int:
+        """(Walker.) The contributors' limits in force less what was folded of them:
+        room they may have used or may use without the walker's count holding it."""
+        return sum(max(0, c.in_force - c.folded) for c in self.cursors.values())
+
+    def asking(self) -> int:
+        """(Walker.) Bytes the contributors ask beyond their limits."""
+        return sum(max(0, c.need - c.limit) for c in self.cursors.values())
+
+    def grant(self, free: int, headroom: int) -> int:
+        """(Walker, just before :meth:`publish`.) Raise the contributors' limits towards
+        what they ask, by ``free`` bytes at most in all: first what their stores hold
+        (``hard``), then their headroom, while the headroom given and not used stays
+        within ``headroom`` (the walker's slack: eviction keeps that much free beyond
+        what is held, so a store's hold can always be granted once eviction made room
+        for it, and the room kept free is the slack, whatever the number of tiers).
+        Then take back what an idle one does not ask for any more (only once it
+        acknowledged the last one taken back: one in flight at a time). The limits given
+        count at once (:meth:`outstanding`). Returns the bytes given."""
+        give = max(0, free)
+        given = 0
+        # Whole asks, the contributor served first changing at each call: a store can
+        # use only whole blocks, so shares of a short room would leave every one short.
+        tags = list(self.cursors)
+        self.grant_turn = (self.grant_turn + 1) % max(1, len(tags))
+        order = [self.cursors[t] for t in tags[self.grant_turn:] + tags[:self.grant_turn]]
+        for cursor in order:
+            more = min(max(0, cursor.hard - cursor.limit), give - given)
+            if more > 0:
+                cursor.set_limit(cursor.limit + more)
+                given += more
+        unused = sum(max(0, c.in_force - c.hard) for c in order)
+        for cursor in order:
+            more = min(max(0, cursor.need - cursor.limit), give - given, headroom - unused)
+            if more > 0:
+                cursor.set_limit(cursor.limit + more)
+                given += more
+                unused += more
+        for cursor in order:
+            if cursor.need < cursor.limit == cursor.in_force:  # no smaller one pending
+                cursor.set_limit(cursor.need)
+        return given
+
+    def publish_due(self, now: float) -> bool:
+        """(Walker.) Whether :meth:`publish` would publish now (PUBLISH_GAP_S)."""
+        return now >= self.publish_at
 
     def _read_log(self, tag: str, cursor: _Cursor,
                   record_store: Callable[[str, int], None]) -> None:
@@ -528,8 +750,8 @@ class RootShare:
         return False
 
     def _reap(self, tag: str, cursor: _Cursor) -> None:
-        """A contributor whose lock is free died: its reservations stop counting and
-        its files go (what its log still held was folded just before)."""
+        """A contributor whose lock is free died: its reservations and grant stop
+        counting and its files go (what its log still held was folded just before)."""
         cursor.reserved = 0
         for name in (f"{tag}{STATE_SUFFIX}", f"{tag}.{cursor.gen}{LOG_SUFFIX}",
                      f"{tag}{ALIVE_SUFFIX}"):
@@ -541,7 +763,9 @@ class RootShare:
                 capacity_bytes: int, held_bytes: int = 0, force: bool = False) -> None:
         """(Walker.) Publish the root's usage (at most every PUBLISH_GAP_S) and
         ``held_bytes``, what the walker's own tier's stores hold beyond it (reserved, or
-        created and not counted yet); the contributors' reservations go beside it."""
+        created and not counted yet), plus the contributors' grants not folded; per
+        contributor ``[gen, offset, folded, reserved, limit, its number, limit in
+        force]``."""
         if not force and now < self.publish_at:
             return
         if not self.keep_seat(now):
@@ -551,9 +775,10 @@ class RootShare:
         record = {"walker": self.tag, "host": self.host, "pid": os.getpid(),
                   "seq": self.seq, "at": time.time(), "usage_bytes": usage_bytes,
                   "usage_blocks": usage_blocks, "complete": complete,
-                  "capacity_bytes": capacity_bytes,
-                  "held_bytes": held_bytes + self.others_reserved,
-                  "folded": {t: [c.gen, c.offset, c.folded, c.reserved]
+                  "capacity_bytes": capacity_bytes, "grants": self.granting,
+                  "held_bytes": held_bytes + self.outstanding(),
+                  "folded": {t: [c.gen, c.offset, c.folded, c.reserved, c.limit,
+                                 c.grant_seq, c.in_force]
                              for t, c in self.cursors.items()}}
         publish_record(f"{self.dir}/{USAGE_NAME}", record)
         self.published = record

@@ -154,14 +154,17 @@ ROOT_WALKER = 4  # flags: this tier's caretaker walks the root (it holds the sea
 # the bytes of slots' created blocks the published usage holds, the bytes the
 # caretaker's unlink threads removed (ever), and of those the part the published usage
 # holds (u64 each), then the directory entries this tier's caretakers walked on the
-# root, ever (u64: the walk work that one walker per root keeps to one tier's)
-_ROOT_EXTRA = struct.Struct("<QQQIIQQQQ")
+# root, ever (u64: the walk work that one walker per root keeps to one tier's), then the
+# room of the capacity held beyond this tier's usage for other tiers sharing the root
+# (i64; 0 without them: see ControlBlock.usage_now)
+_ROOT_EXTRA = struct.Struct("<QQQIIQQQQq")
 _FREED_AT = 40  # the removed bytes' place in a root's extras
 # The pad after the flags holds the publication's sequence number (odd while the
 # caretaker publishes; ControlBlock.begin_publish), the stamp follows it.
 _SEQ_AT = 28
 _STAMP_AT = 32
 _WALKED_AT = 56
+_ROOM_HELD_AT = 64
 # A reader of a root's usage retries this often at most while its caretaker publishes
 # (a publication is a few stores into shared memory: microseconds), then takes the
 # figure as read (a caretaker killed mid-publication leaves the sequence odd).
@@ -381,8 +384,11 @@ class ControlBlock:
     def usage_now(self, index: int, reserved: bool = True) -> int:
         """Root ``index``'s usage at this moment for this tier's own writes: the
         published usage, plus blocks created since its caretaker's last collection,
-        plus (``reserved``) the room stores in flight reserved, less the blocks its
-        unlink threads removed since. Readers may see a block twice for an instant
+        less the blocks its unlink threads removed since; with ``reserved`` (the figure
+        room checks compare with the capacity) also the room stores in flight reserved
+        and the room held for other tiers that share the root (:meth:`room_held`: the
+        walker's grants to them, or, in another tier, all but its own grant;
+        ``mptier.storage.election``). Readers may see a block twice for an instant
         (created and still reserved): it errs high, never low. The usage and its stamps
         are read as one publication (a torn read -- a new stamp beside the old usage --
         counted the blocks of the last collection nowhere)."""
@@ -390,9 +396,10 @@ class ControlBlock:
             seq = self._publish_seq(index)
             made, held = self.pending_bytes(index, reserved)
             usage = max(0, self.usage_bytes(index) - self.unpublished_freed(index))
+            others = self.room_held(index) if reserved else 0
             if not seq & 1 and self._publish_seq(index) == seq:
                 break
-        return usage + made + held
+        return usage + made + held + others
 
     def slot_stores(self, slot: int, root: int) -> SlotStores:
         """What the worker in ``slot`` created on ``root`` (the caretaker reads it)."""
@@ -414,14 +421,29 @@ class ControlBlock:
 
     def set_root_extra(self, index: int, *, inodes_total: int, inodes_free: int,
                        folders_removed: int, flags: int, stamp: int = 0,
-                       walked: int = 0) -> None:
-        """(The root's caretaker.) The removed-bytes fields are left as they are."""
+                       walked: int = 0, room_held: int = 0) -> None:
+        """(The root's caretaker.) The removed-bytes fields are left as they are.
+        ``room_held``: see :meth:`usage_now`."""
         self._root_at(index)  # range check
         at = self._extras_at + index * ROOT_EXTRA_BYTES
         struct.pack_into("<QQQI", self.memory, at, max(0, inodes_total),
                          max(0, inodes_free), folders_removed, flags)
         struct.pack_into("<Q", self.memory, at + _STAMP_AT, stamp)
         struct.pack_into("<Q", self.memory, at + _WALKED_AT, walked)
+        self.set_room_held(index, room_held)
+
+    def set_room_held(self, index: int, room_held: int) -> None:
+        """(The root's caretaker, between :meth:`begin_publish` and :meth:`end_publish`.)"""
+        self._root_at(index)
+        struct.pack_into("<q", self.memory, self._extras_at + index * ROOT_EXTRA_BYTES
+                         + _ROOM_HELD_AT, room_held)
+
+    def room_held(self, index: int) -> int:
+        """Bytes of root ``index``'s capacity its room checks count as taken beyond this
+        tier's usage (see :meth:`usage_now`)."""
+        self._root_at(index)
+        return struct.unpack_from("<q", self.memory, self._extras_at
+                                  + index * ROOT_EXTRA_BYTES + _ROOM_HELD_AT)[0]
 
     def walked_entries(self, index: int) -> int:
         """Directory entries this tier's caretakers walked on root ``index``, ever."""

@@ -231,13 +231,17 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
             end = len(paths) if not capacity or not left else \
                 _piece(ctx, root.index, is_new, done, left, deadline)
             if end == done:
-                usage = writer.control.usage_now(root.index) - left
+                control = writer.control
+                usage = control.usage_now(root.index) - left
+                held = control.room_held(root.index)
+                shared = f", {held} of them held for other tiers sharing the root" \
+                    if held > 0 else ""
                 return -errno.ENOSPC, done, done, (
                     f"root {root.path} is full: storing {left // block_bytes} new "
-                    f"block(s) ({left} bytes) would take its usage ({usage} bytes) past "
-                    f"capacity_bytes={capacity}, and eviction could not make room within "
-                    f"room_wait_s={ctx.io.room_wait_s:g} s; the {done} block(s) before "
-                    "were stored")
+                    f"block(s) ({left} bytes) would take its usage ({usage} bytes"
+                    f"{shared}) past capacity_bytes={capacity}, and eviction could not "
+                    f"make room within room_wait_s={ctx.io.room_wait_s:g} s; the {done} "
+                    "block(s) before were stored")
             rc, n, index, temp_err = ctx.backend.store(
                 fd, paths[done:end], ctx.memory, offsets[done:end], block_bytes,
                 root.flags, ctx.tag)
@@ -322,13 +326,16 @@ def _room(ctx: WorkerContext, index: int, reserved: int, want: int,
           deadline: float) -> int:
     """Bytes free under root ``index``'s budget for this store now: the capacity less
     the exact usage with every other store's reservation (``usage_now`` less this
-    store's own ``reserved``). Below ``want``, waits (until ``deadline``) for its
-    caretaker to evict; this worker evicts itself when it is the caretaker.
+    store's own ``reserved``) and the room held for other tiers sharing the root (on a
+    contributor to the root's walker, that leaves exactly what remains of its grant:
+    mptier.storage.election). Below ``want``, waits (until ``deadline``) for its
+    caretaker to evict (or get a grant); this worker evicts itself when it is the
+    caretaker.
 
     A store writes only what fits, so the root passes the budget only by what the usage
-    figure lags (nothing for this tier's own writes). Eviction runs ahead of the
-    stores by the slack and evicts for the whole reservation as soon as it sees it, so
-    a store rarely waits, and then only for the part that did not fit."""
+    figure lags (nothing for this tier's own writes, nor for grants). Eviction runs
+    ahead of the stores by the slack and evicts for the whole reservation as soon as it
+    sees it, so a store rarely waits, and then only for the part that did not fit."""
     control = ctx.slot_writer.control
     capacity = ctx.io.capacity_bytes
 
