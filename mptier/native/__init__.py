@@ -89,6 +89,7 @@ import os
 from mptier.errors import BatchIOError, ConfigError, errno_name, strerror
 from mptier.native import _checks, _pure, entries
 from mptier.native._checks import FAULT_ENV, new_tag, open_root, set_fault
+from mptier.native.tasks import TaskCalls
 
 try:
     from mptier.native import _native
@@ -142,8 +143,9 @@ def batch_error(op: str, err: int, n_done: int, index: int, path: str,
     return BatchIOError(err, message, n_done=n_done, index=index, path=path)
 
 
-class Backend:
-    """The batch operations bound to one implementation ("native" or "python").
+class Backend(TaskCalls):
+    """The batch operations bound to one implementation ("native" or "python"), and the
+    worker's calls on task records (:class:`~mptier.native.tasks.TaskCalls`).
 
     Get one with :func:`get_backend`. Every method blocks the calling thread until it
     is done and may be called from several threads at once.

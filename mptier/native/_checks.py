@@ -72,6 +72,12 @@ def set_fault(spec: str | None) -> None:
     _fault = _parse_fault(spec)
 
 
+def fault_set(op: str) -> bool:
+    """Whether an injected fault applies to ``op`` batches (some of them: the batch
+    must reach the fault's index)."""
+    return _fault is not None and _fault.op == op
+
+
 def faulted(op: str, fn, root_fd, paths, buffer, offsets, block_bytes, *rest
             ) -> tuple[int, int, int, int, str]:
     """Run a store / load batch with the injected fault applied:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import array
 import errno
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 
 import mptier.native._mptier_cffi as _cffi
 from mptier import fskind
-from mptier.native import _pure
+from mptier.keys import GROUP_IDX_BYTES
+from mptier.native import _pure, _pure_task
 
 ffi, lib = _cffi.ffi, _cffi.lib
 
@@ -29,6 +31,7 @@ _MIRRORED = {
     "MPT_LOOKUP_SYMLINK": _pure.LOOKUP_SYMLINK, "MPT_LOOKUP_BAD": _pure.LOOKUP_BAD,
     "MPT_LOOKUP_SHORT": _pure.LOOKUP_SHORT,
     "MPT_TMPFS_MAGIC": fskind.TMPFS_MAGIC, "MPT_RAMFS_MAGIC": fskind.RAMFS_MAGIC,
+    "MPT_GROUP_IDX_BYTES": GROUP_IDX_BYTES,
 }
 _differ = sorted(name for name, value in _MIRRORED.items() if getattr(lib, name) != value)
 if _differ or ffi.string(lib.mpt_xattr_name()).decode() != _pure.XATTR_NAME:
@@ -102,6 +105,59 @@ def load_via(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int
     return rc, out[0], out[1]
 
 
+_task_items = lib.mpt_task_items
+_task_load = lib.mpt_task_load
+_new = ffi.new
+
+
+def task_items(record, block_bytes: int) -> tuple[int, list[bytes], list[int]]:
+    """``(n, paths, offsets)`` of a task record (``n`` < 0: -errno, empty lists)."""
+    lookup_record = record[4] == _pure_task.KIND_LOOKUP
+    size = lib.MPT_LOOKUP_PATHS_BYTES if lookup_record else lib.MPT_TASK_PATHS_BYTES
+    paths = _new("char[]", size)
+    offsets = _new("uint64_t[]", lib.MPT_TASK_MAX_ITEMS)
+    used = _new("size_t *")
+    n = _task_items(_from_buffer(record), len(record), block_bytes, paths, size, used,
+                    offsets, lib.MPT_TASK_MAX_ITEMS)
+    if n <= 0:
+        return n, [], []
+    return (n, ffi.buffer(paths, used[0] - 1)[:].split(b"\0"),
+            [] if lookup_record else ffi.unpack(offsets, n))
+
+
+def record_taker(fds: tuple[int, ...], record) -> Callable[[], tuple[int, bool]]:
+    """``mpt_take_record`` over ``fds`` into ``record``, as the twin's (_pure_task)."""
+    queues = _new("int[]", list(fds))
+    n, size = len(fds), len(record)
+    more = _new("int *")
+    take_record = lib.mpt_take_record
+
+    def take() -> tuple[int, bool]:
+        index = take_record(queues, n, _from_buffer(record), size, more)
+        if index >= 0:
+            return index, bool(more[0])
+        if index == -errno.EAGAIN:
+            return -1, False
+        raise OSError(-index, os.strerror(-index))
+
+    return take
+
+
+def load_task(root_fd: int, record, buffer, block_bytes: int, flags: int,
+              bounce) -> tuple[int, int, int]:
+    out = _new("size_t[2]")
+    with ffi.from_buffer("char[]", buffer, require_writable=True) as base:
+        if bounce is None:
+            rc = _task_load(root_fd, _from_buffer(record), len(record), base, len(base),
+                            block_bytes, flags, ffi.NULL, 0, out, out + 1)
+        else:
+            with ffi.from_buffer("char[]", bounce, require_writable=True) as via:
+                rc = _task_load(root_fd, _from_buffer(record), len(record), base,
+                                len(base), block_bytes, flags, via,
+                                len(via) // block_bytes, out, out + 1)
+    return rc, out[0], out[1]
+
+
 def lookup(root_fd: int, paths: Sequence[bytes], block_bytes: int, flags: int) -> bytes:
     n = len(paths)
     if n == 0:
@@ -117,6 +173,9 @@ def resolver() -> str:
 
 def uring_status() -> str:
     return ffi.string(lib.mpt_uring_status()).decode()
+
+
+same_folder = lib.mpt_same_folder
 
 
 def probe_in_memory(directory: bytes) -> int:
@@ -192,3 +251,16 @@ def probe_xattr(directory: bytes) -> int:
 
 def probe_o_tmpfile(directory: bytes) -> int:
     return lib.mpt_probe_o_tmpfile(directory)
+
+
+if (WIRE_VERSION, TASK_RECORD_BYTES, TASK_HEADER_BYTES) != (
+        _pure_task.WIRE_VERSION, _pure_task.TASK_RECORD_BYTES, _pure_task.TASK_HEADER_BYTES):
+    # Built for another wire version (as for encode_job): the records are decoded in
+    # Python, the batch still runs here.
+    def task_items(record, block_bytes: int) -> tuple[int, list[bytes], list[int]]:
+        return _pure_task.task_items(record, block_bytes)
+
+    def load_task(root_fd: int, record, buffer, block_bytes: int, flags: int,
+                  bounce) -> tuple[int, int, int]:
+        return _pure_task.load_task(load, load_via, root_fd, record, buffer, block_bytes,
+                                    flags, bounce)

@@ -1,5 +1,6 @@
 """The pure-Python twin of the C core (``mptier_io.c``, ``block.c``, ``probes.c``;
-``resolve.c`` is ``_pure_resolve.py``, ``crc32c.c`` is ``_crc32c.py``).
+``resolve.c`` is ``_pure_resolve.py``, ``crc32c.c`` is ``_crc32c.py``, the task
+records' decoding of ``encode.c`` is ``_pure_task.py``).
 
 Same steps, same return codes: ``store`` returns ``(rc, n_done, fail_index,
 tmp_unlink_errno)``, ``load`` ``(rc, n_done, fail_index)`` with ``rc`` 0 or ``-errno``,
@@ -32,6 +33,7 @@ import os
 from collections.abc import Sequence
 
 from mptier import fskind
+from mptier.native import _pure_task
 from mptier.native._pure_resolve import (
     MKDIR_TRIES,
     _close_dir,
@@ -462,6 +464,23 @@ def _lookup_one(root: int, rel: bytes, block_bytes: int) -> int:
     if not _is_reg(st.st_mode) or st.st_size > block_bytes:
         return LOOKUP_BAD
     return LOOKUP_PRESENT if st.st_size == block_bytes else LOOKUP_SHORT
+
+
+def task_items(record, block_bytes: int) -> tuple[int, list[bytes], list[int]]:
+    """Twin of ``mpt_task_items``: see :func:`mptier.native._pure_task.task_items`."""
+    return _pure_task.task_items(record, block_bytes)
+
+
+def load_task(root_fd: int, record, buffer, block_bytes: int, flags: int,
+              bounce) -> tuple[int, int, int]:
+    """Twin of ``mpt_task_load``: :func:`load` (or :func:`load_via` through ``bounce``)
+    of the record's blocks."""
+    return _pure_task.load_task(load, load_via, root_fd, record, buffer, block_bytes,
+                                flags, bounce)
+
+
+record_taker = _pure_task.record_taker
+same_folder = _pure_task.same_folder
 
 
 def lookup(root_fd: int, paths: Sequence[bytes], block_bytes: int, flags: int) -> bytes:

@@ -16,7 +16,7 @@ MODULE_NAME = "mptier.native._mptier_cffi"
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The floors of mptier_native.h, the top first.
 C_FILES = ["mptier_io.c", "uring.c", "probes.c", "block.c", "direct.c", "fdio.c",
-           "resolve.c", "crc32c.c", "encode.c"]
+           "resolve.c", "crc32c.c", "encode.c", "queue.c"]
 
 ffibuilder = FFI()
 
@@ -31,6 +31,10 @@ ffibuilder.cdef(
     #define MPT_WIRE_VERSION ...
     #define MPT_TASK_RECORD_BYTES ...
     #define MPT_TASK_HEADER_BYTES ...
+    #define MPT_TASK_MAX_ITEMS ...
+    #define MPT_GROUP_IDX_BYTES ...
+    #define MPT_TASK_PATHS_BYTES ...
+    #define MPT_LOOKUP_PATHS_BYTES ...
     #define MPT_DIRECT_ALIGN ...
     #define MPT_TAG_LEN ...
     #define MPT_TEMP_SUFFIX_MAX_BYTES ...
@@ -73,9 +77,18 @@ ffibuilder.cdef(
     const char *mpt_xattr_name(void);
     const char *mpt_uring_status(void);
     int mpt_fs_in_memory(const char *dir);
+    int mpt_same_folder(const char *path, uint64_t dev, uint64_t ino);
     int mpt_encode_job(unsigned char *out, size_t out_len, int kind, uint64_t first_task,
                        const unsigned char *keys, size_t key_len, size_t n,
                        const int64_t *ids, size_t per_task);
+    int mpt_task_items(const unsigned char *record, size_t record_len, size_t block_bytes,
+                       char *paths, size_t paths_len, size_t *paths_used, uint64_t *offsets,
+                       size_t max_items);
+    int mpt_take_record(const int *fds, size_t n, unsigned char *record, size_t record_len,
+                        int *more);
+    int mpt_task_load(int root, const unsigned char *record, size_t record_len, char *base,
+                      size_t base_len, size_t block_bytes, int flags, char *bounce,
+                      size_t bounce_blocks, size_t *n_done, size_t *fail_index);
     """
 )
 

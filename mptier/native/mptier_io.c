@@ -200,6 +200,29 @@ int mpt_batch_load_via(int root, const char *paths_blob, size_t n, char *base,
                             n_done, fail_index);
 }
 
+int mpt_task_load(int root, const unsigned char *record, size_t record_len, char *base,
+                  size_t base_len, size_t block_bytes, int flags, char *bounce,
+                  size_t bounce_blocks, size_t *n_done, size_t *fail_index)
+{
+    char paths[MPT_TASK_PATHS_BYTES];
+    uint64_t offsets[MPT_TASK_MAX_ITEMS];
+    size_t used;
+    int n = mpt_task_items(record, record_len, block_bytes, paths, sizeof paths, &used,
+                           offsets, MPT_TASK_MAX_ITEMS);
+
+    if (n < 0 || record[4] == MPT_KIND_LOOKUP) {
+        *n_done = 0;
+        *fail_index = 0;
+        return -EINVAL;
+    }
+    if (bounce != NULL)
+        return mpt_batch_load_via(root, paths, (size_t)n, base, base_len, offsets,
+                                  block_bytes, flags, bounce, bounce_blocks, n_done,
+                                  fail_index);
+    return mpt_batch_load(root, paths, (size_t)n, base, base_len, offsets, block_bytes,
+                          flags, n_done, fail_index);
+}
+
 static uint8_t mpt_lookup_one(int root, const char *rel, size_t block_bytes, int flags)
 {
     struct stat st;

@@ -13,6 +13,7 @@
  *   0  resolve.c     reaching a path beneath the root without following a symlink
  *   0  crc32c.c      CRC32C (VPCLMULQDQ / PCLMULQDQ folding, SSE4.2, ARMv8 CRC, tables)
  *   0  encode.c      the engine's task records (mptier.jobs' wire format)
+ *   0  queue.c       a worker's take of a task record from its queues
  *
  * build_ffi.py's cdef declares the interface part to Python (cffi reads the constants'
  * values from here); _pure.py mirrors the constants and is checked against them.
@@ -54,7 +55,19 @@
 #define MPT_WIRE_VERSION 3
 #define MPT_TASK_RECORD_BYTES 4096
 #define MPT_TASK_HEADER_BYTES 20
+#define MPT_KIND_STORE 1
+#define MPT_KIND_LOAD 2
 #define MPT_KIND_LOOKUP 3 /* lookup records carry no block ids */
+/* Most items a store or load record holds (a block id and a key length each), and the
+ * most bytes the paths of its keys take with their NULs (mpt_task_items): a path is at
+ * most 2 hex digits per key byte plus 24 ("xxx/xx_g<10 digits>/", ".bin", the NUL), and
+ * an item takes 10 record bytes and its key's (at most 2.4 path bytes per record byte).
+ * A lookup record's items take 2 bytes and the key's: up to 12 path bytes each. */
+#define MPT_TASK_MAX_ITEMS ((MPT_TASK_RECORD_BYTES - MPT_TASK_HEADER_BYTES) / 10)
+#define MPT_TASK_PATHS_BYTES (3 * (MPT_TASK_RECORD_BYTES - MPT_TASK_HEADER_BYTES))
+#define MPT_LOOKUP_PATHS_BYTES (12 * (MPT_TASK_RECORD_BYTES - MPT_TASK_HEADER_BYTES))
+/* A key's last bytes are its KV-cache group index, big-endian (mptier.keys). */
+#define MPT_GROUP_IDX_BYTES 4
 
 /* Lookup status, one byte per path. */
 #define MPT_LOOKUP_ABSENT 0  /* nothing there (or the path cannot be reached) */
@@ -127,10 +140,27 @@ const char *mpt_uring_status(void);
 /* 1: dir's file system keeps file data in memory (tmpfs, ramfs), 0: it does not,
  * -errno: dir is unusable. */
 int mpt_fs_in_memory(const char *dir);
+/* 1: path is a directory with that device and inode now; 0: not; -errno: see probes.c. */
+int mpt_same_folder(const char *path, uint64_t dev, uint64_t ino);
 /* The task records of one job (mptier.jobs.encode_job's bytes): see encode.c. */
 int mpt_encode_job(unsigned char *out, size_t out_len, int kind, uint64_t first_task,
                    const unsigned char *keys, size_t key_len, size_t n, const int64_t *ids,
                    size_t per_task);
+/* A task record's keys as the layout's paths and its block ids as buffer offsets: see
+ * encode.c. */
+int mpt_task_items(const unsigned char *record, size_t record_len, size_t block_bytes,
+                   char *paths, size_t paths_len, size_t *paths_used, uint64_t *offsets,
+                   size_t max_items);
+/* Take a task record from the first of a worker's queues that holds one: see queue.c. */
+int mpt_take_record(const int *fds, size_t n, unsigned char *record, size_t record_len,
+                    int *more);
+/* Load the blocks of a store or load task record (mpt_task_items' paths and offsets) as
+ * mpt_batch_load does, or as mpt_batch_load_via does through bounce when it is not NULL:
+ * the worker's whole load in one call. A record mpt_task_items refuses: -EINVAL and
+ * nothing done (the caller checks records first: mptier.jobs.check_task). */
+int mpt_task_load(int root, const unsigned char *record, size_t record_len, char *base,
+                  size_t base_len, size_t block_bytes, int flags, char *bounce,
+                  size_t bounce_blocks, size_t *n_done, size_t *fail_index);
 
 /* -- shared between the C files only ------------------------------------------------------- */
 

@@ -3,6 +3,8 @@
  *
  * Each probe takes a directory path, answers 1 (works), 0 (refused by the file system)
  * or -errno (the directory itself is unusable), and leaves no file behind.
+ * mpt_same_folder is asked once per run of keys instead: is the root still the folder
+ * the worker opened?
  */
 
 #ifndef _GNU_SOURCE
@@ -17,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/vfs.h>
 #include <sys/xattr.h>
 #include <unistd.h>
@@ -130,6 +133,18 @@ int mpt_fs_in_memory(const char *dir)
         return -errno;
     return (unsigned long)sf.f_type == MPT_TMPFS_MAGIC ||
            (unsigned long)sf.f_type == MPT_RAMFS_MAGIC;
+}
+
+/* 1: path leads to a directory whose device and inode are dev and ino; 0: it leads to
+ * something else; -errno: stat fails. A worker's check, before each run of keys on a
+ * root, that the root is still the folder it opened (mptier.workers.rootgate): one
+ * system call, without the Python stat result's 20 fields. */
+int mpt_same_folder(const char *path, uint64_t dev, uint64_t ino)
+{
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return -errno;
+    return S_ISDIR(st.st_mode) && (uint64_t)st.st_dev == dev && (uint64_t)st.st_ino == ino;
 }
 
 const char *mpt_xattr_name(void)

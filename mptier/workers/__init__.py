@@ -22,11 +22,11 @@ settings), ``probe`` (preparing roots), ``figures`` (stats from the control bloc
 ``supervisor`` (the thread that keeps the pool, in parts: ``spawning``, ``held``,
 ``watchdog``, ``assignment`` over ``supervised``), ``worker`` (the process: boot,
 sessions; ``serving``, the task loop, over ``context`` and ``rootio``, the keys on
-roots; ``orphan``, leaving after the supervisor), ``launcher`` (starting one process),
-``protocol`` (supervisor <-> worker control messages), ``session`` (what an engine hands
-over), ``control`` (the shared control block). Names are imported on first use so that
-worker processes, which import ``mptier.workers.worker``, do not pay for the pool's
-modules.
+roots, with ``rootgate``, a root's health gate and block folder; ``orphan``, leaving
+after the supervisor), ``launcher`` (starting one process), ``protocol`` (supervisor
+<-> worker control messages), ``session`` (what an engine hands over), ``control``
+(the shared control block). Names are imported on first use so that worker processes,
+which import ``mptier.workers.worker``, do not pay for the pool's modules.
 """
 
 from __future__ import annotations

@@ -153,6 +153,13 @@ class Bounce:
         return backend.load_via(root_fd, paths, memory, offsets, self.block_bytes, flags,
                                 self._view)
 
+    def load_task(self, backend: Any, root_fd: int, record, memory: memoryview,
+                  flags: int) -> tuple[int, int, int]:
+        """:meth:`load` of the blocks of a task record (``backend.load_task``)."""
+        self.map()
+        return backend.load_task(root_fd, record, memory, self.block_bytes, flags,
+                                 self._view)
+
     def close(self) -> None:
         """Release the buffer. Idempotent."""
         if self._map is not None:

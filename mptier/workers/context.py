@@ -6,13 +6,12 @@ need (:class:`WorkerContext`, built by :meth:`WorkerContext.open` only).
 
 from __future__ import annotations
 
-import array
 import contextlib
 import logging
 import os
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mptier import native
@@ -43,6 +42,9 @@ class RootHandle:
     identity: tuple[int, int] | None = None
     lease: Lease | None = None
     bounce: bool = False  # loads go through the worker's bounce buffer (bounce.py)
+
+    def __post_init__(self) -> None:
+        self.encoded_path = os.fsencode(self.path)  # for the native stat of each run
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -83,7 +85,6 @@ class WorkerContext:
     mapped: Any = None  # the MappedBuffer when this worker mapped the buffer itself
     owns_descriptors: bool = True  # False for threads: the fds are the engine's
     bounce: Bounce | None = None  # loads that may outlive a kill go through it (bounce.py)
-    fionread: array.array = field(default_factory=lambda: array.array("i", [0]))
     # Where root health results go: (root, ok, errno, text) -> None. Process workers
     # send them to the supervisor; thread workers apply them to the pool's RootHealth.
     report_root: Callable[[int, bool, int, str], None] = lambda *a: None

@@ -649,7 +649,8 @@ class SlotWriter:
         """Empty the record area: the task is no longer held."""
         self.record[:TASK_HEADER_BYTES] = bytes(TASK_HEADER_BYTES)
         self.set_root(None)
-        self.set_state(SlotState.IDLE)
+        # The state alone: the counters after it are those account() wrote last.
+        struct.pack_into("<QQ", self._mem, 0, SlotState.IDLE, 0)
 
     def waited_for_room(self, ns: int) -> None:
         """Count a store that waited ``ns`` for its root's caretaker to make room."""

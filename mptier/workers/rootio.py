@@ -1,7 +1,8 @@
 """A task's keys on its roots: split into runs of keys on one root, each run gated by the
-root's health (in rotation, read-only, out and due for a probe) and, for a store, by
-room under the budget; the root's block folder opened (and leased) at first use; the
-batch I/O through the native backend; what a failure says about the root's health.
+root's health and its block folder opened (:mod:`~mptier.workers.rootgate`) and, for a
+store, by room under the budget; the root leased at first store; the batch I/O through
+the native backend (a load on one root: one native call from the task record); what a
+failure says about the root's health (rootgate again).
 
 Called by the serving loop (:mod:`~mptier.workers.serving`), on the worker's thread.
 """
@@ -11,16 +12,15 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 import time
 
 from mptier import native
+from mptier.jobs import decode_task
 from mptier.native.entries import FULL_ERRNOS
 from mptier.storage.leases import Lease
-from mptier.storage.roots import root_identity
 from mptier.workers.context import RootHandle, WorkerContext
-from mptier.workers.control import RootState
-from mptier.workers.health import is_fault, out_of_rotation_text, read_only_text
+from mptier.workers.health import is_fault
+from mptier.workers.rootgate import folder_removed, gate, health_after, open_root
 
 log = logging.getLogger("mptier.workers")
 
@@ -45,8 +45,9 @@ def transfer(ctx: WorkerContext, store: bool, keys: list[bytes], offsets: list[i
     n_done = 0
     for index, start, end in ctx.router.runs(keys):
         whole = start == 0 and end == len(keys)
+        root = ctx.roots[index]
         err, done, text = _run_on_root(
-            ctx, store, ctx.roots[index], keys if whole else keys[start:end],
+            ctx, store, root, _paths(root, keys if whole else keys[start:end]),
             offsets if whole else offsets[start:end])
         n_done += done
         if err:
@@ -54,151 +55,84 @@ def transfer(ctx: WorkerContext, store: bool, keys: list[bytes], offsets: list[i
     return 0, n_done, ""
 
 
-def _gate(ctx: WorkerContext, root: RootHandle, store: bool) -> tuple[int, str] | None:
-    """None when ``root`` may be used now (in rotation; read-only, for a load, or for a
-    store once a retry is due; out and due for a probe that just succeeded); else
-    ``(errno, text)`` to fail its keys with at once."""
-    state, err, failures, retry_at = ctx.slot_writer.control.root_health(root.index)
-    if state == RootState.IN:
-        return None
-    if state == RootState.READ_ONLY:
-        if not store:
-            return None
-        if time.monotonic_ns() < retry_at:
-            ctx.slot_writer.count_read_only(root.index)
-            return errno.EROFS, read_only_text(root.path, retry_at)
-        ctx.report_probe(root.index)  # this store tries it; the others still fail fast
-        return None
-    if time.monotonic_ns() < retry_at:
-        return err or errno.EIO, out_of_rotation_text(root.path, err, failures, retry_at)
-    ctx.report_probe(root.index)  # others wait for this probe instead of probing too
-    root.close()
-    try:
-        _probe(ctx, root)
-    except OSError as exc:
-        perr = exc.errno or errno.EIO
-        text = f"probe of root {root.path} failed: {exc}"
-        ctx.report_root(root.index, False, perr, text)
-        root.close()
-        return perr, (f"root {root.path} is out of rotation and a probe of it just "
-                      f"failed ({exc}); its keys read as misses and stores of them fail")
-    ctx.report_root(root.index, True, 0, "")
-    return None
+def transfer_task(ctx: WorkerContext, store: bool, record: memoryview
+                  ) -> tuple[int, int, str]:
+    """:func:`transfer` of the keys and slots of a store or load task record (checked:
+    ``jobs.check_task``). On one root its items are decoded natively
+    (``Backend.task_items``), and a load is one native call from the record
+    (``Backend.load_task``): no Python object per key. Several roots: decoded here."""
+    if not ctx.router.single:
+        task = decode_task(record)
+        block_bytes = ctx.block_bytes
+        return transfer(ctx, store, task.keys,
+                        [block_id * block_bytes for block_id in task.block_ids])
+    if store:
+        paths, offsets = ctx.backend.task_items(record, ctx.block_bytes)
+        return _run_on_root(ctx, True, ctx.roots[0], paths, offsets)
+    return _run_on_root(ctx, False, ctx.roots[0], None, None, record)
 
 
-def _probe(ctx: WorkerContext, root: RootHandle) -> None:
-    """Does ``root`` answer? The root folder must stat as a folder, and its block
-    folder open (a missing block folder is an answer too: a store makes it again).
-    Raises OSError when not."""
-    if not stat.S_ISDIR(os.stat(root.path).st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, "not a folder", root.path)
-    try:
-        os.fstat(_open_root(ctx, root, create=False))
-    except FileNotFoundError:
-        pass
-
-
-def _open_root(ctx: WorkerContext, root: RootHandle, create: bool) -> int:
-    """The root's block folder, opened at first use. A folder removed under a running
-    tier is made again for a store (a load or lookup of it is a miss); a root path that
-    leads to another folder now is followed (:func:`root_identity`). Raises OSError."""
-    try:
-        identity = root_identity(root.path)  # one stat per run: followed by path
-    except FileNotFoundError:
-        if not create:
-            raise  # a load or lookup of a root that is not there is a miss
-        root.release()  # wiped whole (or never made): a store makes it again
-        root.mapper.prepare(ctx.block_bytes)
-        identity = root_identity(root.path)
-    if root.fd >= 0 and identity != root.identity:
-        log.warning("mptier: root %s now leads to another folder (device %d:%d inode %d, "
-                    "was %d:%d inode %d: a file system mounted over it or taken away, or "
-                    "the folder replaced); following the path", root.path,
-                    os.major(identity[0]), os.minor(identity[0]), identity[1],
-                    os.major(root.identity[0]), os.minor(root.identity[0]),
-                    root.identity[1])
-        root.release()  # the lease lives in the old folder's .mptier: take one anew
-    if root.fd < 0:
-        try:
-            root.fd = native.open_root(root.mapper.blocks_dir)
-        except FileNotFoundError:
-            if not create:
-                raise
-            root.mapper.prepare(ctx.block_bytes)
-            root.fd = native.open_root(root.mapper.blocks_dir)
-        root.identity = identity
-    return root.fd
-
-
-def _health_after(ctx: WorkerContext, root: RootHandle, store: bool, err: int,
-                  text: str) -> None:
-    """Tell the health owner what a run on ``root`` proved: a fault counts against it;
-    anything else clears earlier failures (only then: no message on the hot path). A
-    load proves nothing about a read-only root's writes."""
-    if err and is_fault(err):
-        root.close()  # a later use opens it afresh (a remounted file system)
-        ctx.report_root(root.index, False, err, text)
-        return
-    state, _, failures, _ = ctx.slot_writer.control.root_health(root.index)
-    if state == RootState.READ_ONLY and not store:
-        return
-    if failures or state != RootState.IN:
-        ctx.report_root(root.index, True, 0, "")
-
-
-def _run_on_root(ctx: WorkerContext, store: bool, root: RootHandle, keys: list[bytes],
-                 offsets: list[int]) -> tuple[int, int, str]:
-    gate = _gate(ctx, root, store)
-    if gate is not None:
-        return gate[0], 0, gate[1]
-    ctx.slot_writer.set_root(root.index)  # a timeout now is blamed on this root
+def _paths(root: RootHandle, keys: list[bytes]) -> list[bytes]:
+    """The paths of ``keys`` beneath ``root``'s blocks folder."""
     relative = root.mapper.relative_path_for
-    paths = [relative(key).encode() for key in keys]
+    return [relative(key).encode() for key in keys]
+
+
+def _run_on_root(ctx: WorkerContext, store: bool, root: RootHandle,
+                 paths: list[bytes] | None, offsets: list[int] | None,
+                 record: memoryview | None = None) -> tuple[int, int, str]:
+    """Store or load one run on ``root``: ``paths`` to and from ``offsets``, or (a load,
+    ``paths`` None) the blocks of task ``record``."""
+    refused = gate(ctx, root, store)
+    if refused is not None:
+        return refused[0], 0, refused[1]
+    ctx.slot_writer.set_root(root.index)  # a timeout now is blamed on this root
     text = ""
     try:
-        fd = _open_root(ctx, root, create=store)
-        rc, n_done, index, text = _move(ctx, store, root, fd, paths, offsets)
-        if rc == -errno.ENOENT and _folder_removed(root):  # an operator wiped the cache
+        fd = open_root(ctx, root, create=store)
+        rc, n_done, index, text = _move(ctx, store, root, fd, paths, offsets, record)
+        if rc == -errno.ENOENT and folder_removed(root):  # an operator wiped the cache
             root.close()  # made again for a store; a load of it is a miss
             log.warning("mptier: %s was removed under the running tier; opening it again",
                         root.mapper.blocks_dir)
-            fd = _open_root(ctx, root, create=store)
-            rc, n_done, index, text = _move(ctx, store, root, fd, paths, offsets)
+            fd = open_root(ctx, root, create=store)
+            rc, n_done, index, text = _move(ctx, store, root, fd, paths, offsets, record)
     except OSError as exc:
         rc, n_done, index = -(exc.errno or errno.EIO), 0, 0
         text = f"root {root.path}: {exc}"
     err = -rc
     if err and not text:
+        if paths is None:  # (a failure: the paths are made to name the block)
+            paths, _ = ctx.backend.task_items(record, ctx.block_bytes)
         text = str(native.batch_error("store" if store else "load", err, n_done, index,
                                       f"{root.mapper.blocks_dir}/{paths[index].decode()}"))
-    _health_after(ctx, root, store, err, text)
+    health_after(ctx, root, store, err, text)
     return err, n_done, text
 
 
-def _move(ctx: WorkerContext, store: bool, root: RootHandle, fd: int, paths: list[bytes],
-          offsets: list[int]) -> tuple[int, int, int, str]:
+def _move(ctx: WorkerContext, store: bool, root: RootHandle, fd: int,
+          paths: list[bytes] | None, offsets: list[int] | None,
+          record: memoryview | None) -> tuple[int, int, int, str]:
     """Store or load one run on ``root``: the native errno layer's ``(rc, n_done,
     fail_index)`` and an error text when the run failed before the native call."""
     if store:
+        assert paths is not None and offsets is not None
         return _store_run(ctx, root, fd, paths, offsets)
-    if root.bounce and ctx.bounce is not None:
-        rc, n_done, index = ctx.bounce.load(ctx.backend, fd, paths, ctx.memory, offsets,
-                                            root.flags)
+    bounce = ctx.bounce if root.bounce else None
+    if record is not None:
+        if bounce is not None:
+            rc, n_done, index = bounce.load_task(ctx.backend, fd, record, ctx.memory,
+                                                 root.flags)
+        else:
+            rc, n_done, index = ctx.backend.load_task(fd, record, ctx.memory,
+                                                      ctx.block_bytes, root.flags)
+    elif bounce is not None:
+        rc, n_done, index = bounce.load(ctx.backend, fd, paths, ctx.memory, offsets,
+                                        root.flags)
     else:
         rc, n_done, index = ctx.backend.load(fd, paths, ctx.memory, offsets,
                                              ctx.block_bytes, root.flags)
     return rc, n_done, index, ""
-
-
-def _folder_removed(root: RootHandle) -> bool:
-    """Whether the blocks folder ``root`` holds open was removed (its link count is 0;
-    a network file system may say ESTALE instead)."""
-    if root.fd < 0:
-        return False
-    try:
-        return os.fstat(root.fd).st_nlink == 0
-    except OSError as exc:
-        return exc.errno == errno.ESTALE
 
 
 def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes],
@@ -367,28 +301,35 @@ def _room(ctx: WorkerContext, index: int, reserved: int, want: int,
 def lookup(ctx: WorkerContext, keys: list[bytes]) -> bytes:
     """One lookup status per key; keys of a root out of rotation are misses."""
     if ctx.router.single:
-        return _lookup_on(ctx, ctx.roots[0], keys)
+        return _lookup_on(ctx, ctx.roots[0], _paths(ctx.roots[0], keys))
     out = bytearray(len(keys))
     groups: dict[int, list[int]] = {}
     for i, index in enumerate(ctx.router.indices(keys)):
         groups.setdefault(index, []).append(i)
     for index, positions in groups.items():
-        statuses = _lookup_on(ctx, ctx.roots[index], [keys[i] for i in positions])
+        root = ctx.roots[index]
+        statuses = _lookup_on(ctx, root, _paths(root, [keys[i] for i in positions]))
         for j, i in enumerate(positions):
             out[i] = statuses[j]
     return bytes(out)
 
 
-def _lookup_on(ctx: WorkerContext, root: RootHandle, keys: list[bytes]) -> bytes:
-    if _gate(ctx, root, store=False) is not None:
-        return bytes(len(keys))  # LOOKUP_ABSENT: a miss
+def lookup_task(ctx: WorkerContext, record: memoryview) -> bytes:
+    """:func:`lookup` of the keys of a lookup task record (checked:
+    ``jobs.check_task``); on one root, its paths decoded natively."""
+    if not ctx.router.single:
+        return lookup(ctx, decode_task(record).keys)
+    return _lookup_on(ctx, ctx.roots[0], ctx.backend.task_items(record, ctx.block_bytes)[0])
+
+
+def _lookup_on(ctx: WorkerContext, root: RootHandle, paths: list[bytes]) -> bytes:
+    if gate(ctx, root, store=False) is not None:
+        return bytes(len(paths))  # LOOKUP_ABSENT: a miss
     ctx.slot_writer.set_root(root.index)
-    relative = root.mapper.relative_path_for
-    paths = [relative(key).encode() for key in keys]
     try:
-        fd = _open_root(ctx, root, create=False)
+        fd = open_root(ctx, root, create=False)
     except OSError as exc:
         if exc.errno is not None and is_fault(exc.errno):
-            _health_after(ctx, root, False, exc.errno, f"root {root.path}: {exc}")
-        return bytes(len(keys))
+            health_after(ctx, root, False, exc.errno, f"root {root.path}: {exc}")
+        return bytes(len(paths))
     return ctx.backend.lookup(fd, paths, ctx.block_bytes, root.flags)

@@ -27,30 +27,25 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import select
 import socket
-import termios
 import time
 import traceback
 
 from mptier.jobs import (
-    TASK_HEADER_BYTES,
-    TASK_RECORD_BYTES,
     MessageType,
     TaskKind,
-    decode_task,
+    check_task,
     encode_message,
-    peek_task,
 )
 from mptier.native.entries import Outcome, outcome
 from mptier.workers import protocol
 from mptier.workers.context import WorkerContext
 from mptier.workers.control import SlotState
 from mptier.workers.orphan import ORPHANED
-from mptier.workers.rootio import lookup, transfer
+from mptier.workers.rootio import lookup_task, transfer_task
 
 log = logging.getLogger("mptier.workers")
 
@@ -118,9 +113,12 @@ def serve(ctx: WorkerContext, control: socket.socket | None) -> str:
         reports = ctx.reports
         assert reports is not None
         watching_room = False  # the completion pipe is in `work`, for room
+        # One native call reads a record from the first queue holding one (lookups, own,
+        # other: QUEUE_ORDER) and says whether more wait (bench/experiments/task_cpu.py).
+        take = ctx.backend.record_taker(ctx.queues, record)
         while True:
-            took = _take(ctx.queues, record)
-            if not took:
+            taken, more = take()
+            if taken < 0:
                 wait = IDLE_POLL_S
                 if caretaker:  # idle: look after this worker's roots, if any
                     caretaker.run(busy=False)
@@ -146,17 +144,15 @@ def serve(ctx: WorkerContext, control: socket.socket | None) -> str:
             if ORPHANED.is_set():  # taken as the supervisor went: dropped, not run
                 writer.release()
                 return ENDED_SUPERVISOR_GONE
-            if _more_waiting(ctx):
+            if more:  # the doorbell chain: wake one more idle worker
                 with contextlib.suppress(BlockingIOError):
                     os.write(ctx.doorbell_write_fd, b"!")
             started = time.monotonic_ns()
             writer.mark_started(started)
-            message, nbytes, failed = _run_task(ctx, record, started, pid)
-            peeked = peek_task(record)
+            message, nbytes, failed, kind = _run_task(ctx, record, started, pid)
             # Report first, then let go of the task: a death in between leaves the task
             # in the slot, and the engine ignores the supervisor's second report of it.
-            writer.account(nbytes, time.monotonic_ns() - started, failed, started,
-                           peeked[0] if peeked else None)
+            writer.account(nbytes, time.monotonic_ns() - started, failed, started, kind)
             ended = _report_task(ctx, control, message, started)
             writer.release()
             if ended:
@@ -236,32 +232,12 @@ def _news(ctx: WorkerContext, control: socket.socket | None, fd: int) -> str:
     return ""
 
 
-def _take(queues: tuple[int, ...], record: memoryview) -> bool:
-    for fd in queues:
-        try:
-            n = os.readv(fd, [record])
-        except BlockingIOError:
-            continue
-        if n == TASK_RECORD_BYTES:
-            return True
-        # Cannot happen with whole-record writes; never run half a record.
-        record[:TASK_HEADER_BYTES] = bytes(TASK_HEADER_BYTES)
-    return False
-
-
-def _more_waiting(ctx: WorkerContext) -> bool:
-    fionread = ctx.fionread
-    for fd in ctx.queues:
-        fcntl.ioctl(fd, termios.FIONREAD, fionread)
-        if fionread[0] >= TASK_RECORD_BYTES:
-            return True
-    return False
-
-
 def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
-              ) -> tuple[bytes, int, bool]:
+              ) -> tuple[bytes, int, bool, TaskKind | None]:
+    """Run the task in ``record``: ``(report, bytes moved, failed, kind)``; the kind is
+    None for a record that names no task (malformed, or task id 0: peek_task's None)."""
     try:
-        task = decode_task(record)
+        kind, task_id, n = check_task(record)
     except ValueError as exc:  # not a record an engine of ours writes (a hostile one's,
         # in a service): fail it and keep serving, rather than die and be replaced
         message = encode_message(MessageType.DONE, ctx.slot_writer.slot, pid,
@@ -269,32 +245,30 @@ def _run_task(ctx: WorkerContext, record: memoryview, started: int, pid: int
                                  elapsed_ns=time.monotonic_ns() - started,
                                  payload=f"malformed task record: {exc}",
                                  outcome=Outcome.OTHER)
-        return message, 0, True
-    if _STALLS and task.kind in _STALLS and (not _STALL_WHILE or os.path.exists(_STALL_WHILE)):
-        time.sleep(_STALLS[task.kind])
+        return message, 0, True, None
+    if _STALLS and kind in _STALLS and (not _STALL_WHILE or os.path.exists(_STALL_WHILE)):
+        time.sleep(_STALLS[kind])
     if _GROW:
         grown = bytearray(_GROW)  # each page written once: private, resident, and
         grown[::_PAGE] = b"\1" * len(range(0, _GROW, _PAGE))  # never twice the size
         _leaked.append(grown)
     err = 0
-    n_done = len(task.keys)
+    n_done = n
     payload: bytes | str = b""
     result = Outcome.OK
     try:
-        if task.kind == TaskKind.LOOKUP:
-            payload = lookup(ctx, task.keys)
+        if kind == TaskKind.LOOKUP:
+            payload = lookup_task(ctx, record)
         else:
-            block_bytes = ctx.block_bytes
-            offsets = [block_id * block_bytes for block_id in task.block_ids]
-            store = task.kind == TaskKind.STORE
-            err, n_done, payload = transfer(ctx, store, task.keys, offsets)
+            store = kind == TaskKind.STORE
+            err, n_done, payload = transfer_task(ctx, store, record)
             result = outcome("store" if store else "load", err)
     except Exception as exc:  # a bug or bad input must not kill the worker: report it
         err, n_done, result = errno.EIO, 0, Outcome.OTHER
         payload = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     elapsed = time.monotonic_ns() - started
-    nbytes = 0 if task.kind == TaskKind.LOOKUP else n_done * ctx.block_bytes
+    nbytes = 0 if kind == TaskKind.LOOKUP else n_done * ctx.block_bytes
     message = encode_message(MessageType.DONE, ctx.slot_writer.slot, pid, errno=err,
-                             n_done=n_done, task_id=task.task_id, started_ns=started,
+                             n_done=n_done, task_id=task_id, started_ns=started,
                              elapsed_ns=elapsed, payload=payload, outcome=result)
-    return message, nbytes, bool(err)
+    return message, nbytes, bool(err), kind if task_id else None
