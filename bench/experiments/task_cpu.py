@@ -292,6 +292,9 @@ def main() -> int:
             finally:
                 shutil.rmtree(root, ignore_errors=True)
                 shutil.rmtree(out, ignore_errors=True)
+            if args.profile:  # (the sums are not written then)
+                print(f"round {rnd} {label}: profiled", flush=True)
+                continue
             names = ["native", "take", *(p.rpartition(":")[2] for p in parts_arg)]
             tasks, cycle, *parts = kinds.get(args.op, [0] * (2 + len(names)))
             tasks = max(tasks, 1)
