@@ -18,7 +18,6 @@ import fcntl
 import os
 import stat
 import struct
-import sys
 import termios
 from collections.abc import Callable
 
@@ -56,12 +55,9 @@ def task_items(record, block_bytes: int) -> tuple[int, list[bytes], list[int]]:
     if n > (size - TASK_HEADER_BYTES) // (id_bytes + 2):
         return -errno.EINVAL, [], []
     pos = TASK_HEADER_BYTES
-    ids = array.array("Q", bytes(record[pos:pos + id_bytes * n]))
-    pos += id_bytes * n
+    ids = array.array("Q", bytes(record[pos:pos + id_bytes * n]))  # (the machine's
+    pos += id_bytes * n  # order, as the encoders write them and decode_task reads them)
     lengths = array.array("H", bytes(record[pos:pos + 2 * n]))
-    if sys.byteorder != "little":
-        ids.byteswap()
-        lengths.byteswap()
     pos += 2 * n
     if sum(lengths) > size - pos:
         return -errno.EINVAL, [], []

@@ -71,6 +71,13 @@ int mpt_encode_job(unsigned char *out, size_t out_len, int kind, uint64_t first_
     return (int)n_tasks;
 }
 
+static size_t mpt_u16_at(const unsigned char *p)
+{
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
 /* Append the len bytes at p to the path being made at *out (room up to end). */
 static int mpt_put(char **out, const char *end, const void *p, size_t len)
 {
@@ -153,7 +160,7 @@ int mpt_task_items(const unsigned char *record, size_t record_len, size_t block_
     if (kind != MPT_KIND_STORE && kind != MPT_KIND_LOAD && kind != MPT_KIND_LOOKUP)
         return -EINVAL;
     n = (uint32_t)record[8] | (uint32_t)record[9] << 8 | (uint32_t)record[10] << 16 |
-        (uint32_t)record[11] << 24;
+        (uint32_t)record[11] << 24; /* the header is little-endian (struct "<") */
     id_bytes = kind == MPT_KIND_LOOKUP ? 0 : 8;
     if (record_len > MPT_TASK_RECORD_BYTES)
         record_len = MPT_TASK_RECORD_BYTES;
@@ -162,23 +169,24 @@ int mpt_task_items(const unsigned char *record, size_t record_len, size_t block_
     ids = record + MPT_TASK_HEADER_BYTES;
     lengths = ids + id_bytes * n;
     key = lengths + 2 * (size_t)n;
+    /* Block ids and key lengths lie in the machine's order, as the encoders (this file's
+     * memcpy, mptier.jobs' arrays) write them and decode_task reads them. */
     for (uint32_t i = 0; i < n; i++)
-        key_bytes += (size_t)lengths[2 * i] | (size_t)lengths[2 * i + 1] << 8;
+        key_bytes += mpt_u16_at(lengths + 2 * (size_t)i);
     if (key_bytes > (size_t)(record + record_len - key))
         return -EINVAL;
     if (id_bytes && n > max_items)
         return -ENOSPC;
     for (uint32_t i = 0; i < n; i++) {
-        size_t len = (size_t)lengths[2 * i] | (size_t)lengths[2 * i + 1] << 8;
+        size_t len = mpt_u16_at(lengths + 2 * (size_t)i);
         int rc = mpt_key_path(&out, end, key, len);
 
         if (rc)
             return rc;
         key += len;
         if (id_bytes) {
-            uint64_t id = 0, offset;
-            for (int b = 7; b >= 0; b--)
-                id = id << 8 | ids[8 * i + (size_t)b];
+            uint64_t id, offset;
+            memcpy(&id, ids + 8 * (size_t)i, 8);
             offsets[i] = __builtin_mul_overflow(id, (uint64_t)block_bytes, &offset)
                          ? UINT64_MAX : offset;
         }
