@@ -115,12 +115,11 @@ WALK_REST_FACTOR = 4.0
 WALK_REST_MIN_S = 0.5
 WALK_REST_S = 10.0
 # Eviction runs ahead of the stores by a slack (RootMaintainer.slack_bytes): at least
-# EVICT_SLACK_FRACTION of the capacity, and as much as the writers store at once lately
-# (the most slots storing at one look times the most new bytes one of them reserved or,
-# for a tier alone, stored since the last look -- one store, for a walker lending room:
-# Caretaker._collect -- over the last SLACK_WINDOW_S), so a store finds its room
-# evicted already instead of waiting for unlinks; at most MAX_SLACK_FRACTION, since
-# the slack is cache the budget does not use (an LRU of capacity - slack).
+# EVICT_SLACK_FRACTION of the capacity, and as much as the writers reserved at once lately
+# (the most slots reserving at one look times the largest task's new bytes, over the
+# last SLACK_WINDOW_S), so a store finds its room evicted already instead of waiting for
+# unlinks; at most MAX_SLACK_FRACTION, since the slack is cache the budget does not
+# use (an LRU of capacity - slack).
 MAX_SLACK_FRACTION = 0.10
 SLACK_WINDOW_S = 30.0
 # Entries a root's elected walker walks per step while it evicts: every tier hands it
@@ -187,7 +186,6 @@ class _Kept:
     task_peak: int = 0
     writers_peak: int = 0
     window_at: float = 0.0
-    lending: bool = False  # the window's rule: one store per writer (Caretaker._collect)
     # A contributor's headroom (GRANT_WINDOW_S): this window's most bytes its stores
     # reserved at once and bytes they created, the last window's headroom, and when
     # this window began.
@@ -570,8 +568,6 @@ class Caretaker:
         m = kept.maintainer
         block = self.ctx.block_bytes
         want = pending = writers = largest = stores = made_now = 0
-        share = kept.share
-        lending = share is not None and share.walker and bool(share.cursors)
         for slot in range(control.n_slots):
             pid = control.slot_pid(slot)
             # (before slot_made: never folds more than the slot created)
@@ -589,20 +585,17 @@ class Caretaker:
             kept.made[slot] = (pid, folded)
             reserved = control.slot_reserved(slot, index)
             pending += max(0, made - folded) + reserved
-            # A tier alone counts what a slot told between two looks: eviction then
-            # runs ahead by what the writers stored in a step, and a burst of stores
-            # finds its room (the trace bench's room waits: docs/storage.md, "With
-            # grants"). A walker lending room counts one store at once: its caretaker
-            # lags behind the other tiers' folds (a long task of its own) and read
-            # several stores of a slot together, whose sum as a slack kept the shared
-            # budget 3-8 % under (tests/test_dfs_walker.py; 9.4 % at one measure).
-            task = max(reserved, store if lending else told)
+            # A store at once, not what was told since the last look: a caretaker that
+            # lagged (a long task of its own) read several stores of a slot together,
+            # and their sum as a slack kept the cache 3-8 % under a shared budget
+            # (tests/test_dfs_walker.py; 9.4 % of it at one measure).
+            task = max(reserved, store)
             writers += task > 0
             largest = max(largest, task)
             stores += max(reserved, store)
             made_now += told
         kept.pending = pending
-        self._set_slack(kept, largest, writers, stores, made_now, lending)
+        self._set_slack(kept, largest, writers, stores, made_now)
         return want
 
     def _take_ring(self, kept: _Kept, slot: int) -> tuple[int, int, int]:
@@ -647,7 +640,7 @@ class Caretaker:
         return len(mine) * size, lost, store * size
 
     def _set_slack(self, kept: _Kept, task: int, writers: int, stores: int,
-                   made: int, lending: bool) -> None:
+                   made: int) -> None:
         """Eviction runs ahead by what the writers reserve at once (MAX_SLACK_FRACTION);
         a contributor's headroom follows what its stores reserved at once (``stores``,
         each store counted once) and created (``made``) lately (GRANT_WINDOW_S)."""
@@ -661,11 +654,8 @@ class Caretaker:
             kept.ask_peak, kept.ask_made, kept.ask_at = 0, 0, now
         kept.ask_peak = max(kept.ask_peak, stores)
         kept.ask_made += made
-        if now - kept.window_at > SLACK_WINDOW_S or lending != kept.lending:
-            # (a new rule starts a new window: a walker that begins lending keeps no
-            # slack from what its late looks read before)
+        if now - kept.window_at > SLACK_WINDOW_S:
             kept.window_at, kept.task_peak, kept.writers_peak = now, 0, 0
-            kept.lending = lending
         kept.task_peak = max(kept.task_peak, task)
         kept.writers_peak = max(kept.writers_peak, writers)
         cap = m.capacity_bytes
