@@ -21,7 +21,7 @@ from native_support import (  # noqa: F401  (fixtures)
     no_fault_fixture,
 )
 
-from mptier import make_key, native
+from mptier import jobs, make_key, native
 from mptier.jobs import (
     TASK_HEADER_BYTES,
     TASK_RECORD_BYTES,
@@ -35,6 +35,18 @@ from mptier.layout import FileMapper
 from mptier.workers.bounce import Bounce
 
 MAPPER = FileMapper("/unused", "model")
+
+
+def test_the_pure_twin_repeats_the_wire_formats_constants():
+    """_pure_task repeats mptier.jobs' constants (jobs imports the native package): a
+    wire change must reach both, or the pure backend refuses every record."""
+    from mptier.native import _pure_task
+
+    assert (
+        jobs.WIRE_VERSION, jobs.TASK_RECORD_BYTES, jobs.TASK_HEADER_BYTES,
+        int(TaskKind.LOOKUP)) == (_pure_task.WIRE_VERSION, _pure_task.TASK_RECORD_BYTES,
+            _pure_task.TASK_HEADER_BYTES, _pure_task.KIND_LOOKUP)
+    assert tuple(sorted(int(k) for k in TaskKind)) == _pure_task._KINDS
 
 
 def relative(key: bytes) -> bytes:

@@ -28,12 +28,14 @@ def rounds(variants: Sequence[tuple], n: int) -> Iterator[tuple[int, tuple]]:
             yield rnd, variant
 
 
-def run_child(script: str, tree: str, argv: Sequence[object], label: str) -> dict | None:
-    """Run ``script`` with ``tree`` first on the path; its last line of output is a JSON
-    record whose ``code`` names the mptier it imported (checked to be ``tree``'s).
-    None (and its error printed) when it failed."""
+def run_child(script: str, tree: str, argv: Sequence[object], label: str,
+              after: Sequence[str] = ()) -> dict | None:
+    """Run ``script`` with ``tree`` first on the path (then the folders ``after``); its
+    last line of output is a JSON record whose ``code`` names the mptier it imported
+    (checked to be ``tree``'s). None (and its error printed) when it failed."""
+    path = ":".join([tree, *after])
     out = subprocess.run([sys.executable, "-c", script, *map(str, argv)],
-                         env=dict(os.environ, PYTHONPATH=tree), cwd="/",
+                         env=dict(os.environ, PYTHONPATH=path), cwd="/",
                          capture_output=True, text=True, check=False)
     if out.returncode:
         print(label, "failed:", out.stderr[-2000:])
@@ -62,6 +64,26 @@ def workers():
         if int(f[1]) == os.getpid():  # ppid
             out[int(pid)] = (int(f[7]), (int(f[11]) + int(f[12])) / TICK)
     return out
+'''
+
+
+# For a child script (pasted after its imports, with JOB and INFLIGHT set): one phase of
+# jobs of JOB blocks, INFLIGHT at once, polled every ``poll_s`` as an engine's step
+# polls; returns its seconds and the last job id.
+CHILD_PHASE = r'''
+def phase(tier, kind, keys, slots, jid, poll_s=0.0005):
+    submit = tier.submit_store if kind == "store" else tier.submit_load
+    jobs = [(keys[i:i + JOB], slots[i:i + JOB]) for i in range(0, len(keys), JOB)]
+    t0 = time.perf_counter(); pending = nxt = 0
+    while nxt < len(jobs) or pending:
+        while pending < INFLIGHT and nxt < len(jobs):
+            jid += 1; submit(TransferJob(jid, *jobs[nxt])); nxt += 1; pending += 1
+        done = tier.get_finished_jobs()
+        assert all(r.success for r in done), done
+        pending -= len(done)
+        if not done:
+            time.sleep(poll_s)
+    return time.perf_counter() - t0, jid
 '''
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from ab_trees import CHILD_WORKERS, flag_rounds, load_line, parser
+from ab_trees import CHILD_PHASE, CHILD_WORKERS, flag_rounds, load_line, parser
 
 CHILD = CHILD_WORKERS + r'''
 import json, os, shutil, sys, time
@@ -37,20 +37,7 @@ def disk():
             return int(f[3]), int(f[5]), int(f[6]), int(f[7]), int(f[9]), int(f[10])
     return 0, 0, 0, 0, 0, 0
 
-def phase(tier, kind, keys, slots, jid):
-    submit = tier.submit_store if kind == "store" else tier.submit_load
-    jobs = [(keys[i:i + JOB], slots[i:i + JOB]) for i in range(0, len(keys), JOB)]
-    t0 = time.perf_counter(); pending = nxt = 0
-    while nxt < len(jobs) or pending:
-        while pending < INFLIGHT and nxt < len(jobs):
-            jid += 1; submit(TransferJob(jid, *jobs[nxt])); nxt += 1; pending += 1
-        done = tier.get_finished_jobs()
-        assert all(r.success for r in done), done
-        pending -= len(done)
-        if not done:
-            time.sleep(0.0002)
-    return time.perf_counter() - t0, jid
-
+''' + CHILD_PHASE + r'''
 with SharedKVBuffer.create(2 * n, block) as buf:
     rng = np.random.default_rng(0)
     buf.view[:n] = rng.integers(0, 256, (1, block), dtype=np.uint8)
@@ -59,7 +46,7 @@ with SharedKVBuffer.create(2 * n, block) as buf:
     keys = [make_key(os.urandom(32), 0) for _ in range(n)]
     tier = FileSystemTier(buf, root_dir=root, bounce_loads=bounce)
     d0 = disk()
-    ts, jid = phase(tier, "store", keys, list(range(n)), 0)
+    ts, jid = phase(tier, "store", keys, list(range(n)), 0, poll_s=0.0002)
     d1 = disk()
     writes = d1[3] - d0[3]
     wdisk = (writes, (d1[4] - d0[4]) / 2 / max(writes, 1), (d1[5] - d0[5]) / max(writes, 1),
@@ -68,7 +55,7 @@ with SharedKVBuffer.create(2 * n, block) as buf:
     for r in range(rounds):
         buf.view[n:] = 0 if fill_dest else buf.view[n:]
         w0 = workers(); d0 = disk()
-        tl, jid = phase(tier, "load", keys, list(range(n, 2 * n)), jid)
+        tl, jid = phase(tier, "load", keys, list(range(n, 2 * n)), jid, poll_s=0.0002)
         w1 = workers(); d1 = disk()
         reads, ms = d1[0] - d0[0], d1[2] - d0[2]
         kib = (d1[1] - d0[1]) / 2 / max(reads, 1)

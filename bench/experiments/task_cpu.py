@@ -34,7 +34,7 @@ import statistics
 import sys
 import tempfile
 
-from ab_trees import HERE, load_line, parser, rounds
+from ab_trees import CHILD_PHASE, CHILD_WORKERS, HERE, load_line, parser, rounds, run_child
 
 # The workers' instrumentation (a sitecustomize: imported by every interpreter started
 # with its folder on the path; it acts only where MPTIER_TASK_CPU_DIR is set).
@@ -165,7 +165,7 @@ if OUT:
 '''
 
 # The engine: one tier, the blocks stored (loads: first), then measured passes.
-CHILD = r'''
+CHILD = CHILD_WORKERS + r'''
 import json, os, shutil, sys, time
 from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
 import mptier
@@ -174,36 +174,10 @@ block, n, op, root, passes, out = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[
 loads, stores = map(int, sys.argv[7].split("+"))
 TIER = dict(checksum_blocks=True, n_load_workers=loads, n_store_workers=stores)
 JOB, INFLIGHT = 16, 16
-TICK = os.sysconf("SC_CLK_TCK")
 
 def worker_cpu():
-    total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            s = open(f"/proc/{pid}/stat").read()
-        except OSError:
-            continue
-        f = s[s.rindex(")") + 2:].split()
-        if int(f[1]) == os.getpid():
-            total += (int(f[11]) + int(f[12])) / TICK
-    return total
-
-def phase(tier, kind, keys, slots, jid):
-    submit = tier.submit_store if kind == "store" else tier.submit_load
-    jobs = [(keys[i:i + JOB], slots[i:i + JOB]) for i in range(0, len(keys), JOB)]
-    t0 = time.perf_counter(); pending = nxt = 0
-    while nxt < len(jobs) or pending:
-        while pending < INFLIGHT and nxt < len(jobs):
-            jid += 1; submit(TransferJob(jid, *jobs[nxt])); nxt += 1; pending += 1
-        done = tier.get_finished_jobs()
-        assert all(r.success for r in done), done
-        pending -= len(done)
-        if not done:
-            time.sleep(0.0005)
-    return time.perf_counter() - t0, jid
-
+    return sum(cpu for _, cpu in workers().values())
+''' + CHILD_PHASE + r'''
 with SharedKVBuffer.create(2 * n, block) as buf:
     buf.view[:n] = 7
     buf.view[n:] = 1
@@ -275,8 +249,9 @@ def main() -> int:
             out = tempfile.mkdtemp(prefix="task-cpu-out-")
             root = os.path.join(args.root, f"mptier-task-cpu-{os.getpid()}")
             try:
-                record = _run(tree, site, [args.block, args.blocks, args.op, root,
-                                           args.passes, out, args.workers], label)
+                record = run_child(CHILD, tree, [args.block, args.blocks, args.op, root,
+                                                 args.passes, out, args.workers],
+                                   label, after=[site])
                 if record is None:
                     continue
                 if args.profile:
@@ -333,21 +308,6 @@ def _keep(files: list[str], site: str, label: str) -> list[str]:
         kept.append(f"{site}/{label}-{len(os.listdir(site))}.prof")
         shutil.move(name, kept[-1])
     return kept
-
-
-def _run(tree: str, site: str, argv: list, label: str) -> dict | None:
-    """run_child with the instrumentation's folder on the path after ``tree``."""
-    import subprocess
-
-    out = subprocess.run([sys.executable, "-c", CHILD, *map(str, argv)],
-                         env=dict(os.environ, PYTHONPATH=f"{tree}:{site}"), cwd="/",
-                         capture_output=True, text=True, check=False)
-    if out.returncode:
-        print(label, "failed:", out.stderr[-2000:])
-        return None
-    record = json.loads(out.stdout.strip().splitlines()[-1])
-    assert record["code"].startswith(tree), (record["code"], tree)
-    return record
 
 
 if __name__ == "__main__":

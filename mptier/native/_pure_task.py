@@ -6,7 +6,7 @@ root is still the folder it opened.
 
 The record's layout is :mod:`mptier.jobs`' (its docstring); the path of a key is
 :meth:`mptier.layout.FileMapper.relative_path_for`'s. Both are repeated here rather than
-imported (``mptier.jobs`` imports this package), and tests/test_native_task.py holds the
+imported (``mptier.jobs`` imports this package), and tests/test_native_tasks.py holds the
 three -- C, this twin and the code they stand in for -- to the same answers.
 """
 
@@ -78,7 +78,6 @@ def load_task(load, load_via, root_fd: int, record, buffer, block_bytes: int, fl
     if bounce is not None:
         return load_via(root_fd, paths, buffer, offsets, block_bytes, flags, bounce)
     return load(root_fd, paths, buffer, offsets, block_bytes, flags)
-
 
 
 def record_taker(fds: tuple[int, ...], record) -> Callable[[], tuple[int, bool]]:
