@@ -753,7 +753,10 @@ class Caretaker:
         m = kept.maintainer
         control = self.ctx.slot_writer.control
         share = kept.share
-        flags = (ROOT_COMPLETE if complete else 0) | (ROOT_EVICTING if m.evicting else 0) \
+        # Evicting while the last step wants room or blocks handed to the unlink threads
+        # are not yet counted back (their files may be gone, evicted_blocks not yet up).
+        evicting = m.evicting or m.handed_bytes > 0
+        flags = (ROOT_COMPLETE if complete else 0) | (ROOT_EVICTING if evicting else 0) \
             | (ROOT_WALKER if share is None or share.walker else 0)
         position = m.top_position(self.folder)
         # First say which removals the usage below holds: a reader between the two sees

@@ -145,7 +145,7 @@ class RootState(enum.IntEnum):
 
 
 ROOT_COMPLETE = 1  # flags: the usage is a whole walk's total (else a lower bound)
-ROOT_EVICTING = 2  # flags: past the high watermark, evicting to the low one
+ROOT_EVICTING = 2  # flags: past the high watermark, or removals handed out and not yet counted
 ROOT_WALKER = 4  # flags: this tier's caretaker walks the root (it holds the seat, or
 #                  locks do not work there and it walks alone)
 # extras: inodes total, inodes free (statvfs f_files, f_favail), empty folders removed
