@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 from storage_tree import key_for, make_cache, write_block
 
+from mptier import native
 from mptier.jobs import MessageType, decode_messages, unpack_keys
 from mptier.pipes import RecordWriter
 from mptier.storage import RootMaintainer
@@ -84,6 +85,7 @@ class Host:
         self.block_bytes = BLOCK
         self.mapper = make_cache(root, block_bytes=BLOCK)
         self.roots = [RootHandle(0, root, self.mapper, self.io.flags(0))]
+        self.backend = native.get_backend()
         self.health: list[tuple[int, bool, int, str]] = []
         self._read, write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.reports = RecordWriter(write)

@@ -176,6 +176,7 @@ def uring_status() -> str:
 
 
 same_folder = lib.mpt_same_folder
+evict_block = lib.mpt_evict_block
 
 
 def probe_in_memory(directory: bytes) -> int:

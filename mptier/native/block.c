@@ -1,5 +1,6 @@
 /*
- * block.c - one block the system-call way: load it, store it, and its checksum record.
+ * block.c - one block the system-call way: load it, store it, evict it, and its checksum
+ * record.
  *
  * mpt_load_one and mpt_store_one do for one block what the table of cases at the top of
  * mptier_io.c says, one system call after another. The batch loop (mptier_io.c) runs
@@ -18,6 +19,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <string.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <sys/mman.h>
@@ -378,6 +380,50 @@ int mpt_store_one(struct mpt_batch *b, const char *rel, char *src, size_t len, i
             break; /* ENOENT: the folder was removed under us; make it again */
     }
     return rc;
+}
+
+/* -- evict ----------------------------------------------------------------------------- */
+
+/* rmdir the folder that holds path (its last component cut off), then that folder's
+ * parent: the <h2>_g<group> and <h3> folders of the layout where the removal emptied
+ * them. Any failure (not empty, gone, refused) keeps that folder and stops. */
+static void mpt_remove_empty_parents(const char *path)
+{
+    char folder[PATH_MAX];
+    size_t len = strlen(path);
+    char *cut;
+
+    if (len >= sizeof folder)
+        return;
+    memcpy(folder, path, len + 1);
+    for (int level = 0; level < 2; level++) {
+        cut = strrchr(folder, '/');
+        if (cut == NULL || cut == folder)
+            return;
+        *cut = '\0';
+        if (rmdir(folder) != 0)
+            return;
+    }
+}
+
+int mpt_evict_block(const char *path, uint64_t size, uint64_t ino, int64_t atime_ns,
+                    int told)
+{
+    struct stat st;
+    int64_t seen_ns;
+
+    if (lstat(path, &st) != 0)
+        /* a told block is only a guess at a file: any failure to look keeps it */
+        return told || errno == ENOENT ? 0 : -errno;
+    seen_ns = (int64_t)st.st_atim.tv_sec * 1000000000 + st.st_atim.tv_nsec;
+    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size != size)
+        return 0;
+    if (told ? seen_ns > atime_ns : (uint64_t)st.st_ino != ino || seen_ns != atime_ns)
+        return 0; /* used since it was chosen, or another file now */
+    if (unlink(path) != 0)
+        return errno == ENOENT ? 0 : -errno;
+    mpt_remove_empty_parents(path);
+    return 1;
 }
 
 /* -- the caller's slots ---------------------------------------------------------------- */

@@ -78,6 +78,8 @@ ffibuilder.cdef(
     const char *mpt_uring_status(void);
     int mpt_fs_in_memory(const char *dir);
     int mpt_same_folder(const char *path, uint64_t dev, uint64_t ino);
+    int mpt_evict_block(const char *path, uint64_t size, uint64_t ino, int64_t atime_ns,
+                        int told);
     int mpt_encode_job(unsigned char *out, size_t out_len, int kind, uint64_t first_task,
                        const unsigned char *keys, size_t key_len, size_t n,
                        const int64_t *ids, size_t per_task);

@@ -7,7 +7,7 @@
  *   4  mptier_io.c   batch store / load / lookup: the Python interface's I/O calls
  *   3  uring.c       the batch calls' io_uring path (MPT_URING): many blocks in flight
  *   3  probes.c      what a directory's file system supports
- *   2  block.c       one block the system-call way (load, store), the checksum record
+ *   2  block.c       one block the system-call way (load, store, evict), its checksum record
  *   1  direct.c      checksummed O_DIRECT I/O overlapped with the device (Linux AIO)
  *   0  fdio.c        whole writes on a descriptor
  *   0  resolve.c     reaching a path beneath the root without following a symlink
@@ -142,6 +142,15 @@ const char *mpt_uring_status(void);
 int mpt_fs_in_memory(const char *dir);
 /* 1: path is a directory with that device and inode now; 0: not; -errno: see probes.c. */
 int mpt_same_folder(const char *path, uint64_t dev, uint64_t ino);
+/* Evict the block file at path (absolute): 1 when it was removed, with the <h2>_g<group>
+ * and <h3> folders above it where that emptied them; 0 when it was kept: gone, not a
+ * regular file of size bytes, or changed since it was chosen -- told (a block a worker
+ * told, never looked at): its atime is past atime_ns (used since); else: its inode is
+ * not ino or its atime not atime_ns. -errno when lstat (not told) or unlink fails
+ * otherwise. One call for what eviction does per block, so an unlink thread takes its
+ * process's GIL once a block (mptier.workers.evictor). */
+int mpt_evict_block(const char *path, uint64_t size, uint64_t ino, int64_t atime_ns,
+                    int told);
 /* The task records of one job (mptier.jobs.encode_job's bytes): see encode.c. */
 int mpt_encode_job(unsigned char *out, size_t out_len, int kind, uint64_t first_task,
                    const unsigned char *keys, size_t key_len, size_t n, const int64_t *ids,

@@ -1,15 +1,18 @@
 """A backend's calls for the worker's serving loop, on task records (:mod:`mptier.jobs`'
 wire format) and roots: take a record from the queues, its keys as the layout's paths,
-the load of a whole task, whether a root is still the folder the worker opened. Each is
-one native call where the core is built (queue.c, encode.c, mptier_io.c, probes.c),
-with no Python object per key: in Python the take, the decoding and the paths were ~70
-us of a 16-block load task's CPU in the worker (bench/experiments/task_cpu.py).
-``_pure_task`` is the twin.
+the load of a whole task, whether a root is still the folder the worker opened, and
+the eviction of one block by the caretaker's unlink threads. Each is one native call
+where the core is built (queue.c, encode.c, mptier_io.c, probes.c, block.c), with no
+Python object per key: in Python the take, the decoding and the paths were ~70 us of a
+16-block load task's CPU in the worker (bench/experiments/task_cpu.py), and an
+eviction took its process's GIL after each of its four or five system calls
+(bench/experiments/evict_gil.py). ``_pure_task`` and ``_pure`` hold the twins.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Callable
 
 from mptier.errors import strerror
@@ -35,6 +38,20 @@ class TaskCalls:
         now, 0 when it leads elsewhere or to a non-folder, -errno when its stat fails:
         one system call, the worker's check before each run on a root."""
         return self._impl.same_folder(path, identity[0], identity[1])
+
+    def evict_block(self, path: str, size: int, ino: int, atime_ns: int,
+                    told: bool) -> bool:
+        """Remove the block file at ``path`` (absolute) if it is still the block eviction
+        chose, then its ``<h2>_g<group>`` and ``<h3>`` folders where that emptied them:
+        True when removed, False when kept (gone, not a regular file of ``size`` bytes,
+        or changed: ``told``, a block told and never looked at, whose atime moved past
+        ``atime_ns``; else another inode than ``ino`` or another atime). Raises
+        ``OSError`` when its ``lstat`` (not told) or ``unlink`` fails otherwise. One
+        native call a block: an unlink thread takes its process's GIL once."""
+        rc = self._impl.evict_block(os.fsencode(path), size, ino, atime_ns, int(told))
+        if rc < 0:
+            raise OSError(-rc, strerror(-rc), path)
+        return rc == 1
 
     def task_items(self, record, block_bytes: int) -> tuple[list[bytes], list[int]]:
         """``(paths, offsets)`` of a task record (``mptier.jobs``' wire format): the

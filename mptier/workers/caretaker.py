@@ -65,7 +65,7 @@ from mptier.workers.control import (
     ROOT_WALKER,
     RootState,
 )
-from mptier.workers.evictor import EVICTOR_STOP_S, EVICTOR_THREADS, Evictor
+from mptier.workers.evictor import EVICTOR_STOP_S, EVICTOR_THREADS, Evictor, backend_evict
 from mptier.workers.health import is_fault
 
 
@@ -77,6 +77,7 @@ class CaretakerHost(Protocol):
     io: Any  # the session's IoSettings
     block_bytes: int
     roots: list[Any]  # its RootHandles
+    backend: Any  # its mptier.native.Backend (the unlink threads' evict_block)
     report_root: Callable[[int, bool, int, str], None]
 
     def report(self, message: bytes | None = None) -> None: ...
@@ -247,7 +248,8 @@ class Caretaker:
                          evicted_base=(rec.evicted_blocks, rec.evicted_bytes),
                          temps_base=rec.temps_removed,
                          evictor=Evictor(path, EVICTOR_THREADS,
-                                          functools.partial(control.set_freed, index))
+                                          functools.partial(control.set_freed, index),
+                                          backend_evict(ctx.backend))
                          if io.capacity_bytes else None,
                          folders_base=control.root_extra(index)[2],
                          walked=control.walked_entries(index),

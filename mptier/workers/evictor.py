@@ -13,7 +13,7 @@ import threading
 import time
 
 from mptier.storage import Entry
-from mptier.storage.maintain import evict_told
+from mptier.storage.maintain import UNSEEN_INO, evict_told
 
 log = logging.getLogger("mptier.workers")
 
@@ -23,6 +23,15 @@ EVICTOR_THREADS = 4
 EVICTOR_STOP_S = 2.0
 
 
+def backend_evict(backend) -> collections.abc.Callable[[Entry], bool]:
+    """:func:`~mptier.storage.maintain.evict_told` as one call of ``backend`` a block
+    (:meth:`mptier.native.Backend.evict_block`): the same checks and removals."""
+    def evict(entry: Entry) -> bool:
+        return backend.evict_block(entry.path, entry.size, entry.ino, entry.atime_ns,
+                                   entry.ino == UNSEEN_INO)
+    return evict
+
+
 class Evictor:
     """Threads that remove the blocks a root's maintainer hands out (``evict``: an
     lstat and an unlink each), so eviction goes on while the worker runs its tasks.
@@ -30,12 +39,20 @@ class Evictor:
     stores wrote beside it; removing between tasks only, the caretaker fell behind and
     stores waited for room (52 waits, 6 s, per 3 GiB stored past a 1 GiB budget). With
     four writers storing, one thread unlinked ~250 blocks/s, two ~430/s, four ~800/s
-    (about what the writers stored): EVICTOR_THREADS of them. The unlink releases the
-    GIL, as the worker's native I/O does."""
+    (about what the writers stored): EVICTOR_THREADS of them.
+
+    ``evict`` removes one block: :func:`backend_evict` (one native call a block) in a
+    worker, :func:`~mptier.storage.maintain.evict_told` by default. A thread needs its
+    process's GIL after each system call it makes from Python, and the worker's serving
+    thread and caretaker hold it between their native calls: through Python's calls an
+    eviction (two ``lstat``, the ``unlink``, one or two ``rmdir``) waited for the GIL up
+    to four times (``bench/experiments/evict_gil.py``)."""
 
     def __init__(self, path: str, n_threads: int,
-                 freed: collections.abc.Callable[[int], None] | None = None) -> None:
+                 freed: collections.abc.Callable[[int], None] | None = None,
+                 evict: collections.abc.Callable[[Entry], bool] = evict_told) -> None:
         self.failures = 0
+        self._evict = evict
         # Bytes removed ever, told to ``freed`` (under the lock) as each unlink returns:
         # waiting stores see the room at once, not at the caretaker's next step.
         self.freed_total = 0
@@ -57,7 +74,7 @@ class Evictor:
             if entry is None:
                 return
             try:
-                removed = evict_told(entry)
+                removed = self._evict(entry)
             except OSError as exc:  # a failing root: keep the block, say why once
                 if not self.failures:
                     log.warning("mptier: could not evict %s: %s", entry.path, exc)
