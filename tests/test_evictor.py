@@ -169,3 +169,25 @@ def test_the_threads_remove_what_they_are_handed_and_count_the_bytes(tmp_path, b
     assert not any(os.path.exists(p) for p in paths)
     assert evictor.freed_total == 24 * BB and max(told) == 24 * BB
     assert evictor.failures == 0
+
+
+def test_the_threads_leave_their_workers_batch_policy_for_prompt_wakeups(tmp_path):
+    """A worker runs under SCHED_BATCH (its threads inherit it); its unlink threads go
+    back to SCHED_OTHER, so one woken by its returning unlink may preempt a busy
+    worker instead of waiting out its slice (evict_gil.py --policy), at the nice they
+    inherited."""
+    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    try:
+        evictor = Evictor(str(tmp_path), 2)
+        try:
+            deadline = time.monotonic() + 5
+            ids = [t.native_id for t in evictor._threads]
+            while time.monotonic() < deadline and any(
+                    os.sched_getscheduler(tid) != os.SCHED_OTHER for tid in ids):
+                time.sleep(0.01)
+            assert [os.sched_getscheduler(tid) for tid in ids] == [os.SCHED_OTHER] * 2
+            assert os.sched_getscheduler(0) == os.SCHED_BATCH  # the worker's thread kept it
+        finally:
+            evictor.stop(2.0)
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))

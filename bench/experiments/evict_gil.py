@@ -7,12 +7,14 @@ releases the GIL, ~1 ms, then ~0.3 ms of Python holding it). Rounds interleaved,
 fresh tree of ``--blocks`` 4 KiB blocks (a leaf folder each) per way and round.
 
     .venv/bin/python bench/experiments/evict_gil.py --root /var/tmp --rounds 3
+    .venv/bin/python bench/experiments/evict_gil.py --root /var/tmp --rounds 4 --policy
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import multiprocessing
 import os
 import queue
 import shutil
@@ -49,7 +51,8 @@ def make_tree(top: str, n: int) -> list:
     return entries
 
 
-def one_run(root: str, way: str, busy: bool, n: int) -> tuple[float, float, float]:
+def one_run(root: str, way: str, busy: bool, n: int,
+            thread_policy: int | None = None) -> tuple[float, float, float]:
     top = os.path.join(root, f"mptier-evict-gil-{os.getpid()}")
     shutil.rmtree(top, ignore_errors=True)
     made = make_tree(top, n)
@@ -61,6 +64,8 @@ def one_run(root: str, way: str, busy: bool, n: int) -> tuple[float, float, floa
     stop = threading.Event()
 
     def unlinker() -> None:
+        if thread_policy is not None:  # this thread only (Linux: a policy per thread)
+            os.sched_setscheduler(0, thread_policy, os.sched_param(0))
         while True:
             try:
                 entry = todo.get_nowait()
@@ -97,15 +102,45 @@ def one_run(root: str, way: str, busy: bool, n: int) -> tuple[float, float, floa
     return n / wall, statistics.median(times) * 1e3, times[int(len(times) * 0.9)] * 1e3
 
 
+def hog() -> None:
+    """A store worker's share of the CPUs: busy, at the workers' nice and policy."""
+    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    while True:
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default="/var/tmp")
     ap.add_argument("--blocks", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--policy", action="store_true",
+                    help="instead: this process at nice 10 under SCHED_BATCH (a worker) beside "
+                    "two busy ones, the native call, its unlink threads under SCHED_BATCH (as "
+                    "they inherit it) against SCHED_OTHER (wake-up preemption)")
     a = ap.parse_args()
     results: dict = {}
-    for r in range(a.rounds):
+    if a.policy:
+        os.nice(10)
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        hogs = [multiprocessing.Process(target=hog, daemon=True) for _ in range(2)]
+        for p in hogs:
+            p.start()
+        try:
+            for r in range(a.rounds):
+                ways = [("batch", os.SCHED_BATCH), ("other", os.SCHED_OTHER)]
+                for name, policy in ways if r % 2 == 0 else ways[::-1]:
+                    rate, p50, p90 = one_run(a.root, "native", True, a.blocks, policy)
+                    results.setdefault((name, True), []).append((rate, p50, p90))
+                    print(f"round {r} unlink threads {name}: {rate:6.0f} evictions/s, "
+                          f"median {p50:.3f} ms, p90 {p90:.3f} ms", flush=True)
+        finally:
+            for p in hogs:
+                p.kill()
+        ways = []
+    else:
         ways = [("python", False), ("native", False), ("python", True), ("native", True)]
+    for r in range(a.rounds if ways else 0):
         for way, busy in ways if r % 2 == 0 else ways[::-1]:
             rate, p50, p90 = one_run(a.root, way, busy, a.blocks)
             results.setdefault((way, busy), []).append((rate, p50, p90))
