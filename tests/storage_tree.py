@@ -86,3 +86,34 @@ def start_lease_holder(root: str, final: str, n_temps: int = 2) -> tuple[subproc
     tag = proc.stdout.readline().strip()
     assert len(tag) == 16, f"lease holder failed to start (exit {proc.poll()})"
     return proc, tag
+
+
+def change_block(path: str, change: str, spare: str, t0: int) -> None:
+    """Change the block file at ``path`` (atime ``t0``) as ``change`` says, for the
+    tests of what eviction keeps; ``spare``: a folder to hold a link to the old inode."""
+    st = os.lstat(path)
+    if change == "used since":
+        os.utime(path, ns=(t0 + 1, st.st_mtime_ns))
+    elif change == "atime older (clock skew)":
+        os.utime(path, ns=(t0 - 10**9, st.st_mtime_ns))
+    elif change == "replaced by a new file":
+        os.link(path, f"{spare}/old-inode")  # keeps the old inode number from reuse
+        with open(path, "rb") as src, open(f"{path}.new", "wb") as dst:
+            dst.write(src.read())
+        os.utime(f"{path}.new", ns=(t0, st.st_mtime_ns))  # only the inode differs
+        os.rename(f"{path}.new", path)
+    elif change == "another size":
+        with open(path, "ab") as f:
+            f.write(b"x")
+        os.utime(path, ns=(t0, st.st_mtime_ns))
+    elif change == "a folder now":
+        os.unlink(path)
+        os.mkdir(path)
+        os.utime(path, ns=(t0, st.st_mtime_ns))
+    elif change == "a symlink now":
+        os.unlink(path)
+        os.symlink("/etc/hostname", path)
+    elif change == "gone":
+        os.unlink(path)
+    else:
+        assert change == "unchanged"

@@ -12,7 +12,7 @@ import time
 
 import pytest
 from native_support import backend_fixture  # noqa: F401  (fixture)
-from storage_tree import key_for, make_cache, write_block
+from storage_tree import change_block, key_for, make_cache, write_block
 
 from mptier.native import _native, _pure
 from mptier.storage import Kind, Walker
@@ -37,35 +37,6 @@ def _told(entry, told_ns: int = T0):
     return entry._replace(ino=UNSEEN_INO, atime_ns=told_ns)
 
 
-def _change(path: str, change: str, tmp_path) -> None:
-    st = os.lstat(path)
-    if change == "used since":
-        os.utime(path, ns=(T0 + 1, st.st_mtime_ns))
-    elif change == "atime older (clock skew)":
-        os.utime(path, ns=(T0 - 10**9, st.st_mtime_ns))
-    elif change == "replaced by a new file":
-        os.link(path, f"{tmp_path}/old-inode")  # keeps the old inode number from reuse
-        with open(path, "rb") as src, open(f"{path}.new", "wb") as dst:
-            dst.write(src.read())
-        os.utime(f"{path}.new", ns=(T0, st.st_mtime_ns))  # only the inode differs
-        os.rename(f"{path}.new", path)
-    elif change == "another size":
-        with open(path, "ab") as f:
-            f.write(b"x")
-        os.utime(path, ns=(T0, st.st_mtime_ns))
-    elif change == "a folder now":
-        os.unlink(path)
-        os.mkdir(path)
-        os.utime(path, ns=(T0, st.st_mtime_ns))
-    elif change == "a symlink now":
-        os.unlink(path)
-        os.symlink("/etc/hostname", path)
-    elif change == "gone":
-        os.unlink(path)
-    else:
-        assert change == "unchanged"
-
-
 CHANGES = ["unchanged", "used since", "atime older (clock skew)", "replaced by a new file",
            "another size", "a folder now", "a symlink now", "gone"]
 
@@ -79,7 +50,7 @@ def test_the_one_call_decides_as_evict_told_does(tmp_path, backend, change, told
     for way in ("python", "backend"):
         root = tmp_path / way
         _, (path,), (entry,) = _tree(root)
-        _change(path, change, root)
+        change_block(path, change, root, T0)
         if told:
             entry = _told(entry)
         evict = evict_told if way == "python" else backend_evict(backend)
