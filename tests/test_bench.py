@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from mptier import fskind
 from mptier.bench import cli, harness
 from mptier.bench.designs import parse_designs, parse_spec
 from mptier.bench.engine import MptierDesign, config_overrides
@@ -204,10 +205,86 @@ def test_cold_pass_and_memory_warm_up_are_recorded(tmp_path, fake_drop):
     assert {"store", "load"} <= set(memory)
     assert all(isinstance(m["pages_allocated"], int) for m in memory.values())
     assert sum(m["pages_allocated"] for m in memory.values()) > 0
-    # The cold pass's own files were removed again: what is left is the warm pass (32),
-    # the warm-up job (4) and the large job (8).
+    # On a disk root the cold pass's own files stay until the case ends (here: kept):
+    # the cold pass (32), the warm pass (32), the warm-up job (4) and the large job (8).
+    (root,) = tmp_path.glob("mptier-bench-*-b")
+    cold_kept = 0 if in_memory(tmp_path) else 32
+    assert len(list(root.rglob("*.bin"))) == cold_kept + 32 + 4 + 8
+    shutil.rmtree(root)
+    # With --remove-each (what a memory root always does) they go right after the pass.
+    rc, doc = run_bench(tmp_path, "--designs", "baseline", "--keep-files", "--remove-each")
+    assert rc == 0 and doc["cases"][0]["removal"] == "kept"
     (root,) = tmp_path.glob("mptier-bench-*-b")
     assert len(list(root.rglob("*.bin"))) == 32 + 4 + 8
+
+
+class RemovalLog:
+    """The order in which the bench made and removed its design folders."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.events: list[tuple[str, str]] = []
+        make, remove = harness.fresh_dir, harness.remove_path
+
+        def logged_make(parent: str, name: str) -> str:
+            path = make(parent, name)
+            self.events.append(("make", path))
+            return path
+
+        def logged_remove(path: str) -> None:
+            self.events.append(("remove", path))
+            remove(path)
+        monkeypatch.setattr(harness, "fresh_dir", logged_make)
+        monkeypatch.setattr(harness, "remove_path", logged_remove)
+
+    def order(self) -> str:
+        return "".join(kind[0] for kind, _ in self.events)  # e.g. "mmmmrrrr"
+
+    def paths(self, kind: str) -> list[str]:
+        return [path for k, path in self.events if k == kind]
+
+
+def in_memory(path) -> bool:
+    return fskind.fs_magic(str(path)) in fskind.MEMORY_MAGICS
+
+
+def test_a_disk_root_keeps_every_design_s_files_until_the_case_ends(tmp_path, fake_drop,
+                                                                   monkeypatch):
+    """ext4 without a journal creates inodes slowly for a minute after deletions: no
+    design stores right after another one's files were removed."""
+    if in_memory(tmp_path):
+        pytest.skip(f"{tmp_path} is in memory: the bench removes each design's files there")
+    log = RemovalLog(monkeypatch)
+    rc, doc = run_bench(tmp_path, "--designs", "baseline,pool-native,raw:tool=loop",
+                        "--rounds", "2")
+    assert rc == 0, doc["cases"][0]["problems"]
+    assert doc["cases"][0]["removal"] == "at the end of the case"
+    assert log.order() == "m" * 6 + "r" * 6
+    assert sorted(log.paths("remove")) == sorted(log.paths("make"))
+    assert not list(tmp_path.glob("mptier-bench-*")), "the case left files behind"
+
+
+@pytest.mark.parametrize("why", ["--remove-each", "short of room"])
+def test_designs_files_go_right_after_each_design_when_asked_or_short_of_room(
+        tmp_path, fake_drop, monkeypatch, why):
+    log = RemovalLog(monkeypatch)
+    extra = ["--remove-each"] if why == "--remove-each" else []
+    if why == "short of room":  # no root has room for a million designs' files
+        monkeypatch.setattr(harness, "ROOM_FACTOR", 10 ** 6)
+    rc, doc = run_bench(tmp_path, "--designs", "baseline,pool-native", "--rounds", "2",
+                        *extra)
+    assert rc == 0, doc["cases"][0]["problems"]
+    assert log.order() == "mr" * 4
+    assert not list(tmp_path.glob("mptier-bench-*"))
+
+
+def test_memory_roots_remove_each_design_s_files_at_once(tmp_path):
+    def rule(root, **kw) -> str:
+        return harness.removal_rule(harness.Workload(str(root), 64 << 10, 4, 4, 1 << 20,
+                                                     **kw))
+    assert rule("/dev/shm/not-made-yet/bench") == harness.REMOVE_EACH
+    assert rule(tmp_path / "not-made-yet", defer_removal=False) == harness.REMOVE_EACH
+    if not in_memory(tmp_path):
+        assert rule(tmp_path / "not-made-yet") == harness.REMOVE_AT_END
 
 
 def test_cold_pass_and_warm_up_can_be_switched_off(tmp_path, fake_drop):

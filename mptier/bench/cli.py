@@ -131,6 +131,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="do not drop the page cache between the store and load phases")
     add("--no-verify", action="store_true", help="skip the byte-for-byte check of loads")
     add("--keep-files", action="store_true", help="leave the block files in place")
+    add("--remove-each", action="store_true",
+        help="on a disk root, remove each design's files right after it (default: at the "
+             "end of the case, so no design stores within a minute of another's deletions, "
+             "which slow ext4's inode allocation: docs/performance.md, section 14)")
     add("--no-progress", action="store_true", help="no progress bar")
     add("--render", metavar="JSON",
         help="measure nothing: print and write the tables and chart of an earlier run's "
@@ -195,7 +199,7 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
             verify=not args.no_verify, region_cap_bytes=args.buffer_bytes // 2,
             keep_files=args.keep_files, inject_corruption=args.inject_corruption,
             engine_cpu=args.engine_cpu, warm_memory=not args.no_warm_memory,
-            cold_pass=not args.no_cold_pass))
+            cold_pass=not args.no_cold_pass, defer_removal=not args.remove_each))
     return out
 
 
@@ -279,6 +283,7 @@ def run_case(w: Workload, specs: list[DesignSpec], progress: _Progress,
              f"{w.n_blocks} keys", advance=False)
     case = Case(w, progress)
     case_doc["buffer"] = {"kind": case.buffer.kind, "region_blocks": case.buffer.region}
+    case_doc["removal"] = "kept" if w.keep_files else case.removal
     case_doc["verified"] = (
         "off" if not w.verify else
         f"all {w.n_blocks} blocks" if w.n_blocks <= case.buffer.region else

@@ -36,10 +36,14 @@ its own:
    store and one load of every slot of the region with keys of their own, under the
    light scheduler -- the first time the design's I/O touches the buffer's pages (a
    worker process that did not pre-fault its mapping pays a fault per page here);
-   verified, and its files removed again;
+   verified, and in memory its files removed again (the warm pass needs the memory);
 2. warm-up job, idle loop rate, store phase, page-cache drop, load phase (with
    lookups), byte-for-byte verification of the destination region (the *warm* pass);
 3. the 64-block job alone under the light scheduler (store, drop, load), repeated.
+
+A design's files go right after it in memory, and after the case's last round on a disk
+root (``Case.remove``: ext4 without a journal allocates inodes slowly for a minute after
+deletions, and the design after another one's cleanup measured that).
 
 Before every store (and right after each page-cache drop) the harness allocates and
 frees as much memory as the phase will write (:func:`~mptier.bench.measure.
@@ -60,6 +64,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from mptier import fskind
 from mptier.bench.base import MODEL_NAME, Design, DesignContext, fresh_dir
 from mptier.bench.buffer import CaseBuffer
 from mptier.bench.measure import (
@@ -100,6 +105,9 @@ class Workload:
     # slots and verification covers the last R loaded blocks.
     region_cap_bytes: int = 2 << 30
     keep_files: bool = False
+    # On a disk root, remove the designs' files at the end of the case (all rounds)
+    # rather than after each design; see Case.remove.
+    defer_removal: bool = True
     # Pin the harness's main thread (the "engine") to this CPU while designs run; worker
     # processes and threads started before keep their own CPUs.
     engine_cpu: int | None = None
@@ -120,6 +128,13 @@ class Workload:
         return max(capped, self.single_job_blocks, self.job_blocks)
 
     @property
+    def design_bytes(self) -> int:
+        """What one design writes to the root: cold pass, warm-up, phase, lone jobs."""
+        cold = min(self.n_blocks, self.region_blocks) if self.cold_pass else 0
+        lone = self.single_job_blocks * max(1, self.single_repeats)
+        return (cold + self.job_blocks + self.n_blocks + lone) * self.block_bytes
+
+    @property
     def warm_bytes(self) -> int:
         """Memory handed back before a phase: what it writes, plus a quarter (folders,
         page tables, the kernel's own allocations meanwhile)."""
@@ -127,6 +142,33 @@ class Workload:
 
 
 # -- a case ---------------------------------------------------------------------------
+
+# When a case removes a design's files (Case.remove): right after the design, or after
+# the case's last round.
+REMOVE_EACH = "after each design"
+REMOVE_AT_END = "at the end of the case"
+# Free room a disk root must keep, in units of one design's bytes, before another design
+# starts beside the files kept so far (folders, metadata and the file system's reserve).
+ROOM_FACTOR = 2
+
+
+def removal_rule(w: Workload) -> str:
+    """REMOVE_AT_END on a disk root (unless turned off), REMOVE_EACH in memory."""
+    existing = w.root  # the root may not exist yet: its nearest existing folder
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not w.defer_removal or fskind.fs_magic(existing) in fskind.MEMORY_MAGICS:
+        return REMOVE_EACH
+    return REMOVE_AT_END
+
+
+def remove_path(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
 
 @dataclass
 class CaseKeys:
@@ -156,9 +198,48 @@ class Case:
         self.busy = SchedulerLoad(workload.busy_work_us * 1000,
                                   workload.busy_wait_us * 1000)
         self._next_job_id = 1
+        self.removal = removal_rule(workload)
+        self._deferred: list[str] = []
 
     def close(self) -> None:
-        self.buffer.close()
+        try:
+            self.remove_deferred()
+        finally:
+            self.buffer.close()
+
+    # files --------------------------------------------------------------------------
+    def remove(self, path: str) -> None:
+        """Remove a design's folder (or one file) now, or at the end of the case.
+
+        On ext4 without a journal, creating an inode within a minute of deletions nearby
+        costs up to six times its CPU (the allocator skips recently deleted inodes:
+        docs/performance.md, section 11), so a design that stored right after another
+        one's files went measured the file system's allocator, not itself. On a disk root
+        the case therefore keeps every design's files until its last round, unless the
+        root is short of room for the next design's (then it removes them first, and
+        says so). In memory the files go at once: the next design needs the memory."""
+        if self.w.keep_files:
+            return
+        if self.removal == REMOVE_AT_END:
+            self._deferred.append(path)
+        else:
+            remove_path(path)
+
+    def remove_deferred(self) -> None:
+        while self._deferred:
+            remove_path(self._deferred.pop())
+
+    def _make_room(self) -> None:
+        """Remove the deferred files early if the next design's might not fit."""
+        if not self._deferred:
+            return
+        with contextlib.suppress(OSError):
+            st = os.statvfs(self.w.root)
+            if st.f_bavail * st.f_frsize >= ROOM_FACTOR * self.w.design_bytes:
+                return
+        self.progress(f"removing {len(self._deferred)} earlier design folder(s) early: "
+                      f"{self.w.root} is short of room for the next design's files")
+        self.remove_deferred()
 
     # jobs ---------------------------------------------------------------------------
     def _jobs(self, design: Design, keys: list[bytes], job_blocks: int,
@@ -189,6 +270,7 @@ class Case:
     # designs ------------------------------------------------------------------------
     def run_design(self, design: Design) -> dict[str, Any]:
         w = self.w
+        self._make_room()
         root = fresh_dir(w.root, f"mptier-bench-{os.getpid()}-{design.letter}")
         ctx = DesignContext(self.buffer.array, self.buffer.shared, root, w.block_bytes,
                             FileMapper(root, MODEL_NAME))
@@ -205,8 +287,7 @@ class Case:
                 design.close()
             except Exception as exc:
                 out.setdefault("error", f"close failed: {type(exc).__name__}: {exc}")
-            if not w.keep_files:
-                shutil.rmtree(root, ignore_errors=True)
+            self.remove(root)
         return out
 
     def _run_phases(self, design: Design, ctx: DesignContext, out: dict[str, Any]) -> None:
@@ -282,9 +363,10 @@ class Case:
             w.inflight_jobs)
         design.drain()
         out["cold_verify"] = self._verify(len(keys))
-        for key in keys:  # their memory goes back before the warm pass
-            with contextlib.suppress(OSError):
-                os.unlink(design.block_path(ctx, key))
+        if self.removal == REMOVE_EACH:  # their memory goes back before the warm pass
+            for key in keys:
+                with contextlib.suppress(OSError):
+                    os.unlink(design.block_path(ctx, key))
 
     def _run_jobs(self, design: Design, jobs: list[tuple[Any, int]], kind: str,
                   lookups: bool, inflight: int = 1,
@@ -301,6 +383,7 @@ class Case:
 
     def run_raw(self, raw: RawLimit) -> dict[str, Any]:
         w = self.w
+        self._make_room()
         root = fresh_dir(w.root, f"mptier-bench-{os.getpid()}-d")
         out: dict[str, Any] = {"root": root}
         drops: list[CacheDrop | None] = []
@@ -332,8 +415,7 @@ class Case:
         except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
         finally:
-            if not w.keep_files:
-                shutil.rmtree(root, ignore_errors=True)
+            self.remove(root)
         return out
 
     def _idle(self, out: dict[str, Any]) -> None:

@@ -309,6 +309,9 @@ def case_caption(case: dict[str, Any]) -> str:
                None: "page cache drop disabled"}[drop]
     refs = ", ".join(f"'{letter}' = ÷ {case.get(f'reference_{letter}')}"
                      for letter in REFERENCE_LETTERS if case.get(f"reference_{letter}"))
+    removal = case.get("removal")
+    if removal:
+        dropped += f"; files removed {removal}" if removal != "kept" else "; files kept"
     text = (f"{dropped}; loads verified byte for byte ({case['verified']}); ratios: "
             f"{refs or 'none'}; higher is better for GB/s and loop rate, lower for times")
     short = short_phase(case)
