@@ -26,7 +26,7 @@ from typing import Any
 
 from mptier.bench import report as rep
 from mptier.bench.designs import DEFAULT_DESIGNS, DesignSpec, parse_designs
-from mptier.bench.harness import Case, Workload
+from mptier.bench.harness import Case, KeptFiles, Workload
 from mptier.bench.measure import (
     crc32c_speed,
     filesystem_of,
@@ -133,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--keep-files", action="store_true", help="leave the block files in place")
     add("--remove-each", action="store_true",
         help="on a disk root, remove each design's files right after it (default: at the "
-             "end of the case, so no design stores within a minute of another's deletions, "
+             "end of the run, so no design stores within a minute of another's deletions, "
              "which slow ext4's inode allocation: docs/performance.md, section 14)")
     add("--no-progress", action="store_true", help="no progress bar")
     add("--render", metavar="JSON",
@@ -272,7 +272,7 @@ def _estimate_seconds(cases: list[Workload], specs: list[DesignSpec], rounds: in
 
 
 def run_case(w: Workload, specs: list[DesignSpec], progress: _Progress,
-             rounds: int = 1) -> dict[str, Any]:
+             rounds: int = 1, kept: KeptFiles | None = None) -> dict[str, Any]:
     fs_type, mount = filesystem_of(w.root)
     case_doc: dict[str, Any] = {
         "workload": {**dataclasses.asdict(w), "blocks_per_phase": w.n_blocks},
@@ -281,7 +281,7 @@ def run_case(w: Workload, specs: list[DesignSpec], progress: _Progress,
     per_spec: dict[DesignSpec, list[dict[str, Any]]] = {spec: [] for spec in specs}
     progress(f"preparing a {format_size(2 * w.region_blocks * w.block_bytes)} buffer and "
              f"{w.n_blocks} keys", advance=False)
-    case = Case(w, progress)
+    case = Case(w, progress, kept)
     case_doc["buffer"] = {"kind": case.buffer.kind, "region_blocks": case.buffer.region}
     case_doc["removal"] = "kept" if w.keep_files else case.removal
     case_doc["verified"] = (
@@ -380,10 +380,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         "cases": [],
     }
     stamp = _code_stamp()
+    kept = KeptFiles()  # disk roots' design folders, removed when the run ends
     try:
         for w in cases:
             try:
-                doc["cases"].append(run_case(w, specs, progress, rounds))
+                doc["cases"].append(run_case(w, specs, progress, rounds, kept))
             except Exception as exc:  # outside any design: name the case and the cause last
                 progress.close()
                 traceback.print_exc()
@@ -399,6 +400,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                 stamp = _code_stamp()
     finally:
         progress.close()
+        if kept.paths:
+            print(f"mptier bench: removing {len(kept.paths)} design folder(s) kept on disk "
+                  "until the end of the run", file=sys.stderr)
+        kept.remove_all()
     _emit(doc, args)
     for warning in doc.get("warnings", []):
         print(f"mptier bench: WARNING: {warning}", file=sys.stderr)

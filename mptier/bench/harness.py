@@ -41,9 +41,9 @@ its own:
    lookups), byte-for-byte verification of the destination region (the *warm* pass);
 3. the 64-block job alone under the light scheduler (store, drop, load), repeated.
 
-A design's files go right after it in memory, and after the case's last round on a disk
-root (``Case.remove``: ext4 without a journal allocates inodes slowly for a minute after
-deletions, and the design after another one's cleanup measured that).
+A design's files go right after it in memory, and at the end of the run on a disk root
+(``Case.remove``: ext4 without a journal allocates inodes slowly for a minute or more
+after deletions, and the design after another one's cleanup measured that).
 
 Before every store (and right after each page-cache drop) the harness allocates and
 frees as much memory as the phase will write (:func:`~mptier.bench.measure.
@@ -143,10 +143,10 @@ class Workload:
 
 # -- a case ---------------------------------------------------------------------------
 
-# When a case removes a design's files (Case.remove): right after the design, or after
-# the case's last round.
+# When the bench removes a design's files (Case.remove): right after the design, or at
+# the end of the run (every case and round).
 REMOVE_EACH = "after each design"
-REMOVE_AT_END = "at the end of the case"
+REMOVE_AT_END = "at the end of the run"
 # Free room a disk root must keep, in units of one design's bytes, before another design
 # starts beside the files kept so far (folders, metadata and the file system's reserve).
 ROOM_FACTOR = 2
@@ -160,6 +160,20 @@ def removal_rule(w: Workload) -> str:
     if not w.defer_removal or fskind.fs_magic(existing) in fskind.MEMORY_MAGICS:
         return REMOVE_EACH
     return REMOVE_AT_END
+
+
+class KeptFiles:
+    """Design folders on disk roots whose removal waits for the end of the run."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    def add(self, path: str) -> None:
+        self.paths.append(path)
+
+    def remove_all(self) -> None:
+        while self.paths:
+            remove_path(self.paths.pop())
 
 
 def remove_path(path: str) -> None:
@@ -189,7 +203,8 @@ class CaseKeys:
 class Case:
     """One workload run against a list of designs, sharing buffer and keys."""
 
-    def __init__(self, workload: Workload, progress: Progress | None = None) -> None:
+    def __init__(self, workload: Workload, progress: Progress | None = None,
+                 kept: KeptFiles | None = None) -> None:
         self.w = workload
         self.progress = progress or (lambda _msg: None)
         self.buffer = CaseBuffer(workload.region_blocks, workload.block_bytes)
@@ -199,47 +214,47 @@ class Case:
                                   workload.busy_wait_us * 1000)
         self._next_job_id = 1
         self.removal = removal_rule(workload)
-        self._deferred: list[str] = []
+        # Folders kept for later: the run's (shared by its cases) or this case's own.
+        self.kept = kept if kept is not None else KeptFiles()
+        self._own_kept = kept is None
 
     def close(self) -> None:
         try:
-            self.remove_deferred()
+            if self._own_kept:
+                self.kept.remove_all()
         finally:
             self.buffer.close()
 
     # files --------------------------------------------------------------------------
     def remove(self, path: str) -> None:
-        """Remove a design's folder (or one file) now, or at the end of the case.
+        """Remove a design's folder now, or keep it for the end of the run.
 
-        On ext4 without a journal, creating an inode within a minute of deletions nearby
-        costs up to six times its CPU (the allocator skips recently deleted inodes:
-        docs/performance.md, section 11), so a design that stored right after another
-        one's files went measured the file system's allocator, not itself. On a disk root
-        the case therefore keeps every design's files until its last round, unless the
-        root is short of room for the next design's (then it removes them first, and
-        says so). In memory the files go at once: the next design needs the memory."""
+        On ext4 without a journal, creating an inode within a minute or more of
+        deletions nearby costs up to six times its CPU (the allocator skips recently
+        deleted inodes: docs/performance.md, sections 11 and 14), so a design that stored
+        right after another one's files went measured the file system's allocator, not
+        itself. On a disk root the bench therefore keeps every design's files until the
+        run ends (``kept``), unless the root is short of room for the next design's
+        (then it removes them first, and says so). In memory they go at once: the next
+        design needs the memory."""
         if self.w.keep_files:
             return
         if self.removal == REMOVE_AT_END:
-            self._deferred.append(path)
+            self.kept.add(path)
         else:
             remove_path(path)
 
-    def remove_deferred(self) -> None:
-        while self._deferred:
-            remove_path(self._deferred.pop())
-
     def _make_room(self) -> None:
-        """Remove the deferred files early if the next design's might not fit."""
-        if not self._deferred:
+        """Remove the kept files early if the next design's might not fit."""
+        if not self.kept.paths:
             return
         with contextlib.suppress(OSError):
             st = os.statvfs(self.w.root)
             if st.f_bavail * st.f_frsize >= ROOM_FACTOR * self.w.design_bytes:
                 return
-        self.progress(f"removing {len(self._deferred)} earlier design folder(s) early: "
+        self.progress(f"removing {len(self.kept.paths)} earlier design folder(s) early: "
                       f"{self.w.root} is short of room for the next design's files")
-        self.remove_deferred()
+        self.kept.remove_all()
 
     # jobs ---------------------------------------------------------------------------
     def _jobs(self, design: Design, keys: list[bytes], job_blocks: int,
