@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from mptier import fskind
-from mptier.bench import cli, harness
+from mptier.bench import cleanup, cli, harness
 from mptier.bench.designs import parse_designs, parse_spec
 from mptier.bench.engine import MptierDesign, config_overrides
 from mptier.bench.measure import CacheDrop, parse_size
@@ -223,7 +223,7 @@ class RemovalLog:
 
     def __init__(self, monkeypatch) -> None:
         self.events: list[tuple[str, str]] = []
-        make, remove = harness.fresh_dir, harness.remove_path
+        make, remove = harness.fresh_dir, cleanup.remove_path
 
         def logged_make(parent: str, name: str) -> str:
             path = make(parent, name)
@@ -234,7 +234,7 @@ class RemovalLog:
             self.events.append(("remove", path))
             remove(path)
         monkeypatch.setattr(harness, "fresh_dir", logged_make)
-        monkeypatch.setattr(harness, "remove_path", logged_remove)
+        monkeypatch.setattr(cleanup, "remove_path", logged_remove)
 
     def order(self) -> str:
         return "".join(kind[0] for kind, _ in self.events)  # e.g. "mmmmrrrr"
@@ -269,7 +269,7 @@ def test_designs_files_go_right_after_each_design_when_asked_or_short_of_room(
     log = RemovalLog(monkeypatch)
     extra = ["--remove-each"] if why == "--remove-each" else []
     if why == "short of room":  # no root has room for a million designs' files
-        monkeypatch.setattr(harness, "ROOM_FACTOR", 10 ** 6)
+        monkeypatch.setattr(cleanup, "ROOM_FACTOR", 10 ** 6)
     rc, doc = run_bench(tmp_path, "--designs", "baseline,pool-native", "--rounds", "2",
                         *extra)
     assert rc == 0, doc["cases"][0]["problems"]
@@ -278,13 +278,10 @@ def test_designs_files_go_right_after_each_design_when_asked_or_short_of_room(
 
 
 def test_memory_roots_remove_each_design_s_files_at_once(tmp_path):
-    def rule(root, **kw) -> str:
-        return harness.removal_rule(harness.Workload(str(root), 64 << 10, 4, 4, 1 << 20,
-                                                     **kw))
-    assert rule("/dev/shm/not-made-yet/bench") == harness.REMOVE_EACH
-    assert rule(tmp_path / "not-made-yet", defer_removal=False) == harness.REMOVE_EACH
+    assert cleanup.removal_rule("/dev/shm/not-made-yet/bench") == cleanup.REMOVE_EACH
+    assert cleanup.removal_rule(str(tmp_path / "new"), defer=False) == cleanup.REMOVE_EACH
     if not in_memory(tmp_path):
-        assert rule(tmp_path / "not-made-yet") == harness.REMOVE_AT_END
+        assert cleanup.removal_rule(str(tmp_path / "new")) == cleanup.REMOVE_AT_END
 
 
 def test_cold_pass_and_warm_up_can_be_switched_off(tmp_path, fake_drop):

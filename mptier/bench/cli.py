@@ -25,8 +25,9 @@ import traceback
 from typing import Any
 
 from mptier.bench import report as rep
+from mptier.bench.cleanup import KeptFiles
 from mptier.bench.designs import DEFAULT_DESIGNS, DesignSpec, parse_designs
-from mptier.bench.harness import Case, KeptFiles, Workload
+from mptier.bench.harness import Case, Workload
 from mptier.bench.measure import (
     crc32c_speed,
     filesystem_of,

@@ -42,8 +42,8 @@ its own:
 3. the 64-block job alone under the light scheduler (store, drop, load), repeated.
 
 A design's files go right after it in memory, and at the end of the run on a disk root
-(``Case.remove``: ext4 without a journal allocates inodes slowly for a minute or more
-after deletions, and the design after another one's cleanup measured that).
+(:mod:`mptier.bench.cleanup`: ext4 without a journal allocates inodes slowly for a minute
+or more after deletions, and the design after another one's cleanup measured that).
 
 Before every store (and right after each page-cache drop) the harness allocates and
 frees as much memory as the phase will write (:func:`~mptier.bench.measure.
@@ -52,19 +52,22 @@ design ran before it. On a VM that reports free memory to its host, pages the ho
 taken back cost 4x more on first touch; without this the design that follows another
 one's cleanup wins a tmpfs store phase by up to 5x. Each phase records the machine's
 page counters (pages allocated, faults, memory reported to the host) beside it.
+
+Long because every phase of a case (cold pass, warm pass, lone jobs, the raw limit)
+shares one buffer, one key list and the two schedules, and what makes the designs'
+figures comparable is that one reader sees them all drive a design the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from mptier import fskind
+from mptier.bench import cleanup
 from mptier.bench.base import MODEL_NAME, Design, DesignContext, fresh_dir
 from mptier.bench.buffer import CaseBuffer
 from mptier.bench.measure import (
@@ -105,8 +108,8 @@ class Workload:
     # slots and verification covers the last R loaded blocks.
     region_cap_bytes: int = 2 << 30
     keep_files: bool = False
-    # On a disk root, remove the designs' files at the end of the case (all rounds)
-    # rather than after each design; see Case.remove.
+    # On a disk root, remove the designs' files at the end of the run rather than after
+    # each design (mptier.bench.cleanup).
     defer_removal: bool = True
     # Pin the harness's main thread (the "engine") to this CPU while designs run; worker
     # processes and threads started before keep their own CPUs.
@@ -143,47 +146,6 @@ class Workload:
 
 # -- a case ---------------------------------------------------------------------------
 
-# When the bench removes a design's files (Case.remove): right after the design, or at
-# the end of the run (every case and round).
-REMOVE_EACH = "after each design"
-REMOVE_AT_END = "at the end of the run"
-# Free room a disk root must keep, in units of one design's bytes, before another design
-# starts beside the files kept so far (folders, metadata and the file system's reserve).
-ROOM_FACTOR = 2
-
-
-def removal_rule(w: Workload) -> str:
-    """REMOVE_AT_END on a disk root (unless turned off), REMOVE_EACH in memory."""
-    existing = w.root  # the root may not exist yet: its nearest existing folder
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    if not w.defer_removal or fskind.fs_magic(existing) in fskind.MEMORY_MAGICS:
-        return REMOVE_EACH
-    return REMOVE_AT_END
-
-
-class KeptFiles:
-    """Design folders on disk roots whose removal waits for the end of the run."""
-
-    def __init__(self) -> None:
-        self.paths: list[str] = []
-
-    def add(self, path: str) -> None:
-        self.paths.append(path)
-
-    def remove_all(self) -> None:
-        while self.paths:
-            remove_path(self.paths.pop())
-
-
-def remove_path(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
 @dataclass
 class CaseKeys:
     phase: list[bytes]
@@ -204,7 +166,7 @@ class Case:
     """One workload run against a list of designs, sharing buffer and keys."""
 
     def __init__(self, workload: Workload, progress: Progress | None = None,
-                 kept: KeptFiles | None = None) -> None:
+                 kept: cleanup.KeptFiles | None = None) -> None:
         self.w = workload
         self.progress = progress or (lambda _msg: None)
         self.buffer = CaseBuffer(workload.region_blocks, workload.block_bytes)
@@ -213,9 +175,9 @@ class Case:
         self.busy = SchedulerLoad(workload.busy_work_us * 1000,
                                   workload.busy_wait_us * 1000)
         self._next_job_id = 1
-        self.removal = removal_rule(workload)
+        self.removal = cleanup.removal_rule(workload.root, workload.defer_removal)
         # Folders kept for later: the run's (shared by its cases) or this case's own.
-        self.kept = kept if kept is not None else KeptFiles()
+        self.kept = kept if kept is not None else cleanup.KeptFiles()
         self._own_kept = kept is None
 
     def close(self) -> None:
@@ -227,34 +189,17 @@ class Case:
 
     # files --------------------------------------------------------------------------
     def remove(self, path: str) -> None:
-        """Remove a design's folder now, or keep it for the end of the run.
-
-        On ext4 without a journal, creating an inode within a minute or more of
-        deletions nearby costs up to six times its CPU (the allocator skips recently
-        deleted inodes: docs/performance.md, sections 11 and 14), so a design that stored
-        right after another one's files went measured the file system's allocator, not
-        itself. On a disk root the bench therefore keeps every design's files until the
-        run ends (``kept``), unless the root is short of room for the next design's
-        (then it removes them first, and says so). In memory they go at once: the next
-        design needs the memory."""
+        """Remove a design's folder now (in memory), or keep it for the end of the run
+        (on a disk: :mod:`mptier.bench.cleanup` says why)."""
         if self.w.keep_files:
             return
-        if self.removal == REMOVE_AT_END:
+        if self.removal == cleanup.REMOVE_AT_END:
             self.kept.add(path)
         else:
-            remove_path(path)
+            cleanup.remove_path(path)
 
     def _make_room(self) -> None:
-        """Remove the kept files early if the next design's might not fit."""
-        if not self.kept.paths:
-            return
-        with contextlib.suppress(OSError):
-            st = os.statvfs(self.w.root)
-            if st.f_bavail * st.f_frsize >= ROOM_FACTOR * self.w.design_bytes:
-                return
-        self.progress(f"removing {len(self.kept.paths)} earlier design folder(s) early: "
-                      f"{self.w.root} is short of room for the next design's files")
-        self.kept.remove_all()
+        self.kept.make_room(self.w.root, self.w.design_bytes, self.progress)
 
     # jobs ---------------------------------------------------------------------------
     def _jobs(self, design: Design, keys: list[bytes], job_blocks: int,
@@ -378,7 +323,7 @@ class Case:
             w.inflight_jobs)
         design.drain()
         out["cold_verify"] = self._verify(len(keys))
-        if self.removal == REMOVE_EACH:  # their memory goes back before the warm pass
+        if self.removal == cleanup.REMOVE_EACH:  # their memory goes back before the warm pass
             for key in keys:
                 with contextlib.suppress(OSError):
                     os.unlink(design.block_path(ctx, key))

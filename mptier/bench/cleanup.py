@@ -1,0 +1,76 @@
+"""When the bench removes what a design wrote: at once in memory, at the end of the run
+on a disk.
+
+On ext4 without a journal, creating an inode within a minute or more of deletions nearby
+costs up to six times its CPU: the allocator skips inodes deleted shortly before
+(``recently_deleted`` in the kernel's ``fs/ext4/ialloc.c``; docs/performance.md,
+sections 11 and 14). A design that stored right after another one's files went measured
+the file system's allocator, not itself. So on a disk root every design's folder is
+kept (:class:`KeptFiles`) until the run ends, unless the root runs short of room for the
+next design's files; in memory a design's files go at once, since the next design needs
+the memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable
+
+from mptier import fskind
+
+# When a design's files go: right after the design, or at the end of the run (every
+# case and round).
+REMOVE_EACH = "after each design"
+REMOVE_AT_END = "at the end of the run"
+# Free room a disk root must keep, in units of one design's bytes, before another design
+# starts beside the files kept so far (folders, metadata and the file system's reserve).
+ROOM_FACTOR = 2
+
+
+def removal_rule(root: str, defer: bool = True) -> str:
+    """REMOVE_AT_END on a disk root (unless ``defer`` is off), REMOVE_EACH in memory."""
+    existing = root  # the root may not exist yet: its nearest existing folder
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not defer or fskind.fs_magic(existing) in fskind.MEMORY_MAGICS:
+        return REMOVE_EACH
+    return REMOVE_AT_END
+
+
+def remove_path(path: str) -> None:
+    """Remove a folder and everything in it, or one file; what is gone already is fine."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+class KeptFiles:
+    """Design folders on disk roots whose removal waits for the end of the run."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    def add(self, path: str) -> None:
+        self.paths.append(path)
+
+    def remove_all(self) -> None:
+        while self.paths:
+            remove_path(self.paths.pop())
+
+    def make_room(self, root: str, design_bytes: int,
+                  progress: Callable[[str], None]) -> None:
+        """Remove every kept folder now if ``root`` lacks ROOM_FACTOR times the next
+        design's ``design_bytes``, and say so through ``progress``."""
+        if not self.paths:
+            return
+        with contextlib.suppress(OSError):
+            st = os.statvfs(root)
+            if st.f_bavail * st.f_frsize >= ROOM_FACTOR * design_bytes:
+                return
+        progress(f"removing {len(self.paths)} earlier design folder(s) early: {root} is "
+                 "short of room for the next design's files")
+        self.remove_all()
