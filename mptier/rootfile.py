@@ -28,10 +28,11 @@ ROOT_FILE_LIMIT_BYTES = 1 << 20
 
 # A record is replaced by a rename, and on a shared file system the rename may come
 # from another node while this one reads the old file: NFS then says ESTALE, JuiceFS
-# EBADF on the read (measured: two tiers on two mounts starting at once, each
-# publishing mptier.json). The name leads to the new record by then, so it is opened
-# again; this many tries, since a record is renamed over only at a tier's start.
-REPLACED_ERRNOS = frozenset({errno.ESTALE, errno.EBADF})
+# EBADF on the read or ENOENT on the fstat right after the open (both seen: two tiers on
+# two mounts starting at once, each publishing mptier.json). The name leads to the new
+# record by then, so it is opened again; this many tries, since a record is renamed over
+# only at a tier's start. (ENOENT from the open itself means no record: None, not this.)
+REPLACED_ERRNOS = frozenset({errno.ESTALE, errno.EBADF, errno.ENOENT})
 REPLACED_TRIES = 3
 
 _EMEDIUMTYPE = getattr(errno, "EMEDIUMTYPE", errno.EINVAL)

@@ -18,7 +18,7 @@ from reliability_kit import tiny_tmpfs
 from support import mounts
 from test_capacity import Driver, blocks_on_disk, keys_for, root_stats
 
-from mptier import LookupResult
+from mptier import LookupResult, rootfile
 from mptier.errors import RootFileError
 from mptier.layout import FileMapper
 from mptier.rootfile import REPLACED_TRIES, ROOT_FILE_LIMIT_BYTES, read_root_file
@@ -99,6 +99,31 @@ def test_read_root_file_reads_a_record_replaced_through_another_node_again(make_
     with pytest.raises(OSError) as info:
         read_root_file(str(path))
     assert info.value.errno == errno.EIO and fs.calls("read") - reads == 1
+
+
+def test_read_root_file_reads_again_when_the_opened_record_is_gone(tmp_path,
+                                                                   monkeypatch):
+    """JuiceFS fails the fstat of a record another mount renamed over right after this
+    one opened it with ENOENT (seen in CI): read again by name. A missing record is
+    still None, and a record that keeps vanishing fails after REPLACED_TRIES."""
+    path = tmp_path / "mptier.json"
+    path.write_bytes(b'{"block_bytes": 4096}')
+    real_fstat, failures, budget = os.fstat, [], REPLACED_TRIES - 1
+
+    def fstat(fd: int):
+        if len(failures) < budget:
+            failures.append(fd)
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory")
+        return real_fstat(fd)
+    monkeypatch.setattr(rootfile.os, "fstat", fstat)
+    assert read_root_file(str(path)) == b'{"block_bytes": 4096}'
+    assert len(failures) == REPLACED_TRIES - 1
+    failures.clear()
+    budget = REPLACED_TRIES
+    with pytest.raises(FileNotFoundError):
+        read_root_file(str(path))
+    assert len(failures) == REPLACED_TRIES
+    assert read_root_file(str(tmp_path / "none.json")) is None
 
 
 # The record a start reads, and how it was replaced (the I/O backend plays no part).
