@@ -278,10 +278,10 @@ def test_designs_files_go_right_after_each_design_when_asked_or_short_of_room(
 
 
 def test_memory_roots_remove_each_design_s_files_at_once(tmp_path):
-    assert cleanup.removal_rule("/dev/shm/not-made-yet/bench") == cleanup.REMOVE_EACH
-    assert cleanup.removal_rule(str(tmp_path / "new"), defer=False) == cleanup.REMOVE_EACH
+    assert cleanup.removal_rule("/dev/shm") == cleanup.REMOVE_EACH
+    assert cleanup.removal_rule(str(tmp_path), defer=False) == cleanup.REMOVE_EACH
     if not in_memory(tmp_path):
-        assert cleanup.removal_rule(str(tmp_path / "new")) == cleanup.REMOVE_AT_END
+        assert cleanup.removal_rule(str(tmp_path)) == cleanup.REMOVE_AT_END
 
 
 def test_cold_pass_and_warm_up_can_be_switched_off(tmp_path, fake_drop):

@@ -30,22 +30,16 @@ ROOM_FACTOR = 2
 
 
 def removal_rule(root: str, defer: bool = True) -> str:
-    """REMOVE_AT_END on a disk root (unless ``defer`` is off), REMOVE_EACH in memory."""
-    existing = root  # the root may not exist yet: its nearest existing folder
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    if not defer or fskind.fs_magic(existing) in fskind.MEMORY_MAGICS:
+    """REMOVE_AT_END on a disk root (unless ``defer`` is off), REMOVE_EACH in memory.
+    ``root`` exists (the bench refuses a root that does not)."""
+    if not defer or fskind.fs_magic(root) in fskind.MEMORY_MAGICS:
         return REMOVE_EACH
     return REMOVE_AT_END
 
 
 def remove_path(path: str) -> None:
-    """Remove a folder and everything in it, or one file; what is gone already is fine."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    """Remove a design's folder and everything in it; what is gone already is fine."""
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class KeptFiles:
