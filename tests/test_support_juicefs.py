@@ -34,6 +34,22 @@ def test_the_two_mounts_are_separate_fuse_mounts_of_one_volume(juicefs_pair):
     assert a.daemon_pids() and b.daemon_pids()
 
 
+def test_files_below_reads_one_folder_tree_from_the_metadata(juicefs_volume, dfs_dirs):
+    (dfs_dirs.a / "x" / "y").mkdir(parents=True)
+    (dfs_dirs.a / "x" / "one.bin").write_bytes(b"1" * 1000)
+    (dfs_dirs.b / "x" / "y" / "two.bin").write_bytes(b"2" * 3000)
+    (dfs_dirs.a / "x" / "gone.bin").write_bytes(b"3" * 5)
+    (dfs_dirs.a / "x" / "y" / "t.tmp").write_bytes(b"4" * 7)
+    (dfs_dirs.a / "outside.bin").write_bytes(b"5" * 11)
+    os.unlink(dfs_dirs.b / "x" / "gone.bin")
+    os.rename(dfs_dirs.a / "x" / "y" / "t.tmp", dfs_dirs.a / "x" / "y" / "three.bin")
+    for via in (dfs_dirs.a / "x", dfs_dirs.b / "x"):
+        assert sorted(juicefs_volume.files_below(via)) == [
+            ("one.bin", 1000), ("three.bin", 7), ("two.bin", 3000)]
+    assert sorted(juicefs_volume.files_below(dfs_dirs.a / "x" / "y")) == [
+        ("three.bin", 7), ("two.bin", 3000)]
+
+
 @pytest.mark.parametrize("kind", ["flock", "posix"])
 def test_lock_held_via_a_is_seen_via_b(dfs_dirs, kind):
     path_a, path_b = dfs_dirs.a / "lease", dfs_dirs.b / "lease"

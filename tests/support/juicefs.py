@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -46,6 +47,19 @@ UMOUNT_TIMEOUT_S = 20.0
 DAEMON_EXIT_GRACE_S = 5.0
 # Local read cache per mount: small, since the "object store" is a local folder anyway.
 CACHE_SIZE_MIB = 256
+# JuiceFS's entry types in its metadata (jfs_edge.type).
+FILE_TYPE, DIRECTORY_TYPE = 1, 2
+# Files below a folder and their lengths, read from the metadata in one statement (so in
+# one read transaction: one instant of the volume). ? = the folder's inode, which a mount
+# reports as st_ino.
+FILES_BELOW_SQL = f"""
+    WITH RECURSIVE folder(inode) AS (
+        SELECT ? UNION ALL
+        SELECT e.inode FROM jfs_edge e JOIN folder f ON e.parent = f.inode
+        WHERE e.type = {DIRECTORY_TYPE})
+    SELECT CAST(e.name AS TEXT), n.length FROM jfs_edge e
+    JOIN folder f ON e.parent = f.inode JOIN jfs_node n ON n.inode = e.inode
+    WHERE e.type = {FILE_TYPE}"""
 
 
 def juicefs_binary() -> str | None:
@@ -164,6 +178,15 @@ class JuiceFSVolume:
             raise RuntimeError(f"juicefs format failed ({result.returncode}): "
                                f"{result.stderr[-2000:]}")
         return self
+
+    def files_below(self, folder: str | os.PathLike) -> list[tuple[str, int]]:
+        """(name, length) of every file below ``folder`` (a path through any mount of
+        this volume) at one instant: read from the metadata database in one statement,
+        where a walk of a mount adds up folders listed at different moments."""
+        inode = os.stat(folder).st_ino
+        with contextlib.closing(sqlite3.connect(f"file:{self.workdir / 'meta.db'}?mode=ro",
+                                                uri=True, timeout=30)) as db:
+            return db.execute(FILES_BELOW_SQL, (inode,)).fetchall()
 
     def mount(self, name: str, **options: str) -> JuiceFSMount:
         """Mount the volume at ``workdir/<name>`` in the background and wait until ready.
