@@ -221,8 +221,11 @@ def test_cold_pass_and_memory_warm_up_are_recorded(tmp_path, fake_drop):
 class RemovalLog:
     """The order in which the bench made and removed its design folders."""
 
-    def __init__(self, monkeypatch) -> None:
+    def __init__(self, monkeypatch, results=None) -> None:
         self.events: list[tuple[str, str]] = []
+        # Whether the run's JSON (``results``) was written by each removal.
+        self.results = results
+        self.results_written: list[bool] = []
         make, remove = harness.fresh_dir, cleanup.remove_path
 
         def logged_make(parent: str, name: str) -> str:
@@ -232,6 +235,8 @@ class RemovalLog:
 
         def logged_remove(path: str) -> None:
             self.events.append(("remove", path))
+            if self.results is not None:
+                self.results_written.append(self.results.exists())
             remove(path)
         monkeypatch.setattr(harness, "fresh_dir", logged_make)
         monkeypatch.setattr(cleanup, "remove_path", logged_remove)
@@ -248,18 +253,24 @@ def in_memory(path) -> bool:
 
 
 def test_a_disk_root_keeps_every_design_s_files_until_the_run_ends(tmp_path, fake_drop,
-                                                                  monkeypatch):
+                                                                  monkeypatch, capsys):
     """ext4 without a journal creates inodes slowly for a minute after deletions: no
-    design stores right after another one's files were removed, in any case of the run."""
+    design stores right after another one's files were removed, in any case of the run.
+    The results are written before the removal starts, which reports how far it is."""
     if in_memory(tmp_path):
         pytest.skip(f"{tmp_path} is in memory: the bench removes each design's files there")
-    log = RemovalLog(monkeypatch)
+    log = RemovalLog(monkeypatch, results=tmp_path / "out.json")
+    monkeypatch.setattr(cli, "REMOVAL_REPORT_S", 0.0)  # a line for every folder
     rc, doc = run_bench(tmp_path, "--designs", "baseline,pool-native,raw:tool=loop",
                         "--rounds", "2", "--block-bytes", "64K,128K")
     assert rc == 0, [c["problems"] for c in doc["cases"]]
     assert [c["removal"] for c in doc["cases"]] == ["at the end of the run"] * 2
     assert log.order() == "m" * 12 + "r" * 12
     assert sorted(log.paths("remove")) == sorted(log.paths("make"))
+    assert log.results_written == [True] * 12
+    err = capsys.readouterr().err
+    assert "removing 12 design folder(s) kept on disk" in err
+    assert [f"removed {k} of 12 in" in err for k in range(1, 13)] == [True] * 12
     assert not list(tmp_path.glob("mptier-bench-*")), "the run left files behind"
 
 

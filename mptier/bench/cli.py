@@ -43,6 +43,9 @@ DEFAULT_SAVE_DIR = os.path.join("bench", "results")
 SWEEPS = {"concurrency": ("inflight_jobs", "1,4,16,64"),
           "block-size": ("block_bytes", "64K,128K,256K,512K,1M,2M")}
 QUICK_TOTAL = "384M"  # per phase; with --quick the whole default run stays under a minute
+# While the kept design folders go at the end of a run (a minute or two for ~25 GB of
+# small files on ext4), a line this often says how far it is.
+REMOVAL_REPORT_S = 10.0
 
 
 def _sizes(text: str) -> list[int]:
@@ -399,19 +402,36 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                     f"mptier's source files changed during the case {title}; its figures "
                     "may mix two versions of the code")
                 stamp = _code_stamp()
+        _emit(doc, args)  # the results first: the removal below can take minutes
     finally:
         progress.close()
-        if kept.paths:
-            print(f"mptier bench: removing {len(kept.paths)} design folder(s) kept on disk "
-                  "until the end of the run", file=sys.stderr)
-        kept.remove_all()
-    _emit(doc, args)
+        _remove_kept(kept)
     for warning in doc.get("warnings", []):
         print(f"mptier bench: WARNING: {warning}", file=sys.stderr)
     issues = [p for c in doc["cases"] for p in c["problems"]]
     for issue in issues:
         print(f"mptier bench: FAILED: {issue}", file=sys.stderr)
     return 1 if issues else 0
+
+
+def _remove_kept(kept: KeptFiles) -> None:
+    """Remove the design folders kept on disk until the end of the run, saying how far
+    it is every REMOVAL_REPORT_S."""
+    if not kept.paths:
+        return
+    print(f"mptier bench: removing {len(kept.paths)} design folder(s) kept on disk until "
+          "the end of the run", file=sys.stderr)
+    started = last = time.monotonic()
+
+    def each(removed: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if removed == total or now - last >= REMOVAL_REPORT_S:
+            last = now
+            print(f"mptier bench: removed {removed} of {total} in {now - started:.0f} s",
+                  file=sys.stderr)
+
+    kept.remove_all(each)
 
 
 def _code_stamp() -> float:
