@@ -173,6 +173,39 @@ def test_design_specs():
         "worker_cpus": [1, 2], "task_bytes": "8M", "native": False}
 
 
+def test_a_twin_is_the_same_design_under_its_own_label():
+    plain, twin = parse_designs("baseline:threads=4+4,baseline:threads=4+4:twin=1")
+    assert twin.label == "baseline:threads=4+4:twin=1" and twin.twin_of == plain
+    assert plain.twin_of is None
+    built, again = plain.build(), twin.build()  # the design never sees the twin option
+    assert (again.n_load, again.label) == (built.n_load, "baseline:threads=4+4:twin=1")
+    assert parse_spec("mptier:twin=2").build().info == parse_spec("mptier").build().info
+    with pytest.raises(ValueError, match="is not a positive count"):
+        parse_spec("mptier:twin=0")
+    with pytest.raises(ValueError, match="which --designs does not name; add baseline"):
+        parse_designs("pool-native,baseline:twin=1")
+
+
+def test_a_twin_run_reports_its_spread_round_by_round(tmp_path, fake_drop, capsys):
+    rc, doc = run_bench(tmp_path, "--designs", "baseline,baseline:twin=1", "--rounds", "2",
+                        "--no-cold-pass")
+    assert rc == 0, doc["cases"][0]["problems"]
+    (case,) = doc["cases"]
+    plain, twin = case["designs"]
+    assert twin["label"] == "baseline:twin=1" and twin["info"] == plain["info"]
+    assert twin["position"] == [1, 0] and plain["position"] == [0, 1]
+    (entry,) = case["twins"]
+    assert (entry["twin"], entry["of"]) == ("baseline:twin=1", "baseline")
+    for key, name in (("store_gbps", "store"), ("load_gbps", "load")):
+        assert entry[name] == pytest.approx(
+            [a[key] / b[key] for a, b in zip(twin["rounds"], plain["rounds"])])
+        assert len(entry[name]) == 2
+    assert case["reference_b"] == "baseline"  # the twin is never the reference
+    out = capsys.readouterr().out
+    assert "A/A control: baseline:twin=1 ÷ baseline, round by round: store " + " ".join(
+        f"{v:.2f}" for v in entry["store"]) in out
+
+
 def test_bad_arguments_exit_2(tmp_path, capsys):
     assert cli.main(["--root", str(tmp_path), "--designs", "nosuch"]) == 2
     assert cli.main(["--root", str(tmp_path / "missing"), *TINY]) == 2

@@ -89,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "mptier:nice=19, mptier:workers=2+2, mptier:task_bytes=8M, "
              "baseline:threads=8+8, raw:tool=loop; vllm (vLLM's own tier with its C "
              "extension vllm.fs_io_C: refused where it does not load, run "
-             "scripts/vllm-env.sh) and vllm-py (vLLM's Python fallback on purpose)")
+             "scripts/vllm-env.sh) and vllm-py (vLLM's Python fallback on purpose); "
+             "SPEC:twin=1 runs SPEC again under its own label, an A/A control whose spread "
+             "round by round the report prints")
     add("--rounds", type=int, default=1, metavar="N",
         help="run every design N times, interleaved, and report medians (default 1); "
              "use 3 or more on a machine whose disk or CPUs are shared")
@@ -321,6 +323,8 @@ def run_case(w: Workload, specs: list[DesignSpec], progress: _Progress,
     case_doc["designs"] = records
     for letter, label in rep.add_ratios(records).items():
         case_doc[f"reference_{letter}"] = label
+    case_doc["twins"] = rep.twin_spreads(
+        records, [(spec.label, spec.twin_of.label) for spec in specs if spec.twin_of])
     drops = [r["page_cache_dropped"] for r in records if r["page_cache_dropped"] is not None]
     case_doc["page_cache_dropped"] = (None if not drops else all(drops))
     background = [r.get("background_cpus_max", r.get("background_cpus")) for r in records

@@ -20,6 +20,10 @@ A spec is a name and optional ``key=value`` options after colons::
     vllm:threads=4+4       (v) with a smaller pool
     vllm-py                (w) vLLM's tier on its Python fallback (per-block os.write /
                                os.readv), the extension switched off for this design alone
+    mptier:twin=1          the spec before ``:twin=`` run again under its own label: an
+                           A/A control. The two are one design, so how far they differ
+                           round by round is how far this run can tell designs apart
+                           (the report prints it)
 
 Single letters ``a``, ``b``, ``c``, ``d``, ``v``, ``w`` name the plain designs. Several specs are
 separated by commas or spaces (so list CPUs as ``cpus=1+2`` or ``cpus=1-2``).
@@ -49,6 +53,9 @@ ALIASES = {
     "fio": "raw:tool=fio", "raw-loop": "raw:tool=loop",
 }
 DEFAULT_DESIGNS = "mptier,baseline,pool-native,raw"
+# The option naming a twin: the same design again under another label (an A/A control);
+# the design itself never sees it.
+TWIN_OPTION = "twin"
 
 
 @dataclass(frozen=True)
@@ -60,8 +67,16 @@ class DesignSpec:
     def label(self) -> str:
         return ":".join([self.name, *(f"{k}={v}" for k, v in self.options)])
 
+    @property
+    def twin_of(self) -> DesignSpec | None:
+        """The spec this one repeats (without its ``twin`` option), or None."""
+        if all(key != TWIN_OPTION for key, _ in self.options):
+            return None
+        return DesignSpec(self.name, tuple(o for o in self.options if o[0] != TWIN_OPTION))
+
     def build(self):
-        return DESIGNS[self.name](self.label, dict(self.options))
+        options = {k: v for k, v in self.options if k != TWIN_OPTION}
+        return DESIGNS[self.name](self.label, options)
 
 
 def parse_spec(text: str) -> DesignSpec:
@@ -81,7 +96,11 @@ def parse_spec(text: str) -> DesignSpec:
         key, eq, value = part.partition("=")
         if not eq or not key or not value:
             raise ValueError(f"design {text!r}: option {part!r} is not KEY=VALUE")
-        options.append((key.strip(), value.strip()))
+        key, value = key.strip(), value.strip()
+        if key == TWIN_OPTION and not (value.isdigit() and int(value) > 0):
+            raise ValueError(f"design {text!r}: {TWIN_OPTION}={value} is not a positive "
+                             f"count; write e.g. {head}:{TWIN_OPTION}=1")
+        options.append((key, value))
     return DesignSpec(head, tuple(options))
 
 
@@ -97,4 +116,8 @@ def parse_designs(values: list[str] | str) -> list[DesignSpec]:
                 specs.append(spec)
     if not specs:
         raise ValueError("--designs names no design")
+    for spec in specs:
+        if spec.twin_of is not None and spec.twin_of not in specs:
+            raise ValueError(f"design {spec.label!r} is a twin of {spec.twin_of.label!r}, "
+                             f"which --designs does not name; add {spec.twin_of.label}")
     return specs

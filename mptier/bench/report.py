@@ -67,6 +67,8 @@ BUSY_MACHINE_CPUS = 0.25
 # Designs every other design is compared with, by letter: the in-process baseline, vLLM's
 # own tier, the raw limit.
 REFERENCE_LETTERS = ("b", "v", "d")
+# Figures an A/A control (a design and its twin, ``:twin=N``) is reported on.
+TWIN_FIGURES = (("store_gbps", "store"), ("load_gbps", "load"))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -233,6 +235,39 @@ def add_ratios(records: list[dict[str, Any]]) -> dict[str, str | None]:
     return labels
 
 
+def twin_spreads(records: list[dict[str, Any]],
+                 pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """For each (twin, original) pair of labels: the twin's figure over the original's,
+    round by round (``{"twin", "of", "store": [...], "load": [...]}``, rounds where
+    either lacks the figure left out). The two are one design, so the spread of these
+    ratios is how far apart this run puts designs that do not differ."""
+    by_label = {r["label"]: r for r in records}
+    out = []
+    for twin, of in pairs:
+        a, b = by_label.get(twin), by_label.get(of)
+        if a is None or b is None or a.get("error") or b.get("error"):
+            continue
+        rounds_a, rounds_b = a.get("rounds") or [a["figures"]], b.get("rounds") or [b["figures"]]
+        entry: dict[str, Any] = {"twin": twin, "of": of}
+        for key, name in TWIN_FIGURES:
+            entry[name] = [x[key] / y[key] for x, y in zip(rounds_a, rounds_b)
+                           if x.get(key) and y.get(key)]
+        out.append(entry)
+    return out
+
+
+def twin_lines(case: dict[str, Any]) -> list[str]:
+    """One line per A/A control of the case: its ratios round by round."""
+    lines = []
+    for t in case.get("twins") or []:
+        figures = "; ".join(f"{name} " + " ".join(f"{v:.2f}" for v in t[name])
+                            for _, name in TWIN_FIGURES if t[name])
+        lines.append(f"A/A control: {t['twin']} ÷ {t['of']}, round by round: {figures}. "
+                     "One design twice: differences between designs inside this spread "
+                     "are not resolved by this run")
+    return lines
+
+
 def problems(case: dict[str, Any]) -> list[str]:
     """Failures worth a non-zero exit: errors, failed jobs, bytes that did not verify."""
     out = []
@@ -335,7 +370,7 @@ def markdown_table(case: dict[str, Any]) -> str:
             value, ratios = cells(r, fig)
             row.append(f"{value} ({ratios})" if ratios and value != "—" else value)
         lines.append(f"| {fig.label.strip()} ({fig.unit}) | " + " | ".join(row) + " |")
-    lines += ["", case_caption(case)]
+    lines += ["", case_caption(case), *(f"\n{line}" for line in twin_lines(case))]
     for r in designs:
         if r.get("error"):
             lines.append(f"- {r['label']}: **error** {r['error']}")
@@ -426,6 +461,7 @@ def plain_table(case: dict[str, Any]) -> str:
     for row in [header, *rows]:
         out.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(row)).rstrip())
     out.append(case_caption(case))
+    out.extend(twin_lines(case))
     out.extend(f"  {r['label']}: error {r['error']}" for r in designs if r.get("error"))
     out.extend(f"  {r['label']}: {n}" for r in designs for n in r.get("notes", []))
     return "\n".join(out)
@@ -456,6 +492,8 @@ def print_case(case: dict[str, Any], console: Any = None) -> None:
             row.append(f"{value}\n[dim]{ratios}[/dim]" if ratios and value != "—" else value)
         table.add_row(*row)
     console.print(table)
+    for line in twin_lines(case):
+        console.print(line)
     for r in designs:
         if r.get("error"):
             console.print(f"[red]{r['label']}: error {r['error']}[/red]")
