@@ -63,6 +63,42 @@ def test_bounced_loads_land_every_block_in_its_slot_in_one_call(stored, bounce_b
                               source[i * BLOCK:(i + 1) * BLOCK]), i
 
 
+@pytest.mark.parametrize("uring", [False, True], ids=["loop", "uring"])
+@pytest.mark.parametrize("block,shift", [
+    (64 << 10, 0),            # streamed whole: 16-byte aligned, a multiple of 64
+    ((64 << 10) + 48, 0),     # streamed, then a 48-byte tail copied plainly
+    ((64 << 10) + 48, 1),     # slots off 16-byte alignment: copied plainly
+    ((64 << 10) - 16, 0),     # under the streaming threshold: copied plainly
+], ids=["aligned", "tail", "unaligned", "short"])
+def test_the_copy_into_the_slot_is_exact_on_every_path(tmp_path, block, shift, uring):
+    """The native core copies a checked block into its slot with streaming stores where
+    the slot is 16-byte aligned and the block long (mpt_copy_to_slot), plainly
+    otherwise; every path lands the block exactly, and the bytes around it stay."""
+    backend = native.get_backend("native")
+    n = 5
+    source = np.random.default_rng(block + shift).integers(0, 256, n * block, dtype=np.uint8)
+    paths = [f"c{i}".encode() for i in range(n)]
+    fd = native.open_root(str(tmp_path))
+    target = np.full((n + 1) * block + 64, 0xA5, dtype=np.uint8)
+    offsets = [shift + ((i * 3) % n) * block for i in range(n)]
+    bounce = Bounce(block, nbytes=2 * block)
+    try:
+        rc, n_done, _, _ = backend.store(fd, paths, memoryview(source),
+                                         [i * block for i in range(n)], block, 0,
+                                         native.new_tag().encode())
+        assert (rc, n_done) == (0, n)
+        rc, n_done, _ = bounce.load(backend, fd, paths, memoryview(target), offsets,
+                                    native.URING if uring else 0)
+    finally:
+        bounce.close()
+        os.close(fd)
+    assert (rc, n_done) == (0, n)
+    assert (target.ctypes.data + offsets[1]) % 16 == (0 if shift == 0 else shift)
+    for i, at in enumerate(offsets):
+        assert np.array_equal(target[at:at + block], source[i * block:(i + 1) * block]), i
+    assert (target[:shift] == 0xA5).all() and (target[shift + n * block:] == 0xA5).all()
+
+
 def test_loads_into_the_same_slot_end_with_the_last_block(stored):
     """Slots that repeat in a batch get the blocks in batch order, as the loop does
     (io_uring reads into distinct bounce slots; the copies are ordered)."""

@@ -95,7 +95,7 @@ static int mpt_batch(mpt_block_fn one, struct mpt_batch *b, const char *paths_bl
         }
         if (io != p) {
             mpt_map_slot(p, block_bytes);
-            memcpy(p, io, block_bytes); /* only after the read returned */
+            mpt_copy_to_slot(p, io, block_bytes); /* only after the read returned */
         }
         *n_done = i + 1;
         path += strlen(path) + 1;

@@ -258,6 +258,14 @@ MPT_INTERNAL int mpt_temp_name(char *out, size_t size, const char *leaf, const c
  * shared memory-file mapping the entries it makes are writable; it never changes a
  * byte. */
 MPT_INTERNAL int mpt_map_slot(char *p, size_t len);
+/* Copy a bounced load's checked block into the caller's slot [dst, dst + len). On x86-64
+ * a block of 64 KiB or more goes with streaming (non-temporal) stores, which write the
+ * slot's cache lines without reading them from memory first and leave them out of the
+ * caches: the slot is cold, and it is read next by the engine, not by this worker. CRC
+ * then copy cost 0.13 s of CPU per GB this way against memcpy's 0.17-0.18 on the AMD
+ * EPYC of docs/performance.md, section 16. An unaligned slot, a short block or another
+ * architecture: memcpy. */
+MPT_INTERNAL void mpt_copy_to_slot(char *dst, const char *src, size_t len);
 /* One block the system-call way (the loop's step, and io_uring's path for the unusual) */
 MPT_INTERNAL int mpt_load_one(struct mpt_batch *b, const char *rel, char *dst, size_t len,
                               int direct);

@@ -719,7 +719,7 @@ static int mpt_finish(struct mpt_ubatch *u, size_t i)
             rc = u->store ? mpt_store_one(b, j->rel, j->p, u->len, 0)
                           : mpt_load_one(b, j->rel, j->p, u->len, 0);
         if (rc == 0 && j->dst != j->p)
-            memcpy(j->dst, j->p, u->len); /* bounced: the read has returned */
+            mpt_copy_to_slot(j->dst, j->p, u->len); /* bounced: the read has returned */
         break;
     case MPT_FAILED:
         rc = j->rc;
@@ -739,7 +739,7 @@ static int mpt_finish(struct mpt_ubatch *u, size_t i)
                 mpt_remove_if_same_fd(b->root, j->rel, b->flags, j->fd);
             } else {
                 if (j->dst != j->p) /* bounced: the read has returned; later ones fly on */
-                    memcpy(j->dst, j->p, u->len);
+                    mpt_copy_to_slot(j->dst, j->p, u->len);
                 if (b->flags & MPT_TOUCH)
                     mpt_touch(j->fd);
             }
