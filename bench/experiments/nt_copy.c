@@ -1,14 +1,14 @@
 /* nt_copy.c - thread CPU per GB of a bounced load's last step, the copy of a checked block
- * from the bounce buffer into its slot: memcpy against non-temporal (streaming) stores,
- * which write the slot's cache lines without reading them first and leave them out of
- * the caches. Source cold (as after DMA) then CRC32C-checked (so hot, the load's order);
- * destination a 256 MiB shared mapping walked in order (cold, as the engine's slots).
- * 9 interleaved rounds, medians (docs/performance.md, section 16).
- *   cd mptier/native && gcc -O2 -I. -o /tmp/nt_copy ../../bench/experiments/nt_copy.c crc32c.c -lpthread
+ * from the bounce buffer into its slot: memcpy against the native core's own
+ * mpt_copy_to_slot (block.c: streaming stores, which write the slot's cache lines without
+ * reading them first and leave them out of the caches). Source cold (as after DMA) then
+ * CRC32C-checked (so hot, the load's order); destination a 256 MiB shared mapping walked
+ * in order (cold, as the engine's slots). 9 interleaved rounds, medians
+ * (docs/performance.md, section 16).
+ *   cd mptier/native && gcc -O2 -I. -o /tmp/nt_copy ../../bench/experiments/nt_copy.c *.c -lpthread
  *   /tmp/nt_copy 2097152 */
 #define _GNU_SOURCE
 #include "mptier_native.h"
-#include <emmintrin.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,21 +20,6 @@ static double cpu(void)
     struct timespec t;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
     return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static void stream_copy(char *d, const char *s, size_t n)
-{
-    for (size_t o = 0; o < n; o += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(s + o));
-        __m128i b = _mm_loadu_si128((const __m128i *)(s + o + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + o + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(s + o + 48));
-        _mm_stream_si128((__m128i *)(d + o), a);
-        _mm_stream_si128((__m128i *)(d + o + 16), b);
-        _mm_stream_si128((__m128i *)(d + o + 32), c);
-        _mm_stream_si128((__m128i *)(d + o + 48), e);
-    }
-    _mm_sfence();
 }
 
 int main(int argc, char **argv)
@@ -63,7 +48,7 @@ int main(int argc, char **argv)
                 if (m == 0)
                     memcpy(d, s, bb);
                 else
-                    stream_copy(d, s, bb);
+                    mpt_copy_to_slot(d, s, bb);
                 t += cpu() - c0;
             }
             r[m][round] = t / (nb * bb / 1e9);
