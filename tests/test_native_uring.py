@@ -11,8 +11,8 @@ behind; and the cases that take the loop (one block, overlapping load slots, NO_
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import gc
 import json
 import os
 import shutil
@@ -52,6 +52,17 @@ def _outcome(fn, *args, **kw):
         return "ok"
     except BatchIOError as e:
         return [e.errno, e.index, e.n_done]
+
+
+def _descriptors() -> dict[int, str]:
+    """This process's open descriptors and what each points to."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+    return out
 
 
 def _ring_fds() -> int:
@@ -291,14 +302,14 @@ def test_failed_batches_leave_no_descriptor_or_temporary_file(ring, tmp_path):
     os.truncate(tmp_path / paths[10], 10)   # short: removed, ENODATA
     os.remove(tmp_path / paths[20])         # missing
     (tmp_path / "file").write_bytes(b"x")   # a file where a folder must be
-    # The descriptor table is the process's: an earlier test's leaked file closed by the
-    # garbage collector in between changes it too (seen once in CI: one fewer after). So
-    # the collector runs first and not at all while the batches fail; then a descriptor
-    # more is a leak, one fewer a close of what the batches did not own.
-    gc.collect()
-    gc.disable()
+    # The descriptor table is the process's, and in a test worker other code may close
+    # its own descriptors meanwhile (twice in fresh-clone CI one that was open before was
+    # gone after, the garbage collector off). So: no descriptor may be new (a leak), and
+    # sentinels opened just before -- the numbers a stray close of a freed descriptor
+    # would hit first -- must all be open and the same after.
+    sentinels = [os.pipe() for _ in range(4)]
     try:
-        before = sorted(os.listdir("/proc/self/fd"))
+        before = _descriptors()
         for _ in range(3):
             with pytest.raises(BatchIOError):
                 ring.batch_load(tmp_path, paths, buf, offsets(range(n, 2 * n)), BLOCK,
@@ -307,10 +318,16 @@ def test_failed_batches_leave_no_descriptor_or_temporary_file(ring, tmp_path):
                 ring.batch_store(tmp_path, [*block_paths(5, "x"), "file/a.bin",
                                             *block_paths(30, "y")], buf,
                                  offsets(range(36)), BLOCK, tmpfile=False)
-        after = sorted(os.listdir("/proc/self/fd"))
+        after = _descriptors()
+        assert {fd: t for fd, t in after.items() if fd not in before} == {}
+        for fd in (fd for pair in sentinels for fd in pair):
+            assert after.get(fd) == before[fd], (fd, before[fd], after.get(fd))
+        os.write(sentinels[0][1], b"still open")
+        assert os.read(sentinels[0][0], 16) == b"still open"
     finally:
-        gc.enable()
-    assert after == before
+        for fd in (fd for pair in sentinels for fd in pair):
+            with contextlib.suppress(OSError):
+                os.close(fd)
     assert temp_files(tmp_path) == []
     assert not any(p in files_under(tmp_path) for p in block_paths(30, "y"))
     assert ring.batch_lookup(tmp_path, [paths[10], paths[20]], BLOCK) == [
