@@ -304,9 +304,9 @@ def test_failed_batches_leave_no_descriptor_or_temporary_file(ring, tmp_path):
     (tmp_path / "file").write_bytes(b"x")   # a file where a folder must be
     # The descriptor table is the process's, and in a test worker other code may close
     # its own descriptors meanwhile (twice in fresh-clone CI one that was open before was
-    # gone after, the garbage collector off). So: no descriptor may be new (a leak), and
-    # sentinels opened just before -- the numbers a stray close of a freed descriptor
-    # would hit first -- must all be open and the same after.
+    # gone after, the garbage collector off; not explained). So: no descriptor may be new
+    # (a leak), and sentinels -- descriptors this test owns and the batches do not, next
+    # to theirs in number -- must all be open and the same after.
     sentinels = [os.pipe() for _ in range(4)]
     try:
         before = _descriptors()
