@@ -310,15 +310,46 @@ def test_a_disk_root_keeps_every_design_s_files_until_the_run_ends(tmp_path, fak
 @pytest.mark.parametrize("why", ["--remove-each", "short of room"])
 def test_designs_files_go_right_after_each_design_when_asked_or_short_of_room(
         tmp_path, fake_drop, monkeypatch, why):
+    """Short of room on a disk, the bench also waits for the device to finish
+    discarding what the removal freed before the next design (cleanup.settle)."""
     log = RemovalLog(monkeypatch)
     extra = ["--remove-each"] if why == "--remove-each" else []
     if why == "short of room":  # no root has room for a million designs' files
         monkeypatch.setattr(cleanup, "ROOM_FACTOR", 10 ** 6)
+        monkeypatch.setattr(cleanup, "SETTLE_QUIET_S", 0.3)
+    settled: list[str] = []
+    settle = cleanup.settle
+
+    def logged_settle(root: str, progress) -> None:
+        settle(root, lambda line: (settled.append(line), progress(line)))
+    monkeypatch.setattr(cleanup, "settle", logged_settle)
     rc, doc = run_bench(tmp_path, "--designs", "baseline,pool-native", "--rounds", "2",
                         *extra)
     assert rc == 0, doc["cases"][0]["problems"]
     assert log.order() == "mr" * 4
     assert not list(tmp_path.glob("mptier-bench-*"))
+    on_disk = cleanup.device_discards(str(tmp_path)) is not None
+    want = 3 if why == "short of room" and on_disk else 0  # before designs 2, 3 and 4
+    assert sum(f"the disk under {tmp_path} settled" in line for line in settled) == want
+
+
+def test_the_discard_count_is_the_root_s_device_s(tmp_path):
+    """A root on a block device reads that device's discard count from /proc/diskstats
+    (it moves only forward); one in memory has no device to wait for."""
+    assert cleanup.device_discards("/dev/shm") is None
+    if in_memory(tmp_path):
+        pytest.skip(f"{tmp_path} is in memory")
+    dev = os.stat(tmp_path).st_dev
+    with open("/proc/diskstats") as f:
+        rows = [line.split() for line in f]
+    row = next((r for r in rows if (int(r[0]), int(r[1])) == (os.major(dev),
+                                                              os.minor(dev))), None)
+    if row is None:
+        assert cleanup.device_discards(str(tmp_path)) is None
+        return
+    before = cleanup.device_discards(str(tmp_path))
+    assert before is not None and before >= int(row[14])
+    assert cleanup.device_discards(str(tmp_path)) >= before
 
 
 def test_memory_roots_remove_each_design_s_files_at_once(tmp_path):

@@ -15,7 +15,11 @@ import pytest
 
 from mptier.storage.election import (
     ALIVE_CHECK_S,
+    ALONE_PUBLISH_S,
     ELECT_GAP_S,
+    FOLD_GAP_S,
+    HEARTBEAT_S,
+    PUBLISH_GAP_S,
     SEAT_NAME,
     SEAT_STALE_S,
     USAGE_NAME,
@@ -127,6 +131,43 @@ def test_a_dead_walkers_seat_is_taken_at_once(shares):
     publish(a, 0.0)
     a.close()  # its lock goes, as with its process
     assert b.elect(ELECT_GAP_S), "a free seat was not taken at the next try"
+
+
+def test_the_walker_publishes_often_only_news_for_contributors(shares):
+    """Every publication is a file renamed over the last (a discard request on a disk
+    mounted with ``discard``). With nobody contributing the walker publishes every
+    ALONE_PUBLISH_S however its usage moves; the fold that first sees a contributor
+    makes the next publication due at once; from then on a changed figure goes out every
+    PUBLISH_GAP_S and an unchanged one every HEARTBEAT_S."""
+    w = shares()
+    assert w.elect(0.0)
+    step, now = PUBLISH_GAP_S / 2, 0.0
+
+    def publications_until(end: float, moving: bool) -> int:
+        nonlocal now
+        seq = w.seq
+        while now < end:
+            w.fold(now, lambda path, n: None)
+            w.publish(now, int(now * 1000) if moving else 0, 0, True, 1 << 30)
+            now += step
+        return w.seq - seq
+
+    # (steps of float seconds: a gap may take one step more than it lasts)
+    alone = publications_until(3 * ALONE_PUBLISH_S, moving=True)
+    assert 2 <= alone <= 3, f"{alone} publications in {3 * ALONE_PUBLISH_S} s alone"
+    assert read_usage(w.root)["seq"] == w.seq  # what it publishes reaches the file
+    c = shares()
+    assert not c.elect(now)
+    c.contribute(0, 4 << 16)  # its record appears: it asks for room
+    seq, now = w.seq, now + FOLD_GAP_S  # the walker's next fold
+    w.fold(now, lambda path, n: None)
+    w.publish(now, 0, 0, True, 1 << 30)
+    assert w.seq == seq + 1, "the walker's first fold with a newcomer did not publish at once"
+    now += step
+    busy = publications_until(now + 10 * PUBLISH_GAP_S, moving=True)
+    assert 5 <= busy <= 10, f"{busy} publications in {10 * PUBLISH_GAP_S} s with news"
+    quiet = publications_until(now + 3 * HEARTBEAT_S, moving=False)
+    assert 2 <= quiet <= 4, f"{quiet} publications in {3 * HEARTBEAT_S} s without news"
 
 
 # -- grants: a contributor stores only within the room the walker lent it -------------

@@ -3,7 +3,9 @@ tier_prefault.py with ``bounce_loads`` on and off, interleaved, each run in a ch
 process, with the load phase's worker CPU time and minor faults (the sum over the
 tier's worker processes, read from /proc/PID/stat before and after the load), and the
 root's disk requests in each phase (/proc/diskstats: how many, their mean size and
-latency, the mean number in flight). ``JOB=64 INFLIGHT=1`` in the environment runs
+latency, the mean number in flight; for the store phase also the discard requests, which
+a file system mounted with ``discard`` sends for every freed block, and their device
+time). ``JOB=64 INFLIGHT=1`` in the environment runs
 64-block jobs one at a time (default: 16-block jobs, 16 in flight).
 
     python bench/experiments/bounce_tier.py --root /var/tmp --rounds 3
@@ -29,13 +31,15 @@ block, n, bounce, root, fill_dest, rounds = (int(sys.argv[1]), int(sys.argv[2]),
 JOB, INFLIGHT = int(os.environ.get("JOB", 16)), int(os.environ.get("INFLIGHT", 16))
 
 def disk():
-    """(reads, sectors read, ms spent reading) of the root's disk, /proc/diskstats."""
+    """(reads, sectors read, ms reading, writes, sectors written, ms writing, discards,
+    ms discarding) of the root's disk, /proc/diskstats."""
     dev = os.stat(root if os.path.exists(root) else os.path.dirname(root)).st_dev
     for line in open("/proc/diskstats"):
         f = line.split()
         if (int(f[0]), int(f[1])) == (os.major(dev), os.minor(dev)):
-            return int(f[3]), int(f[5]), int(f[6]), int(f[7]), int(f[9]), int(f[10])
-    return 0, 0, 0, 0, 0, 0
+            return (int(f[3]), int(f[5]), int(f[6]), int(f[7]), int(f[9]), int(f[10]),
+                    int(f[14]) if len(f) > 17 else 0, int(f[17]) if len(f) > 17 else 0)
+    return 0, 0, 0, 0, 0, 0, 0, 0
 
 ''' + CHILD_PHASE + r'''
 with SharedKVBuffer.create(2 * n, block) as buf:
@@ -50,7 +54,7 @@ with SharedKVBuffer.create(2 * n, block) as buf:
     d1 = disk()
     writes = d1[3] - d0[3]
     wdisk = (writes, (d1[4] - d0[4]) / 2 / max(writes, 1), (d1[5] - d0[5]) / max(writes, 1),
-             (d1[5] - d0[5]) / 1e3 / ts)
+             (d1[5] - d0[5]) / 1e3 / ts, d1[6] - d0[6], d1[7] - d0[7])
     res = []
     for r in range(rounds):
         buf.view[n:] = 0 if fill_dest else buf.view[n:]
@@ -88,7 +92,8 @@ def main() -> int:
         w = r["wdisk"]
         print(f"round {rnd} {label:>10} ({r['bounce_loads']}): store "
               f"{r['store_gbps']:5.2f} GB/s (disk: {w[0]} writes of {w[1]:.0f} KiB, "
-              f"{w[2]:.2f} ms each, {w[3]:.1f} in flight); loads: {loads}; ok {r['ok']}",
+              f"{w[2]:.2f} ms each, {w[3]:.1f} in flight, {w[4]} discards taking "
+              f"{w[5]} ms); loads: {loads}; ok {r['ok']}",
               flush=True)
     load_line()
     return 0

@@ -8,7 +8,8 @@ sections 11 and 14). A design that stored right after another one's files went m
 the file system's allocator, not itself. So on a disk root every design's folder is
 kept (:class:`KeptFiles`) until the run ends, unless the root runs short of room for the
 next design's files; in memory a design's files go at once, since the next design needs
-the memory.
+the memory. After an early removal the bench waits for the disk to finish discarding
+what was freed (:func:`settle`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 from collections.abc import Callable
 
 from mptier import fskind
@@ -27,6 +29,15 @@ REMOVE_AT_END = "at the end of the run"
 # Free room a disk root must keep, in units of one design's bytes, before another design
 # starts beside the files kept so far (folders, metadata and the file system's reserve).
 ROOM_FACTOR = 2
+# After an early removal a disk mounted with ``discard`` still has every freed block to
+# discard, for seconds to minutes, and the next design's phases would meet those
+# requests (a discard took up to 0.2 s of device time on this machine's disk;
+# docs/performance.md, section 17). The bench waits until the device has completed no
+# discard for SETTLE_QUIET_S, looking every SETTLE_POLL_S, at most SETTLE_LIMIT_S (then
+# it says so and goes on).
+SETTLE_QUIET_S = 2.0
+SETTLE_POLL_S = 0.25
+SETTLE_LIMIT_S = 180.0
 
 
 def removal_rule(root: str, defer: bool = True) -> str:
@@ -40,6 +51,50 @@ def removal_rule(root: str, defer: bool = True) -> str:
 def remove_path(path: str) -> None:
     """Remove a design's folder and everything in it; what is gone already is fine."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+def device_discards(root: str) -> int | None:
+    """Discard requests the block device holding ``root`` has completed
+    (/proc/diskstats); None where no block device holds it (tmpfs, FUSE, a network file
+    system) or the kernel does not count discards."""
+    dev = os.stat(root).st_dev
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                fields = line.split()
+                if (int(fields[0]), int(fields[1])) == (os.major(dev), os.minor(dev)):
+                    # major, minor, name, 11 counters; discards completed come next
+                    return int(fields[14]) if len(fields) >= 18 else None
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def settle(root: str, progress: Callable[[str], None]) -> None:
+    """Write what the file system holds (the removal's journal commits, and with them
+    the discards of the freed blocks), then wait until the device under ``root`` has
+    completed no discard for SETTLE_QUIET_S, at most SETTLE_LIMIT_S."""
+    os.sync()
+    first = last = device_discards(root)
+    if first is None:
+        return
+    start = quiet_since = time.monotonic()
+    while True:
+        time.sleep(SETTLE_POLL_S)
+        now, seen = time.monotonic(), device_discards(root)
+        if seen is None:
+            return
+        if seen != last:
+            last, quiet_since = seen, now
+        if now - quiet_since >= SETTLE_QUIET_S:
+            progress(f"the disk under {root} settled {now - start:.1f} s after the removal "
+                     f"({last - first} discard requests meanwhile)")
+            return
+        if now - start >= SETTLE_LIMIT_S:
+            progress(f"the disk under {root} still discarding after {SETTLE_LIMIT_S:.0f} s "
+                     f"({last - first} discard requests so far): going on; the next "
+                     "design's figures may include them")
+            return
 
 
 class KeptFiles:
@@ -73,3 +128,4 @@ class KeptFiles:
         progress(f"removing {len(self.paths)} earlier design folder(s) early: {root} is "
                  "short of room for the next design's files")
         self.remove_all()
+        settle(root, progress)

@@ -22,10 +22,13 @@ a minute by default); that is the takeover bound there.
 A walker can also be alive and stuck: its worker sits in a write to a sick mount, or is
 frozen, and no signal ends it, so its lock stays held and nobody would walk the root
 again (no dead writer's temporary file swept, no eviction). The walker publishes at
-every caretaker step, so a seat whose publication (walker tag, ``seq``) has not changed
-for :data:`SEAT_STALE_S` by a contributor's own clock is stale: that contributor takes
-``usurp.lock``, checks that ``seat.lock`` is still the file it judged stale, unlinks it
-and creates a fresh one (``O_EXCL``) whose lock it holds. The stuck walker, once it moves
+its caretaker steps (between tasks, and every few tenths of a second while idle), at
+most every :data:`PUBLISH_GAP_S` while other tiers contribute and it has news for them,
+else every :data:`HEARTBEAT_S` (every :data:`ALONE_PUBLISH_S` while none does), so a
+seat whose publication (walker tag, ``seq``) has not changed for :data:`SEAT_STALE_S`
+by a contributor's own clock is stale: that contributor takes ``usurp.lock``, checks
+that ``seat.lock`` is still the file it judged stale, unlinks it and creates a fresh
+one (``O_EXCL``) whose lock it holds. The stuck walker, once it moves
 again, sees before its next walk or publication that the name no longer points at its
 file (:meth:`RootShare.keep_seat`) and becomes a contributor. A wrong judgment (a walker
 busy in one long task) costs a re-election, never two walkers past one step.
@@ -107,15 +110,26 @@ LOG_SUFFIX = ".paths"
 # one open and one flock (a metadata round trip on a network file system).
 ELECT_GAP_S = 0.5
 # A walker whose publication has not moved for this long is taken to be stuck and its
-# seat is taken over. It publishes at every caretaker step (at least every few tenths of
-# a second while idle, between tasks while busy), so this is many missed steps, and well
-# under the I/O timeout (60 s by default) after which its worker is declared hung.
+# seat is taken over. With contributors it publishes every HEARTBEAT_S or more often
+# (see below), so this is many missed publications, and well under the I/O timeout (60 s
+# by default) after which its worker is declared hung.
 SEAT_STALE_S = 10.0
-# The walker reads the contributors' files and publishes its figure at most this often.
-# A contributor's room check trusts a figure this old plus what it created since: the
-# budget is exceeded by what other tiers' evictions would have freed in this time.
+# The walker reads the contributors' files and publishes its figure at most this often
+# while other tiers contribute. A contributor's room check trusts a figure this old plus
+# what it created since: the budget is exceeded by what other tiers' evictions would
+# have freed in this time.
 FOLD_GAP_S = 0.02
 PUBLISH_GAP_S = 0.02
+# Each publication is a new file renamed over the old one: on a disk mounted with
+# ``discard`` the old file's block is a discard request, and those took up to 0.2 s of
+# device time each on this machine's disk, 50 a second stalling the stores beside them
+# (docs/performance.md, section 17). So the walker publishes less where nobody waits:
+# - with contributors, a record with no news for them goes out only this often (the
+#   heartbeat SEAT_STALE_S judges: many missed ones);
+HEARTBEAT_S = 1.0
+# - with none, only this often (``mptier du`` and monitoring read the figure; a newcomer
+#   is answered at the fold that first sees it, and its judging starts then).
+ALONE_PUBLISH_S = 5.0
 # A contributor reads the published figure at most this often.
 READ_GAP_S = 0.02
 # How often the walker checks that a contributor still holds its ``.alive`` lock (a dead
@@ -302,6 +316,8 @@ class RootShare:
     unfolded_own: list[tuple[str, int]] = field(default_factory=list)  # see elect()
     fold_at: float = 0.0
     publish_at: float = 0.0
+    news: dict | None = None        # our last publication less its seq and time
+    heartbeat_at: float = 0.0       # publish then even with no news (HEARTBEAT_S)
     elect_at: float = 0.0
     beat: tuple | None = None       # the walker's last (tag, seq) we saw, and when it
     beat_at: float | None = None    # changed (our clock): a stuck walker's stays put
@@ -334,6 +350,7 @@ class RootShare:
         self.walker = True
         self.keep_at = now + ELECT_GAP_S
         self.beat = self.beat_at = None
+        self.news = None  # its first publication goes out, whatever it said before
         # The last record read now, not the one we read as a contributor: the grants
         # it says are in force are counted (a contributor may store under them).
         last = read_usage(self.root) or self.published
@@ -616,7 +633,10 @@ class RootShare:
             if tag == self.tag:
                 continue
             state = read_record(f"{self.dir}/{tag}{STATE_SUFFIX}")
-            cursor = self.cursors.setdefault(tag, _Cursor(alive_at=now))
+            cursor = self.cursors.get(tag)
+            if cursor is None:  # a newcomer: answered at once, then at PUBLISH_GAP_S
+                cursor = self.cursors[tag] = _Cursor(alive_at=now)
+                self.publish_at = min(self.publish_at, now)
             if state is None:
                 continue
             try:
@@ -697,7 +717,8 @@ class RootShare:
         return given
 
     def publish_due(self, now: float) -> bool:
-        """(Walker.) Whether :meth:`publish` would publish now (PUBLISH_GAP_S)."""
+        """(Walker.) Whether :meth:`publish` may publish now (PUBLISH_GAP_S with
+        contributors, ALONE_PUBLISH_S without)."""
         return now >= self.publish_at
 
     def _read_log(self, tag: str, cursor: _Cursor,
@@ -761,7 +782,9 @@ class RootShare:
 
     def publish(self, now: float, usage_bytes: int, usage_blocks: int, complete: bool,
                 capacity_bytes: int, held_bytes: int = 0, force: bool = False) -> None:
-        """(Walker.) Publish the root's usage (at most every PUBLISH_GAP_S) and
+        """(Walker.) Publish the root's usage (at most every PUBLISH_GAP_S while other
+        tiers contribute and it changed, else every HEARTBEAT_S; every ALONE_PUBLISH_S
+        while none does) and
         ``held_bytes``, what the walker's own tier's stores hold beyond it (reserved, or
         created and not counted yet), plus the contributors' grants not folded; per
         contributor ``[gen, offset, folded, reserved, limit, its number, limit in
@@ -770,16 +793,19 @@ class RootShare:
             return
         if not self.keep_seat(now):
             return  # taken over while we stood still: the new walker publishes
-        self.publish_at = now + PUBLISH_GAP_S
+        self.publish_at = now + (PUBLISH_GAP_S if self.cursors else ALONE_PUBLISH_S)
+        news = {"walker": self.tag, "host": self.host, "pid": os.getpid(),
+                "usage_bytes": usage_bytes, "usage_blocks": usage_blocks,
+                "complete": complete, "capacity_bytes": capacity_bytes,
+                "grants": self.granting, "held_bytes": held_bytes + self.outstanding(),
+                "folded": {t: [c.gen, c.offset, c.folded, c.reserved, c.limit,
+                               c.grant_seq, c.in_force]
+                           for t, c in self.cursors.items()}}
+        if not force and news == self.news and now < self.heartbeat_at:
+            return  # nothing new for the contributors: the next heartbeat will do
+        self.news, self.heartbeat_at = news, now + HEARTBEAT_S
         self.seq += 1
-        record = {"walker": self.tag, "host": self.host, "pid": os.getpid(),
-                  "seq": self.seq, "at": time.time(), "usage_bytes": usage_bytes,
-                  "usage_blocks": usage_blocks, "complete": complete,
-                  "capacity_bytes": capacity_bytes, "grants": self.granting,
-                  "held_bytes": held_bytes + self.outstanding(),
-                  "folded": {t: [c.gen, c.offset, c.folded, c.reserved, c.limit,
-                                 c.grant_seq, c.in_force]
-                             for t, c in self.cursors.items()}}
+        record = {**news, "seq": self.seq, "at": time.time()}
         publish_record(f"{self.dir}/{USAGE_NAME}", record)
         self.published = record
 
