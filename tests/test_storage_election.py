@@ -136,7 +136,8 @@ def test_a_dead_walkers_seat_is_taken_at_once(shares):
 def test_the_walker_publishes_often_only_news_for_contributors(shares):
     """Every publication is a file renamed over the last (a discard request on a disk
     mounted with ``discard``). With nobody contributing the walker publishes every
-    ALONE_PUBLISH_S however its usage moves; the fold that first sees a contributor
+    ALONE_PUBLISH_S while its usage moves, and not while it stands still; the fold that
+    first sees a contributor
     makes the next publication due at once; from then on a changed figure goes out every
     PUBLISH_GAP_S and an unchanged one every HEARTBEAT_S."""
     w = shares()
@@ -156,6 +157,9 @@ def test_the_walker_publishes_often_only_news_for_contributors(shares):
     alone = publications_until(3 * ALONE_PUBLISH_S, moving=True)
     assert 2 <= alone <= 3, f"{alone} publications in {3 * ALONE_PUBLISH_S} s alone"
     assert read_usage(w.root)["seq"] == w.seq  # what it publishes reaches the file
+    still = publications_until(now + 3 * ALONE_PUBLISH_S, moving=False)
+    # (one: the change to the still figure)
+    assert still <= 1, f"{still} publications of an unchanged record alone"
     c = shares()
     assert not c.elect(now)
     c.contribute(0, 4 << 16)  # its record appears: it asks for room

@@ -21,17 +21,18 @@ a minute by default); that is the takeover bound there.
 
 A walker can also be alive and stuck: its worker sits in a write to a sick mount, or is
 frozen, and no signal ends it, so its lock stays held and nobody would walk the root
-again (no dead writer's temporary file swept, no eviction). The walker publishes at
-its caretaker steps (between tasks, and every few tenths of a second while idle), at
-most every :data:`PUBLISH_GAP_S` while other tiers contribute and it has news for them,
-else every :data:`HEARTBEAT_S` (every :data:`ALONE_PUBLISH_S` while none does), so a
-seat whose publication (walker tag, ``seq``) has not changed for :data:`SEAT_STALE_S`
-by a contributor's own clock is stale: that contributor takes ``usurp.lock``, checks
-that ``seat.lock`` is still the file it judged stale, unlinks it and creates a fresh
-one (``O_EXCL``) whose lock it holds. The stuck walker, once it moves
-again, sees before its next walk or publication that the name no longer points at its
-file (:meth:`RootShare.keep_seat`) and becomes a contributor. A wrong judgment (a walker
-busy in one long task) costs a re-election, never two walkers past one step.
+again (no dead writer's temporary file swept, no eviction). While other tiers
+contribute, the walker publishes at its caretaker steps (between tasks, and every few
+tenths of a second while idle): at most every :data:`PUBLISH_GAP_S` when it has news
+for them, else every :data:`HEARTBEAT_S` (alone, only news, at most every
+:data:`ALONE_PUBLISH_S`). So a seat whose publication (walker tag, ``seq``) has not
+changed for :data:`SEAT_STALE_S` by a contributor's own clock is stale: that
+contributor takes ``usurp.lock``, checks that ``seat.lock`` is still the file it judged
+stale, unlinks it and creates a fresh one (``O_EXCL``) whose lock it holds. The stuck
+walker, once it moves again, sees before its next walk or publication that the name no
+longer points at its file (:meth:`RootShare.keep_seat`) and becomes a contributor. A
+wrong judgment (a walker busy in one long task) costs a re-election, never two walkers
+past one step.
 
 A contributor never walks and never evicts. It hands the walker what only it knows:
 the paths of the blocks its tier created (appended to its log, ``size relpath`` per
@@ -127,8 +128,9 @@ PUBLISH_GAP_S = 0.02
 # - with contributors, a record with no news for them goes out only this often (the
 #   heartbeat SEAT_STALE_S judges: many missed ones);
 HEARTBEAT_S = 1.0
-# - with none, only this often (``mptier du`` and monitoring read the figure; a newcomer
-#   is answered at the fold that first sees it, and its judging starts then).
+# - with none, a changed record only this often, an unchanged one never (nobody judges
+#   its heartbeat: a newcomer is answered at the fold that first sees it, and its
+#   judging starts then; tests and operators read the figure).
 ALONE_PUBLISH_S = 5.0
 # A contributor reads the published figure at most this often.
 READ_GAP_S = 0.02
@@ -783,8 +785,8 @@ class RootShare:
     def publish(self, now: float, usage_bytes: int, usage_blocks: int, complete: bool,
                 capacity_bytes: int, held_bytes: int = 0, force: bool = False) -> None:
         """(Walker.) Publish the root's usage (at most every PUBLISH_GAP_S while other
-        tiers contribute and it changed, else every HEARTBEAT_S; every ALONE_PUBLISH_S
-        while none does) and
+        tiers contribute and it changed, else every HEARTBEAT_S; while none does, when
+        it changed and at most every ALONE_PUBLISH_S) and
         ``held_bytes``, what the walker's own tier's stores hold beyond it (reserved, or
         created and not counted yet), plus the contributors' grants not folded; per
         contributor ``[gen, offset, folded, reserved, limit, its number, limit in
@@ -801,8 +803,8 @@ class RootShare:
                 "folded": {t: [c.gen, c.offset, c.folded, c.reserved, c.limit,
                                c.grant_seq, c.in_force]
                            for t, c in self.cursors.items()}}
-        if not force and news == self.news and now < self.heartbeat_at:
-            return  # nothing new for the contributors: the next heartbeat will do
+        if not force and news == self.news and (not self.cursors or now < self.heartbeat_at):
+            return  # nothing new: alone nobody judges a heartbeat, else the next will do
         self.news, self.heartbeat_at = news, now + HEARTBEAT_S
         self.seq += 1
         record = {**news, "seq": self.seq, "at": time.time()}
