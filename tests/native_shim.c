@@ -18,6 +18,10 @@
  *              before each linkat, <record> being the hex of the user.vllm.kv_crc32c
  *              attribute the file carries at that moment, or "none"
  * SHIM_LOG names the file the lines go to; "hits <n>" (refusals made) is added at exit.
+ *
+ * shim_fail_enter_after(n), called by the test (ctypes.CDLL(None)): the n-th
+ * io_uring_enter from then on (through syscall()) fails with ENOMEM without reaching the
+ * kernel -- what uring.c sees when the kernel has no memory for it; 0 disarms.
  */
 
 #define _GNU_SOURCE
@@ -45,6 +49,12 @@
 
 static int mode;
 static long hits;
+static long enter_countdown; /* shim_fail_enter_after */
+
+void shim_fail_enter_after(long n)
+{
+    __atomic_store_n(&enter_countdown, n, __ATOMIC_SEQ_CST);
+}
 
 static void hit(void)
 {
@@ -303,6 +313,14 @@ long syscall(long number, ...)
     for (int i = 0; i < 6; i++)
         a[i] = va_arg(ap, long);
     va_end(ap);
+#ifdef SYS_io_uring_enter
+    if (number == SYS_io_uring_enter && __atomic_load_n(&enter_countdown, __ATOMIC_SEQ_CST) > 0
+        && __atomic_sub_fetch(&enter_countdown, 1, __ATOMIC_SEQ_CST) == 0) {
+        hit();
+        errno = ENOMEM;
+        return -1;
+    }
+#endif
     if ((mode & M_NOAIO) && number == SYS_io_setup) {
         hit();
         errno = ENOSYS;

@@ -3,7 +3,9 @@ as direct loads, in chunks, and nothing after a failure reaches the engine's slo
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import pathlib
@@ -11,6 +13,7 @@ import resource
 import shutil
 import tempfile
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -284,6 +287,76 @@ def test_a_slot_this_process_never_mapped_is_mapped_before_the_copy(tmp_path, ur
     assert (rc, n_done) == (0, n)
     assert landed
     assert faults < pages // 4, f"{faults} minor faults for a copy into {pages} pages"
+
+
+def _descriptors_to(*targets: str) -> list[int]:
+    """This process's descriptors whose /proc/self/fd link is one of ``targets``."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") in targets:
+                out.append(int(name))
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+    return out
+
+
+@pytest.mark.parametrize("uring", [False, True], ids=["loop", "uring"])
+def test_a_forked_child_keeps_what_it_opened_under_an_inherited_number(stored, uring):
+    """The native core keeps descriptors of its own (a thread's io_uring, /proc/self/
+    pagemap for the bounced copy). A forked child that closes what it inherited and
+    opens its own files, as a daemon does, gets those numbers back: its first bounced
+    load must leave them alone (the core used to close the inherited numbers at that
+    first use, by then the child's pipes)."""
+    backend, fd, paths, source = stored
+    if backend.name != "native":
+        pytest.skip("the pure twin keeps no descriptor of its own")
+    bounce = Bounce(BLOCK, nbytes=4 * BLOCK)
+    flags = native.URING if uring else 0
+    slots = np.zeros(N * BLOCK, dtype=np.uint8)
+    offsets = [i * BLOCK for i in range(N)]
+    try:
+        assert bounce.load(backend, fd, paths, memoryview(slots), offsets, flags)[:2] == (0, N)
+        pagemap = _descriptors_to(f"/proc/{os.getpid()}/pagemap")
+        rings = _descriptors_to("anon_inode:[io_uring]")
+        assert len(pagemap) == 1 and (rings or not uring), (pagemap, rings)
+        kept = pagemap + rings  # what the core holds after a bounced load
+        pid = os.fork()
+        if pid == 0:
+            code = 1  # an exception
+            try:
+                for number in kept:  # the daemon's clean-up...
+                    with contextlib.suppress(OSError):
+                        os.close(number)
+                pipes = []
+                for number in kept:  # ...then its own files, one on each number
+                    r, w = os.pipe()
+                    high = fcntl.fcntl(w, fcntl.F_DUPFD_CLOEXEC, 256)  # out of the way
+                    os.close(w)
+                    if r != number:
+                        os.dup2(r, number)
+                        os.close(r)
+                    pipes.append((number, high, os.fstat(number).st_ino))
+                slots[:] = 0
+                rc = bounce.load(backend, fd, paths, memoryview(slots), offsets, flags)
+                loaded = rc[:2] == (0, N) and np.array_equal(slots, source)
+                intact = True
+                for number, w, ino in pipes:
+                    os.write(w, b"ok")
+                    try:
+                        intact &= os.fstat(number).st_ino == ino and os.read(number, 2) == b"ok"
+                    except OSError:
+                        intact = False
+                code = 0 if loaded and intact else 2 if intact else 3
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, \
+            "1: an exception, 2: a block not loaded, 3: a pipe of the child was closed"
+    finally:
+        bounce.close()
 
 
 def _thp_offered() -> bool:

@@ -440,6 +440,15 @@ static pthread_mutex_t mpt_pagemap_lock = PTHREAD_MUTEX_INITIALIZER;
 static int mpt_pagemap_fd = -1;
 static pid_t mpt_pagemap_pid;
 
+/* pthread_atfork, in the child: close the inherited descriptor while its number is still
+ * ours (closed at the child's first use, the number may be another file by then). */
+static void mpt_pagemap_forked(void)
+{
+    if (mpt_pagemap_fd >= 0)
+        close(mpt_pagemap_fd);
+    mpt_pagemap_fd = -1;
+}
+
 /* Whether the first and the last page of [start, end) (page-aligned) are mapped in this
  * process, from /proc/self/pagemap (its present bit needs no privilege); 0 when it cannot
  * tell. Two pages stand for the slot: a slot is mapped whole (the worker's pre-fault of
@@ -452,9 +461,9 @@ static int mpt_ends_mapped(uintptr_t start, uintptr_t end, long page)
     int ok;
 
     pthread_mutex_lock(&mpt_pagemap_lock);
-    if (mpt_pagemap_pid != getpid()) { /* a forked child: "self" was the parent's */
-        if (mpt_pagemap_fd >= 0)
-            close(mpt_pagemap_fd);
+    if (mpt_pagemap_pid != getpid()) { /* first use, or a forked child (closed at fork) */
+        if (mpt_pagemap_pid == 0)
+            (void)pthread_atfork(NULL, NULL, mpt_pagemap_forked);
         mpt_pagemap_fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
         mpt_pagemap_pid = getpid();
     }

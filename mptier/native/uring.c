@@ -53,6 +53,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #if defined(__linux__) && __has_include(<linux/io_uring.h>)
@@ -77,6 +78,9 @@
 /* Batches shorter than this take the loop: with one block there is nothing to overlap,
  * and a round trip through the ring costs more than the system calls it replaces. */
 #define MPT_URING_MIN_BLOCKS 2
+/* Retries of io_uring_enter while a failed batch waits out its requests (mpt_drain):
+ * 1 + 2 + ... + 20 ms, about 0.2 s, for the kernel to find memory again. */
+#define MPT_DRAIN_TRIES 20
 
 static pthread_once_t mpt_uring_once = PTHREAD_ONCE_INIT;
 static char mpt_uring_why[128] = "io_uring: not probed yet";
@@ -289,6 +293,18 @@ static void mpt_ring_release(void *ring)
     }
 }
 
+/* pthread_atfork, in the child: close the forking thread's inherited ring now, while its
+ * number is still the ring's. Closed later (mpt_ring, at the child's first batch) it may
+ * be a descriptor the child has opened since under the same number (a daemon closes what
+ * it inherited and opens its own files). */
+static void mpt_ring_forked(void)
+{
+    if (mpt_thread_ring != NULL && mpt_thread_ring->fd >= 0) {
+        close(mpt_thread_ring->fd);
+        mpt_thread_ring->fd = -1; /* mpt_ring() frees the rest; it closes nothing more */
+    }
+}
+
 static const uint8_t mpt_uring_ops[] = {IORING_OP_OPENAT2, IORING_OP_OPENAT,
                                         IORING_OP_STATX, IORING_OP_MKDIRAT,
                                         IORING_OP_READ, IORING_OP_WRITE};
@@ -304,6 +320,7 @@ static void mpt_uring_probe(void)
     int disabled = 0;
 
     (void)pthread_key_create(&mpt_ring_key, mpt_ring_release);
+    (void)pthread_atfork(NULL, NULL, mpt_ring_forked);
     f = fopen("/proc/sys/kernel/io_uring_disabled", "re");
     if (f != NULL) {
         if (fscanf(f, "%d", &disabled) != 1)
@@ -831,6 +848,30 @@ static void mpt_crc_arrived(struct mpt_ubatch *u, size_t from, size_t to)
     }
 }
 
+/* Wait until every request of the batch has completed (and been reaped), the end of a
+ * failed batch: no read may land in a slot, no file appear, and no completion be left for
+ * the next batch to take for its own blocks (a mkdir's 0 read as a descriptor, a write's
+ * length as a read's). io_uring_enter failing here (no memory in the kernel) is retried
+ * MPT_DRAIN_TRIES times, a millisecond more apart each time; past that the thread leaves
+ * its ring for the loop. 0, or -EIO when requests may still be in flight. */
+static int mpt_drain(struct mpt_ubatch *u)
+{
+    unsigned tries = 0;
+    while (u->inflight > 0) {
+        if (mpt_enter(u->r, 1) == 0) {
+            mpt_reap(u);
+            continue;
+        }
+        if (++tries > MPT_DRAIN_TRIES) {
+            mpt_thread_ring_state = -1; /* the ring stays allocated: it may be in use */
+            return -EIO;
+        }
+        struct timespec pause = {0, (long)tries * 1000000L};
+        nanosleep(&pause, NULL);
+    }
+    return 0;
+}
+
 /* Two loads into overlapping memory would race in the ring; the loop orders them. */
 static int mpt_overlapping(const uint64_t *offsets, size_t n, size_t len)
 {
@@ -955,8 +996,7 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
             /* io_uring_enter failed (short of a kernel bug: no memory). Wait out what is
              * in flight, give everything back, fail the batch at the next block, and
              * let this thread use the loop from now on. */
-            while (u.inflight > 0 && mpt_enter(u.r, 1) == 0)
-                mpt_reap(&u);
+            (void)mpt_drain(&u);
             for (size_t i = finished; i < started; i++) {
                 mpt_release(&u, mpt_job_of(&u, i));
                 mpt_job_of(&u, i)->state = MPT_FREE;
@@ -981,11 +1021,7 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
     if (rc != 0 && !broken) {
         /* let every request end before anything is given back: no read may land in a
          * slot, and no file appear, after the caller hears of the batch */
-        while (u.inflight > 0) {
-            if (mpt_enter(u.r, 1) != 0)
-                break;
-            mpt_reap(&u);
-        }
+        (void)mpt_drain(&u);
         for (size_t i = finished + 1; i < started; i++) {
             struct mpt_job *j = mpt_job_of(&u, i);
             mpt_release(&u, j);
