@@ -11,7 +11,9 @@ import os
 import pathlib
 import resource
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import traceback
 
@@ -357,6 +359,64 @@ def test_a_forked_child_keeps_what_it_opened_under_an_inherited_number(stored, u
             "1: an exception, 2: a block not loaded, 3: a pipe of the child was closed"
     finally:
         bounce.close()
+
+
+def test_a_child_forked_during_bounced_loads_can_load(stored):
+    """Another thread keeps making bounced loads (each looks up its slots under the
+    core's pagemap lock) while this one forks: every child's own bounced load finishes.
+    A child forked while the lock was held by that other thread -- which the child does
+    not have -- would wait for it forever, so the lock is held across fork."""
+    backend, fd, paths, source = stored
+    if backend.name != "native":
+        pytest.skip("the pure twin has no lock")
+    bounce = Bounce(BLOCK, nbytes=4 * BLOCK)
+    busy = np.zeros(N * BLOCK, dtype=np.uint8)
+    offsets = [i * BLOCK for i in range(N)]
+    stop, failures = threading.Event(), []
+
+    def loads() -> None:
+        mine = Bounce(BLOCK, nbytes=4 * BLOCK)
+        try:
+            while not stop.is_set():
+                mine.load(backend, fd, paths, memoryview(busy), offsets, 0)
+        finally:
+            mine.close()
+
+    thread = threading.Thread(target=loads, daemon=True)
+    thread.start()
+    try:
+        for _ in range(FORKS):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    slots = np.zeros(N * BLOCK, dtype=np.uint8)
+                    rc = bounce.load(backend, fd, paths, memoryview(slots), offsets, 0)
+                    code = 0 if rc[:2] == (0, N) and np.array_equal(slots, source) else 2
+                finally:
+                    os._exit(code)
+            deadline = time.monotonic() + HUNG_S
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if done[0] == 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                failures.append("a child's bounced load still waited after "
+                                f"{HUNG_S} s")
+                break
+            if os.waitstatus_to_exitcode(done[1]) != 0:
+                failures.append(f"a child exited {os.waitstatus_to_exitcode(done[1])}")
+    finally:
+        stop.set()
+        thread.join(10)
+        bounce.close()
+    assert failures == []
+
+
+# Forks of test_a_child_forked_during_bounced_loads_can_load, and how long a child's one
+# bounced load of N blocks may take before it counts as waiting forever.
+FORKS = 150
+HUNG_S = 10.0
 
 
 def _thp_offered() -> bool:

@@ -440,13 +440,33 @@ static pthread_mutex_t mpt_pagemap_lock = PTHREAD_MUTEX_INITIALIZER;
 static int mpt_pagemap_fd = -1;
 static pid_t mpt_pagemap_pid;
 
-/* pthread_atfork, in the child: close the inherited descriptor while its number is still
- * ours (closed at the child's first use, the number may be another file by then). */
+/* pthread_atfork: the lock is held across fork, so the child never inherits it locked by
+ * a thread it does not have (its first bounced copy would wait forever); in the child the
+ * inherited descriptor is closed while its number is still ours (closed at the child's
+ * first use, the number may be another file by then). */
+static void mpt_pagemap_prefork(void)
+{
+    pthread_mutex_lock(&mpt_pagemap_lock);
+}
+
+static void mpt_pagemap_parent(void)
+{
+    pthread_mutex_unlock(&mpt_pagemap_lock);
+}
+
 static void mpt_pagemap_forked(void)
 {
     if (mpt_pagemap_fd >= 0)
         close(mpt_pagemap_fd);
     mpt_pagemap_fd = -1;
+    pthread_mutex_unlock(&mpt_pagemap_lock);
+}
+
+/* Registered when the library is loaded: registering at the first use, under the lock,
+ * left a fork in another thread at that moment with the lock held and no handler. */
+__attribute__((constructor)) static void mpt_pagemap_at_load(void)
+{
+    (void)pthread_atfork(mpt_pagemap_prefork, mpt_pagemap_parent, mpt_pagemap_forked);
 }
 
 /* Whether the first and the last page of [start, end) (page-aligned) are mapped in this
@@ -462,8 +482,6 @@ static int mpt_ends_mapped(uintptr_t start, uintptr_t end, long page)
 
     pthread_mutex_lock(&mpt_pagemap_lock);
     if (mpt_pagemap_pid != getpid()) { /* first use, or a forked child (closed at fork) */
-        if (mpt_pagemap_pid == 0)
-            (void)pthread_atfork(NULL, NULL, mpt_pagemap_forked);
         mpt_pagemap_fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
         mpt_pagemap_pid = getpid();
     }

@@ -305,6 +305,12 @@ static void mpt_ring_forked(void)
     }
 }
 
+/* Registered when the library is loaded, before any thread can fork with a ring. */
+__attribute__((constructor)) static void mpt_ring_at_load(void)
+{
+    (void)pthread_atfork(NULL, NULL, mpt_ring_forked);
+}
+
 static const uint8_t mpt_uring_ops[] = {IORING_OP_OPENAT2, IORING_OP_OPENAT,
                                         IORING_OP_STATX, IORING_OP_MKDIRAT,
                                         IORING_OP_READ, IORING_OP_WRITE};
@@ -320,7 +326,6 @@ static void mpt_uring_probe(void)
     int disabled = 0;
 
     (void)pthread_key_create(&mpt_ring_key, mpt_ring_release);
-    (void)pthread_atfork(NULL, NULL, mpt_ring_forked);
     f = fopen("/proc/sys/kernel/io_uring_disabled", "re");
     if (f != NULL) {
         if (fscanf(f, "%d", &disabled) != 1)
