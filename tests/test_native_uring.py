@@ -340,14 +340,15 @@ def test_failed_batches_leave_no_descriptor_or_temporary_file(ring, tmp_path):
         native.LOOKUP_ABSENT, native.LOOKUP_ABSENT]
 
 
-def test_a_ring_that_fails_mid_batch_hands_nothing_to_the_next(shim, tmp_path):
+def test_a_ring_that_fails_mid_batch_hands_nothing_to_the_next(ring, shim, tmp_path):
     """io_uring_enter failing (the kernel out of memory for it) at any point of a batch
     that also fails on its own: the batch fails, the thread takes the loop from then on,
     and its later batches store and load every block right. Before, a failure while the
     failed batch waited out its requests left them in the ring, and the next batch took
     their completions for its own blocks: a folder's mkdir result 0 taken for a
     descriptor closed the process's descriptor 0. Each try runs on a new thread (a ring
-    of its own), with stdin and more pipes as sentinels."""
+    of its own), with stdin and more pipes as sentinels. (``ring``: skipped where
+    io_uring is refused.)"""
     proc, hits, _ = run_with_shim(shim, "", tmp_path / "shim.log", """
         import ctypes, os, sys, threading
         from native_support import BLOCK, aligned, block_paths, make_io, offsets
