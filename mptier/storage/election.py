@@ -352,7 +352,7 @@ class RootShare:
         self.walker = True
         self.keep_at = now + ELECT_GAP_S
         self.beat = self.beat_at = None
-        self.news = None  # its first publication goes out, whatever it said before
+        self.news, self.publish_at = None, 0.0  # its first publication goes out at once
         # The last record read now, not the one we read as a contributor: the grants
         # it says are in force are counted (a contributor may store under them).
         last = read_usage(self.root) or self.published
