@@ -140,6 +140,17 @@ def aligned(nbytes: int, seed: int | None = None) -> np.ndarray:
     return arr
 
 
+def descriptors() -> dict[int, str]:
+    """This process's open descriptors and what each points to (/proc/self/fd)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+    return out
+
+
 def block_paths(n: int, tag: str = "") -> list[str]:
     """Relative paths shaped like the real layout: <h[:3]>/<h[3:5]>_g0/<h>.bin."""
     out = []

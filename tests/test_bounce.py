@@ -19,6 +19,7 @@ import traceback
 
 import numpy as np
 import pytest
+from native_support import descriptors
 
 from mptier import native
 from mptier.fskind import fs_type
@@ -291,18 +292,6 @@ def test_a_slot_this_process_never_mapped_is_mapped_before_the_copy(tmp_path, ur
     assert faults < pages // 4, f"{faults} minor faults for a copy into {pages} pages"
 
 
-def _descriptors_to(*targets: str) -> list[int]:
-    """This process's descriptors whose /proc/self/fd link is one of ``targets``."""
-    out = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") in targets:
-                out.append(int(name))
-        except OSError:  # the listing's own descriptor, closed by now
-            continue
-    return out
-
-
 @pytest.mark.parametrize("uring", [False, True], ids=["loop", "uring"])
 def test_a_forked_child_keeps_what_it_opened_under_an_inherited_number(stored, uring):
     """The native core keeps descriptors of its own (a thread's io_uring, /proc/self/
@@ -319,8 +308,9 @@ def test_a_forked_child_keeps_what_it_opened_under_an_inherited_number(stored, u
     offsets = [i * BLOCK for i in range(N)]
     try:
         assert bounce.load(backend, fd, paths, memoryview(slots), offsets, flags)[:2] == (0, N)
-        pagemap = _descriptors_to(f"/proc/{os.getpid()}/pagemap")
-        rings = _descriptors_to("anon_inode:[io_uring]")
+        held = descriptors().items()
+        pagemap = [fd for fd, t in held if t == f"/proc/{os.getpid()}/pagemap"]
+        rings = [fd for fd, t in held if t == "anon_inode:[io_uring]"]
         assert len(pagemap) == 1 and (rings or not uring), (pagemap, rings)
         kept = pagemap + rings  # what the core holds after a bounced load
         pid = os.fork()

@@ -23,6 +23,7 @@ from native_support import (  # noqa: F401  (fixtures)
     BLOCK,
     aligned,
     block_paths,
+    descriptors,
     files_under,
     make_io,
     no_fault_fixture,
@@ -56,21 +57,8 @@ def _outcome(fn, *args, **kw):
         return [e.errno, e.index, e.n_done]
 
 
-def _descriptors() -> dict[int, str]:
-    """This process's open descriptors and what each points to."""
-    out = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:  # the listing's own descriptor, closed by now
-            continue
-    return out
-
-
 def _ring_fds() -> int:
-    return sum(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[io_uring]"
-               for fd in os.listdir("/proc/self/fd")
-               if os.path.exists(f"/proc/self/fd/{fd}"))
+    return sum(t == "anon_inode:[io_uring]" for t in descriptors().values())
 
 
 # -- in flight at once --------------------------------------------------------------------
@@ -313,7 +301,7 @@ def test_failed_batches_leave_no_descriptor_or_temporary_file(ring, tmp_path):
     # must be the same after.
     sentinels = [os.pipe() for _ in range(4)]
     try:
-        before = _descriptors()
+        before = descriptors()
         for _ in range(3):
             with pytest.raises(BatchIOError):
                 ring.batch_load(tmp_path, paths, buf, offsets(range(n, 2 * n)), BLOCK,
@@ -322,7 +310,7 @@ def test_failed_batches_leave_no_descriptor_or_temporary_file(ring, tmp_path):
                 ring.batch_store(tmp_path, [*block_paths(5, "x"), "file/a.bin",
                                             *block_paths(30, "y")], buf,
                                  offsets(range(36)), BLOCK, tmpfile=False)
-        after = _descriptors()
+        after = descriptors()
         here = os.path.realpath(tmp_path)
         assert {fd: t for fd, t in after.items() if fd not in before and (
             t == "anon_inode:[io_uring]" or t == here or t.startswith(here + "/"))} == {}
