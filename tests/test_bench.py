@@ -16,13 +16,22 @@ from mptier import fskind
 from mptier.bench import cleanup, cli, harness
 from mptier.bench.designs import parse_designs, parse_spec
 from mptier.bench.engine import MptierDesign, config_overrides
-from mptier.bench.measure import CacheDrop, parse_size
+from mptier.bench.measure import (
+    CacheDrop,
+    Saturation,
+    device_counters,
+    parse_size,
+    saturation_figures,
+    spin,
+)
 from mptier.bench.report import FIGURE_KEYS, fmt
 
 TINY = ["--block-bytes", "64K", "--job-blocks", "4", "--inflight-jobs", "4",
         "--total-bytes", "2M", "--single-job-blocks", "8", "--repeats", "1",
         "--idle-seconds", "0.05", "--poll-us", "200", "--busy-work-us", "200", "--no-progress"]
 
+# Figures a job-driven design (a, b, c) fills only where a block device holds the root.
+DISK_FIGURES = {"store_disk_busy", "load_disk_busy", "single_load_disk_busy"}
 # Figures a job-driven design (a, b, c) must fill; (d) has only these three kinds.
 RAW_FIGURES = {"store_gbps", "load_gbps", "store_gbps_busy", "load_gbps_busy",
                "interference", "interference_store", "interference_load"}
@@ -77,6 +86,8 @@ def test_every_design_reports_every_figure_with_consistent_ratios(tmp_path, fake
         assert set(r["ratio_to_b"]) == set(FIGURE_KEYS) == set(r["ratio_to_d"])
         filled = {k for k, v in r["figures"].items() if v is not None}
         want = RAW_FIGURES if r["letter"] == "d" else set(FIGURE_KEYS)
+        if device_counters(str(tmp_path)) is None:  # no device under the root to count
+            want -= DISK_FIGURES
         assert filled == want, (r["label"], want - filled, filled - want)
         for key in FIGURE_KEYS:
             for ref, ratios in ((b, r["ratio_to_b"]), (d, r["ratio_to_d"])):
@@ -350,6 +361,39 @@ def test_the_discard_count_is_the_root_s_device_s(tmp_path):
     before = cleanup.device_discards(str(tmp_path))
     assert before is not None and before >= int(row[14])
     assert cleanup.device_discards(str(tmp_path)) >= before
+
+
+def test_saturation_counts_the_machine_s_cpus_and_the_root_s_device(tmp_path):
+    """A phase's saturation figures come from the kernel's counters: CPU time this
+    process spends shows in the machine's busy seconds, and a direct read of a file the
+    page cache does not hold shows in the device's read bytes and busy time."""
+    assert device_counters("/dev/shm") is None
+    before = Saturation.take(str(tmp_path))
+    spin(300_000_000)
+    span = Saturation.take(str(tmp_path)).since(before)
+    assert span["cpu_seconds"] >= 0.2, span  # the spin's 0.3 s, in 10 ms ticks
+    assert 0.25 <= span["seconds"] < 60
+    busy = saturation_figures([span, span])
+    assert busy["cpus_busy"] == pytest.approx(span["cpu_seconds"] / span["seconds"])
+    assert saturation_figures([])["cpus_busy"] is None
+    if in_memory(tmp_path) or device_counters(str(tmp_path)) is None:
+        assert "disk_read_bytes" not in span and busy["disk_busy"] is None
+        pytest.skip(f"no block device holds {tmp_path}")
+    size = 8 << 20
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(os.urandom(size))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)  # written, then dropped
+        before = Saturation.take(str(tmp_path))
+        assert len(os.pread(fd, size, 0)) == size
+        span = Saturation.take(str(tmp_path)).since(before)
+    finally:
+        os.close(fd)
+    assert span["disk_read_bytes"] >= size, span
+    assert span["disk_busy_seconds"] > 0, span
+    assert 0 < saturation_figures([span])["disk_busy"] <= 1.0
 
 
 def test_memory_roots_remove_each_design_s_files_at_once(tmp_path):

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from mptier import fskind
+from mptier.bench.measure import device_counters
 
 # When a design's files go: right after the design, or at the end of the run (every
 # case and round).
@@ -54,20 +55,11 @@ def remove_path(path: str) -> None:
 
 
 def device_discards(root: str) -> int | None:
-    """Discard requests the block device holding ``root`` has completed
-    (/proc/diskstats); None where no block device holds it (tmpfs, FUSE, a network file
-    system) or the kernel does not count discards."""
-    dev = os.stat(root).st_dev
-    try:
-        with open("/proc/diskstats") as f:
-            for line in f:
-                fields = line.split()
-                if (int(fields[0]), int(fields[1])) == (os.major(dev), os.minor(dev)):
-                    # major, minor, name, 11 counters; discards completed come next
-                    return int(fields[14]) if len(fields) >= 18 else None
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    """Discard requests the block device holding ``root`` has completed; None where no
+    block device holds it (tmpfs, FUSE, a network file system) or the kernel does not
+    count discards."""
+    counters = device_counters(root)
+    return None if counters is None else counters.discards
 
 
 def settle(root: str, progress: Callable[[str], None]) -> None:

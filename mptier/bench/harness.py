@@ -74,6 +74,7 @@ from mptier.bench.measure import (
     CacheDrop,
     CpuSnapshot,
     MemorySnapshot,
+    Saturation,
     SchedulerLoad,
     drop_page_cache,
     warm_free_memory,
@@ -283,7 +284,7 @@ class Case:
         out["verify"] = self._verify(min(w.n_blocks, self.buffer.region))
 
         self.progress(f"{design.label}: {w.single_job_blocks}-block job alone")
-        singles_store, singles_load, checks = [], [], []
+        singles_store, singles_load, singles_busy, checks = [], [], [], []
         for single_keys in keys.single:
             self._warm(out, "single", len(single_keys) * w.block_bytes * 5 // 4)
             store = run(design, self._jobs(design, single_keys, len(single_keys), False),
@@ -297,10 +298,12 @@ class Case:
                 singles_store.append(store.latencies_ns[0])
             if load.failed == 0:
                 singles_load.append(load.latencies_ns[0])
+                singles_busy.append(load.saturation)
             checks.append(self._verify(len(single_keys)))
         design.drain()
         out["single_store_ns"] = singles_store
         out["single_load_ns"] = singles_load
+        out["single_load_saturation"] = singles_busy
         out["single_verify"] = checks[0] if len(checks) == 1 or checks[0]["mode"] == "off" \
             else {"mode": "full", "blocks_checked": sum(c["blocks_checked"] for c in checks),
                   "mismatched": sum(c["mismatched"] for c in checks),
@@ -331,9 +334,10 @@ class Case:
     def _run_jobs(self, design: Design, jobs: list[tuple[Any, int]], kind: str,
                   lookups: bool, inflight: int = 1,
                   load: SchedulerLoad | None = None) -> PhaseStats:
-        before = MemorySnapshot.take()
+        before, busy_before = MemorySnapshot.take(), Saturation.take(self.w.root)
         stats = drive(design, jobs, kind, inflight, load or self.light, lookups,
                       self.w.stall_timeout_s)
+        stats.saturation = Saturation.take(self.w.root).since(busy_before)
         stats.memory = MemorySnapshot.take().since(before)
         return stats
 

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from mptier.bench.measure import format_size, ms_summary, us_summary
+from mptier.bench.measure import format_size, ms_summary, saturation_figures, us_summary
 from mptier.bench.scheduler import PhaseStats
 
 
@@ -44,6 +44,15 @@ FIGURES: tuple[Figure, ...] = (
     Figure("load_job_p99_ms", "load job latency p99", "ms", "lower", 1),
     Figure("single_store_ms", "large job alone: store", "ms", "lower", 1),
     Figure("single_load_ms", "large job alone: load", "ms", "lower", 1),
+    # What each design ran out of (measure.Saturation): the machine's CPUs busy on
+    # average (of the "cpus" the run's machine line names) and the fraction of the time
+    # the root's block device had a request in flight.
+    Figure("store_cpus", "CPUs busy: store", "CPUs", "lower"),
+    Figure("load_cpus", "CPUs busy: load", "CPUs", "lower"),
+    Figure("single_load_cpus", "CPUs busy: large job alone, load", "CPUs", "lower"),
+    Figure("store_disk_busy", "disk busy: store", "x", "lower"),
+    Figure("load_disk_busy", "disk busy: load", "x", "lower"),
+    Figure("single_load_disk_busy", "disk busy: large job alone, load", "x", "lower"),
     Figure("submit_store_us_p50", "submit_store p50", "µs", "lower", 1),
     Figure("submit_store_us_p99", "submit_store p99", "µs", "lower", 1),
     Figure("submit_store_us_max", "submit_store max", "µs", "lower", 0),
@@ -119,6 +128,10 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
         both = [p for p in (light, busy) if p is not None]
         if light is not None:
             figures[f"{kind}_gbps"] = light.gbps
+            if light.saturation is not None:
+                used = saturation_figures([light.saturation])
+                figures[f"{kind}_cpus"] = used["cpus_busy"]
+                figures[f"{kind}_disk_busy"] = used["disk_busy"]
             lat = ms_summary(light.latencies_ns)
             figures[f"{kind}_job_p50_ms"] = lat["p50"]
             figures[f"{kind}_job_p99_ms"] = lat["p99"]
@@ -155,6 +168,10 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
     if singles["load"]:
         figures["single_load_ms"] = statistics.median(singles["load"]) / 1e6
     record["single_job_runs"] = {k: [v / 1e6 for v in vs] for k, vs in singles.items()}
+    if out.get("single_load_saturation"):
+        used = saturation_figures(out["single_load_saturation"])
+        figures["single_load_cpus"] = used["cpus_busy"]
+        figures["single_load_disk_busy"] = used["disk_busy"]
     record["verify"] = out.get("verify")
     record["single_verify"] = out.get("single_verify")
     if "corrupted_files" in out:
@@ -348,7 +365,10 @@ def case_caption(case: dict[str, Any]) -> str:
     if removal:
         dropped += f"; files removed {removal}" if removal != "kept" else "; files kept"
     text = (f"{dropped}; loads verified byte for byte ({case['verified']}); ratios: "
-            f"{refs or 'none'}; higher is better for GB/s and loop rate, lower for times")
+            f"{refs or 'none'}; higher is better for GB/s and loop rate, lower for times; "
+            "CPUs busy counts the whole machine (the engine too), disk busy the share of "
+            "the phase the root's device had a request in flight: a design near the "
+            "machine's CPUs ran out of CPU")
     short = short_phase(case)
     if short:
         text += f". WARNING: {short}"

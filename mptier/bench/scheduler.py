@@ -40,6 +40,9 @@ class PhaseStats:
     first_failure: str = ""
     # The machine's page counters over the phase (MemorySnapshot.since), set by the harness.
     memory: dict[str, Any] | None = None
+    # The machine's CPUs and the root's device over the phase (Saturation.since), set
+    # by the harness.
+    saturation: dict[str, float] | None = None
 
     @property
     def gbps(self) -> float | None:
