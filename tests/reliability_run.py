@@ -38,7 +38,8 @@ skipped with the reason):
                        the cause), use the real service through two restarts, and leak
                        nothing to the impostor
 * ``killed_at_start``  30 engines SIGKILLed within a second of making their buffer; one
-                       live tier afterwards frees every buffer, lease and run-folder entry
+                       live tier afterwards frees every buffer, lease, run-folder entry
+                       and probe file
 * ``root_moved``       a tmpfs mounted over a running tier's root and taken away again:
                        stores follow the path, loads are right
 
@@ -992,7 +993,7 @@ time.sleep(60)
 def killed_at_start(row: Row, root: str, engines: int = 30) -> None:
     """Engines SIGKILLed within a second of making their buffer, 30 in a row; then one
     live tier on the same root and nobody else: its start and its periodic sweeps must
-    free every buffer, lease and run-folder entry the dead ones left."""
+    free every buffer, lease, run-folder entry and probe file the dead ones left."""
     from mptier.storage import names as N
     from mptier.storage.leases import lease_state
     from mptier.workers.supervisor import SHM_SWEEP_S
@@ -1029,7 +1030,14 @@ def killed_at_start(row: Row, root: str, engines: int = 30) -> None:
         def run_dir_left() -> list[str]:
             return [e for e in os.listdir(run_dir) if any(f"-{p}." in e for p in pids)]
 
-        at_kill = (len(shm_left()), len(leases_left()))
+        def probes_left() -> list[str]:
+            # An engine killed while its tier probed the root's block folder (O_DIRECT,
+            # xattrs, O_TMPFILE) leaves the probe's named file; the live tier's sweep
+            # removes it once past the probe grace (storage.leases.PROBE_TEMP_GRACE_S).
+            return [n for _, _, files in os.walk(root) for n in files
+                    if N.PROBE_TEMP_RE.match(n)]
+
+        at_kill = (len(shm_left()), len(leases_left()), len(probes_left()))
         started = time.monotonic()
         buf = SharedKVBuffer.create(8, KILLED_BLOCK)
         tier = FileSystemTier(buf, root_dir=root, n_load_workers=1, n_store_workers=1,
@@ -1039,21 +1047,24 @@ def killed_at_start(row: Row, root: str, engines: int = 30) -> None:
             deadline = started + 3 * SHM_SWEEP_S + 30
             while time.monotonic() < deadline:
                 for what, left in (("buffers", shm_left), ("leases", leases_left),
-                                   ("run-folder entries", run_dir_left)):
+                                   ("run-folder entries", run_dir_left),
+                                   ("probe files", probes_left)):
                     if what not in gone_after and not left():
                         gone_after[what] = time.monotonic() - started
-                if len(gone_after) == 3:
+                if len(gone_after) == 4:
                     break
                 time.sleep(0.2)
-            left = len(shm_left()) + len(leases_left()) + len(run_dir_left())
+            left = len(shm_left()) + len(leases_left()) + len(run_dir_left()) \
+                + len(probes_left())
         finally:
             tier.shutdown()
             buf.close()
             buf.unlink()
         row.objects_leaked = left
         row.notes.append(
-            f"{engines} engines killed 0-1 s after making their buffer ({at_kill[0]} buffers "
-            f"and {at_kill[1]} dead leases still there when the last was killed); with one "
+            f"{engines} engines killed 0-1 s after making their buffer ({at_kill[0]} buffers, "
+            f"{at_kill[1]} dead leases and {at_kill[2]} probe files still there when the "
+            "last was killed); with one "
             "live tier: " + ", ".join(f"{w} gone {t:.1f} s after its start"
                                       for w, t in gone_after.items())
             + (f"; {left} left after {3 * SHM_SWEEP_S + 30:.0f} s" if left else ""))

@@ -21,6 +21,7 @@ from test_capacity import BLOCK, Driver, content, keys_for
 from mptier import TransferJob, make_key
 from mptier.keys import key_block_hash
 from mptier.storage import lease_state
+from mptier.storage.roots import RootRouter
 
 ENGINE = textwrap.dedent("""
     import hashlib, sys, time
@@ -121,12 +122,20 @@ def test_engine_sigkill_mid_store_then_a_new_tier_sweeps_its_temps_not_a_live_ti
 @pytest.mark.parametrize("backend", ["native"], indirect=True)
 def test_each_worker_holds_a_lease_per_root_and_gives_it_up_at_shutdown(
         make_buffer, make_tier, tmp_path):
+    """A worker leases a root at its first store there (docs/storage.md: one lease per
+    root it wrote to). The keys are picked four per root: a root's share of a key is
+    seeded by its path, which is tmp_path's, and 8 keys of one fixed recipe all fell on
+    one root about once in 128 runs, leaving the other without a writer, so no lease."""
     roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
+    router = RootRouter(roots)
+    on = [[k for k in keys_for(b"lease", 64) if router.index_of(k) == i][:4] for i in (0, 1)]
+    assert [len(k) for k in on] == [4, 4]  # fewer than 4 of 64 on a root: ~1e-14
+    keys = on[0] + on[1]
     buf = make_buffer(8, BLOCK)
     tier = make_tier(buf, root_dir="", root_dirs=roots, n_load_workers=1,
                      n_store_workers=1, task_bytes=8 * BLOCK)
     run = Driver(tier, buf)
-    assert run.store(keys_for(b"lease", 8)).success  # both roots, by one worker or two
+    assert run.store(keys).success  # one task: one worker writes both roots
     leases = {r: glob.glob(f"{r}/.mptier/leases/*.lease") for r in roots}
     assert all(leases.values())
     tags = {os.path.basename(p)[:-len(".lease")] for r in roots for p in leases[r]}

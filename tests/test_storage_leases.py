@@ -9,6 +9,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 
 import pytest
 from storage_tree import key_for, make_cache, start_lease_holder, write_block
@@ -24,6 +26,7 @@ from mptier.storage import (
     sweep_temps,
     temp_tag,
 )
+from mptier.storage.leases import LEASE_CREATE_GRACE_S, PROBE_TEMP_GRACE_S
 from mptier.storage.names import LEASE_RE, TAG_RE
 
 HOUR_NS = 3600 * 10**9
@@ -218,6 +221,66 @@ def test_probe_files_of_a_dead_prober_are_removed_when_old(tmp_path):
     report = sweep_temps(root, locks_work=True)
     assert report.counts.probes_removed == 1
     assert not os.path.exists(old) and os.path.exists(young)
+
+
+# A native probe's file as the probe has it while its name lives: created, then locked.
+PROBER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("probing", flush=True)
+time.sleep(600)
+"""
+
+
+def _start_prober(path):
+    proc = subprocess.Popen([sys.executable, "-c", PROBER, path], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "probing", f"prober exit {proc.poll()}"
+    return proc
+
+
+@pytest.mark.parametrize("where", ["root", "block folder"])
+def test_a_native_probes_file_is_removed_once_its_prober_died(tmp_path, where):
+    """A tier's start probes its block folder (`mptier info --root`: the root) through a
+    named file, .mpt_probe.<pid>.<n>.tmp, whose flock the probe holds while the name
+    lives. A prober SIGKILLed mid-probe (an engine killed while its tier started; the
+    killed_at_start scenario once leaked one) leaves the file with its lock free: the
+    sweep removes it once past PROBE_TEMP_GRACE_S. A live probe's file (locked) and a
+    young one stay; an older version's O_DIRECT probe name is swept too. Without
+    working locks, age alone (LEASE_CREATE_GRACE_S) decides."""
+    root = str(tmp_path)
+    mapper = make_cache(root)
+    os.makedirs(mapper.blocks_dir, exist_ok=True)
+    folder = root if where == "root" else mapper.blocks_dir
+    live, dead, young = (f"{folder}/.mpt_probe.{n}.1.tmp" for n in (11, 12, 13))
+    legacy = f"{folder}/.mpt_odirect_probe.14.15.2.tmp"
+    holder, killed = _start_prober(live), _start_prober(dead)
+    try:
+        killed.kill()
+        killed.wait()
+        for path in (young, legacy):
+            open(path, "w").close()
+        for path in (live, dead, legacy):
+            _age(path, PROBE_TEMP_GRACE_S + 60)
+        assert {e.path for e in Walker(root).walk_all() if e.kind is Kind.TEMP} \
+            == {live, dead, young, legacy}
+        report = sweep_temps(root, locks_work=True)
+        assert report.counts.probes_removed == 2
+        assert [os.path.exists(p) for p in (live, dead, young, legacy)] \
+            == [True, False, True, False]
+    finally:
+        holder.kill()
+        holder.wait()
+        killed.stdout.close()
+        holder.stdout.close()
+    assert sweep_temps(root, locks_work=True).counts.probes_removed == 1  # its prober died
+    assert not os.path.exists(live) and os.path.exists(young)
+    _age(young, LEASE_CREATE_GRACE_S - 10)
+    assert sweep_temps(root, locks_work=False).counts.probes_removed == 0
+    _age(young, 20)
+    assert sweep_temps(root, locks_work=False).counts.probes_removed == 1
+    assert not os.path.exists(young)
 
 
 def test_a_writer_that_followed_its_root_away_and_back_takes_its_tag_anew(tmp_path):

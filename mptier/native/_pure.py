@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import itertools
 import mmap
 import os
@@ -550,8 +551,16 @@ def _probe_path(directory: bytes) -> bytes:
     return b"%s/.mpt_probe.%d.%d.tmp" % (directory, os.getpid(), next(_counter))
 
 
+def _probe_lock(fd: int) -> None:
+    """Twin of ``mpt_probe_lock``: the probe file's flock, best effort."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 def _probe_open(path: bytes, oflags: int) -> int:
-    return os.open(path, oflags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, oflags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    _probe_lock(fd)
+    return fd
 
 
 def probe_o_direct(directory: bytes) -> int:
@@ -613,6 +622,7 @@ def probe_o_tmpfile(directory: bytes) -> int:
         except OSError as e:
             return 0 if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL) else -e.errno
         name = b".mpt_probe.%d.%d.tmp" % (os.getpid(), next(_counter))
+        _probe_lock(fd)  # locked before it has a name
         try:
             os.write(fd, b"m")
             rc = _link_tmpfile(fd, dirfd, name)
@@ -627,6 +637,7 @@ def probe_o_tmpfile(directory: bytes) -> int:
         # still reads back after the close proves the way works.
         try:
             check = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+            _probe_lock(check)  # unlocked since the close: leases.PROBE_TEMP_GRACE_S
             try:
                 return 1 if os.read(check, 1) == b"m" else 0
             finally:

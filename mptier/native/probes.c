@@ -2,7 +2,9 @@
  * probes.c - what a directory's file system supports, asked once per root.
  *
  * Each probe takes a directory path, answers 1 (works), 0 (refused by the file system)
- * or -errno (the directory itself is unusable), and leaves no file behind.
+ * or -errno (the directory itself is unusable), and leaves no file behind. While a probe's
+ * file has its name (.mpt_probe.<pid>.<n>.tmp) the probe holds its flock, so a sweeper
+ * (mptier.storage.leases.TempSweeper) can tell a prober killed mid-probe from a live one.
  * mpt_same_folder is asked once per run of keys instead: is the root still the folder
  * the worker opened?
  */
@@ -19,10 +21,19 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
 #include <sys/xattr.h>
 #include <unistd.h>
+
+/* Hold the probe file's flock (best effort: a sweeper that wins the few instructions
+ * between the open and this lock removes a name the probe no longer needs, since it
+ * works on its descriptor; a file system without locks judges probe files by age). */
+static void mpt_probe_lock(int fd)
+{
+    (void)flock(fd, LOCK_EX | LOCK_NB);
+}
 
 static int mpt_probe_file(const char *dir, int oflags, char *path, size_t size)
 {
@@ -34,7 +45,10 @@ static int mpt_probe_file(const char *dir, int oflags, char *path, size_t size)
     do
         fd = open(path, oflags | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     while (fd < 0 && errno == EINTR);
-    return fd < 0 ? -errno : fd;
+    if (fd < 0)
+        return -errno;
+    mpt_probe_lock(fd);
+    return fd;
 }
 
 /* 1: O_DIRECT works in dir; 0: it does not (EINVAL); -errno: dir is unusable. */
@@ -100,6 +114,7 @@ int mpt_probe_o_tmpfile(const char *dir)
         close(dirfd);
         return fd == -EOPNOTSUPP || fd == -EISDIR || fd == -EINVAL ? 0 : fd;
     }
+    mpt_probe_lock(fd); /* locked before it has a name */
     rc = mpt_write_at(fd, "m", 1, MPT_AT_POSITION);
     len = snprintf(path, sizeof path, ".mpt_probe.%ld.%llu.tmp", (long)getpid(),
                    (unsigned long long)mpt_next_counter());
@@ -112,6 +127,8 @@ int mpt_probe_o_tmpfile(const char *dir)
          * then drop its inode when the O_TMPFILE descriptor closes. Only a name that
          * still reads back after the close proves the way works. */
         check = openat(dirfd, path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+        if (check >= 0)
+            mpt_probe_lock(check); /* unlocked since the close: leases.PROBE_TEMP_GRACE_S */
         rc = check >= 0 && read(check, &byte, 1) == 1 && byte == 'm' ? 1 : 0;
         if (check >= 0)
             close(check);

@@ -60,6 +60,15 @@ DEFAULT_STALE_TEMP_S = 3600.0
 LEASE_CREATE_GRACE_S = 60.0
 # Probe files (.mptier/lockprobe.*, clock.*) of a process that died mid-probe.
 PROBE_PREFIXES = ("lockprobe.", "clock.")
+# The file-system probes of mptier.native (O_DIRECT, user xattrs, O_TMPFILE) name a file
+# .mpt_probe.<pid>.<n>.tmp in the folder they probe and hold its flock while it lives; a
+# probe file whose lock is free and older than this is a prober's that died mid-probe
+# (SIGKILLed while its tier started). The grace covers the O_TMPFILE probe's read-back,
+# which opens its file by name again a few system calls after the descriptor holding
+# the lock closed; a probe's file lives microseconds, so a few seconds are ample, and
+# the next tier on the root removes a dead prober's file at its first walk after them.
+# Where locks do not work, such a file goes by age, as the probes under .mptier do.
+PROBE_TEMP_GRACE_S = 5.0
 _LOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
@@ -343,6 +352,8 @@ class TempSweeper:
         if self._now is None:
             self.begin_pass()
         if entry.kind is Kind.TEMP:
+            if entry.tag is None and N.PROBE_TEMP_RE.match(os.path.basename(entry.path)):
+                return self._offer_probe(entry)
             if entry.tag is not None and self.locks_work:
                 stale = self._tag_dead(entry.tag)
             else:
@@ -363,6 +374,20 @@ class TempSweeper:
             return True
         return False
 
+    def _offer_probe(self, entry: Entry) -> bool:
+        """A native probe's file (:data:`~mptier.storage.names.PROBE_TEMP_RE`): removed
+        once past :data:`PROBE_TEMP_GRACE_S` while its lock can be had, or, where locks
+        do not work, once older than :data:`LEASE_CREATE_GRACE_S`."""
+        if self.locks_work:
+            removed = self._age_stale(entry, int(PROBE_TEMP_GRACE_S * 1e9)) \
+                and self._reap_locked(entry)
+        else:
+            removed = self._age_stale(entry, int(LEASE_CREATE_GRACE_S * 1e9)) \
+                and self._remove(entry)
+        if removed:
+            self.counts.probes_removed += 1
+        return removed
+
     def _offer_lease(self, entry: Entry) -> bool:
         creating = entry.path.endswith(N.LEASE_NEW_SUFFIX)
         if creating and not self._age_stale(entry, int(LEASE_CREATE_GRACE_S * 1e9)):
@@ -374,15 +399,15 @@ class TempSweeper:
                 self.counts.leases_removed += 1
                 return True
             return False
-        if self._reap_lease(entry):
+        if self._reap_locked(entry):
             if not creating:
                 self._dead.add(entry.tag)  # type: ignore[arg-type]
             self.counts.leases_removed += 1
             return True
         return False
 
-    def _reap_lease(self, entry: Entry) -> bool:
-        """Unlink a lease file while holding its lock, if the lock can be had."""
+    def _reap_locked(self, entry: Entry) -> bool:
+        """Unlink a lease (or probe) file while holding its lock, if the lock can be had."""
         try:
             fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
                          | os.O_NONBLOCK)

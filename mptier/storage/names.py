@@ -7,6 +7,9 @@
         ... /<h>.bin.<pid>.<tid>.<counter>.tmp      the same, older writers (no lease)
     <root>/.mptier/leases/<tag>.lease               a writer's lease (flock held while alive)
     <root>/.mptier/leases/<tag>.lease.new           a lease being created (locked, renamed)
+    <root>[/<model>_<12 hex>_r<rank>]/.mpt_probe.<pid>.<n>.tmp
+                                                    a file-system probe's file (flock held
+                                                    while it lives: mptier.native probes)
 
 Pure string work, no I/O. ``tag`` is exactly :data:`TAG_LEN` characters of ``[0-9a-z]``.
 """
@@ -41,8 +44,11 @@ _TAG = f"[0-9a-z]{{{TAG_LEN}}}"
 TEMP_RE = re.compile(
     rf"^(?P<h>[0-9a-f]{{5,}})\.bin\.(?P<tag>{_TAG})\.(?P<counter>\d{{1,{MAX_COUNTER_DIGITS}}})\.tmp$")
 LEGACY_TEMP_RE = re.compile(r"^(?P<h>[0-9a-f]{5,})\.bin\.\d+\.\d+\.\d+\.tmp$")
-# The O_DIRECT probe of mptier.native leaves this at the root if its process dies.
-PROBE_TEMP_RE = re.compile(r"^\.mpt_odirect_probe\.\d+\.\d+\.\d+\.tmp$")
+# The probes of mptier.native (O_DIRECT, user xattrs, O_TMPFILE) leave this in the
+# folder they probe -- a tier's block folder, or the root (`mptier info`) -- if their
+# process dies mid-probe; ".mpt_odirect_probe.<pid>.<tid>.<n>.tmp" is the name older
+# versions' O_DIRECT probe used.
+PROBE_TEMP_RE = re.compile(r"^\.mpt_(probe\.\d+|odirect_probe\.\d+\.\d+)\.\d+\.tmp$")
 TAG_RE = re.compile(f"^{_TAG}$")
 LEASE_RE = re.compile(rf"^(?P<tag>{_TAG})\.lease(?P<new>\.new)?$")
 

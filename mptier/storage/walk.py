@@ -354,6 +354,8 @@ class Walker:
             if N.TOP_RE.match(name):
                 return self._layout_folder(frame, de, _TOP, frame.folder, frame.block_bytes,
                                            name)
+            if N.PROBE_TEMP_RE.match(name):  # a tier probes its block folder
+                return self._typed(de, Kind.TEMP, frame.folder)
             return self._entry(de, Kind.FOREIGN, frame.folder)
         if level == _ROOT:
             return self._visit_root(frame, de)
