@@ -22,6 +22,8 @@
  * shim_fail_enter_after(n), called by the test (ctypes.CDLL(None)): the n-th
  * io_uring_enter from then on (through syscall()) fails with ENOMEM without reaching the
  * kernel -- what uring.c sees when the kernel has no memory for it; 0 disarms.
+ * shim_fail_enters(n, count): the n-th and the count - 1 after it fail so;
+ * shim_enter_failures_left() says how many of those are still to come.
  */
 
 #define _GNU_SOURCE
@@ -49,11 +51,38 @@
 
 static int mode;
 static long hits;
-static long enter_countdown; /* shim_fail_enter_after */
+static long enter_countdown; /* shim_fail_enters: enters until the first failure */
+static long enter_failures;  /* failures still to make once the countdown ran out */
+
+void shim_fail_enters(long n, long count)
+{
+    __atomic_store_n(&enter_failures, n > 0 ? count : 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&enter_countdown, n, __ATOMIC_SEQ_CST);
+}
 
 void shim_fail_enter_after(long n)
 {
-    __atomic_store_n(&enter_countdown, n, __ATOMIC_SEQ_CST);
+    shim_fail_enters(n, 1);
+}
+
+long shim_enter_failures_left(void)
+{
+    return __atomic_load_n(&enter_failures, __ATOMIC_SEQ_CST);
+}
+
+/* Whether this io_uring_enter is one to fail (enter calls come from one thread at a
+ * time in these tests). */
+static int enter_fails(void)
+{
+    if (__atomic_load_n(&enter_failures, __ATOMIC_SEQ_CST) <= 0)
+        return 0;
+    if (__atomic_load_n(&enter_countdown, __ATOMIC_SEQ_CST) > 1) {
+        __atomic_sub_fetch(&enter_countdown, 1, __ATOMIC_SEQ_CST);
+        return 0;
+    }
+    __atomic_store_n(&enter_countdown, 0, __ATOMIC_SEQ_CST);
+    __atomic_sub_fetch(&enter_failures, 1, __ATOMIC_SEQ_CST);
+    return 1;
 }
 
 static void hit(void)
@@ -314,8 +343,7 @@ long syscall(long number, ...)
         a[i] = va_arg(ap, long);
     va_end(ap);
 #ifdef SYS_io_uring_enter
-    if (number == SYS_io_uring_enter && __atomic_load_n(&enter_countdown, __ATOMIC_SEQ_CST) > 0
-        && __atomic_sub_fetch(&enter_countdown, 1, __ATOMIC_SEQ_CST) == 0) {
+    if (number == SYS_io_uring_enter && enter_fails()) {
         hit();
         errno = ENOMEM;
         return -1;

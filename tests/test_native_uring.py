@@ -395,6 +395,64 @@ def test_a_ring_that_fails_mid_batch_hands_nothing_to_the_next(ring, shim, tmp_p
     assert hits >= 30, f"only {hits} io_uring_enter calls were made to fail"
 
 
+def test_a_ring_that_keeps_failing_is_waited_out_before_the_batch_returns(ring, shim,
+                                                                          tmp_path):
+    """io_uring_enter failing many times in a row, past the drain's quick retries
+    (MPT_DRAIN_TRIES), while a batch's reads are in the ring: the batch fails, but only
+    once every request it put in the ring has ended -- a read still in flight when the
+    caller hears of the batch could land in memory the caller hands out again (a bounce
+    slot, an engine's slot). Before, the drain gave up after its retries and returned
+    with the requests still in the ring. The failures left over say which: the batch
+    that waits them out uses them all. Later batches on the thread take the loop and
+    load every block right."""
+    proc, hits, _ = run_with_shim(shim, "", tmp_path / "shim.log", """
+        import ctypes, os, sys, threading
+        from native_support import BLOCK, aligned, block_paths, make_io, offsets
+        from mptier.errors import BatchIOError
+        root, tries, streak = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+        HUNG_S = 20  # a try takes well under a second
+        shim = ctypes.CDLL(None)
+        io, n = make_io("native-uring"), 24
+        names = block_paths(n, "a-")
+        source = aligned(2 * n * BLOCK, seed=7)
+        io.batch_store(root, names, source, offsets(range(n)), BLOCK, checksum=True)
+        wrong = []
+
+        def attempt(k):
+            buf = aligned(2 * n * BLOCK, seed=k)
+            shim.shim_fail_enters(k, streak)  # the k-th enter from here and those after
+            try:
+                io.batch_load(root, names, buf, offsets(range(n)), BLOCK, checksum=True)
+                wrong.append((k, "the batch succeeded through failing enters"))
+            except BatchIOError:
+                pass
+            left = shim.shim_enter_failures_left()
+            shim.shim_fail_enters(0, 0)
+            if left:
+                wrong.append((k, f"the batch returned with {left} of {streak} failing "
+                                 "enters still to come: its requests were in the ring"))
+            try:
+                io.batch_load(root, names, buf, offsets(range(n, 2 * n)), BLOCK,
+                              checksum=True)
+                if bytes(buf[n * BLOCK:]) != bytes(source[:n * BLOCK]):
+                    wrong.append((k, "a later batch loaded wrong bytes"))
+            except BatchIOError as exc:
+                wrong.append((k, f"a later batch failed: {exc}"))
+
+        for k in range(1, tries + 1):
+            t = threading.Thread(target=attempt, args=(k,), daemon=True)
+            t.start()
+            t.join(HUNG_S)
+            if t.is_alive():
+                wrong.append((k, f"a batch still running after {HUNG_S} s"))
+                break
+        print(wrong, flush=True)
+        sys.exit(1 if wrong else 0)
+    """, str(tmp_path), "4", "30", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert hits >= 4 * 30, f"only {hits} io_uring_enter calls were made to fail"
+
+
 # -- the tier ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("uring", [True, False], ids=["io_uring", "loop"])

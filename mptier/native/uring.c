@@ -78,8 +78,13 @@
 /* Batches shorter than this take the loop: with one block there is nothing to overlap,
  * and a round trip through the ring costs more than the system calls it replaces. */
 #define MPT_URING_MIN_BLOCKS 2
-/* Retries of io_uring_enter while a failed batch waits out its requests (mpt_drain):
- * 1 + 2 + ... + 20 ms, about 0.2 s, for the kernel to find memory again. */
+/* io_uring_enter failing while a batch waits out its requests (mpt_drain) is tried
+ * again 1, 2, ... MPT_DRAIN_TRIES ms later, then every MPT_DRAIN_TRIES ms until the
+ * ring answers: the kernel finding memory again. The wait has no end of its own: a
+ * request still in the ring may yet write into memory the caller hands out again (a
+ * bounce slot, an engine's slot), so no batch returns before its ring gave every one
+ * back. A worker stuck here is one the pool's I/O timeout ends; its exit waits out
+ * its ring in the kernel. */
 #define MPT_DRAIN_TRIES 20
 
 static pthread_once_t mpt_uring_once = PTHREAD_ONCE_INIT;
@@ -856,10 +861,10 @@ static void mpt_crc_arrived(struct mpt_ubatch *u, size_t from, size_t to)
 /* Wait until every request of the batch has completed (and been reaped), the end of a
  * failed batch: no read may land in a slot, no file appear, and no completion be left for
  * the next batch to take for its own blocks (a mkdir's 0 read as a descriptor, a write's
- * length as a read's). io_uring_enter failing here (no memory in the kernel) is retried
- * MPT_DRAIN_TRIES times, a millisecond more apart each time; past that the thread leaves
- * its ring for the loop. 0, or -EIO when requests may still be in flight. */
-static int mpt_drain(struct mpt_ubatch *u)
+ * length as a read's). io_uring_enter failing here (no memory in the kernel) is tried
+ * again until it answers (MPT_DRAIN_TRIES), and the thread leaves its ring for the loop
+ * from then on. */
+static void mpt_drain(struct mpt_ubatch *u)
 {
     unsigned tries = 0;
     while (u->inflight > 0) {
@@ -867,14 +872,12 @@ static int mpt_drain(struct mpt_ubatch *u)
             mpt_reap(u);
             continue;
         }
-        if (++tries > MPT_DRAIN_TRIES) {
-            mpt_thread_ring_state = -1; /* the ring stays allocated: it may be in use */
-            return -EIO;
-        }
+        if (tries < MPT_DRAIN_TRIES)
+            tries++;
+        mpt_thread_ring_state = -1; /* the ring stays allocated: it may be in use */
         struct timespec pause = {0, (long)tries * 1000000L};
         nanosleep(&pause, NULL);
     }
-    return 0;
 }
 
 /* Two loads into overlapping memory would race in the ring; the loop orders them. */
@@ -1001,7 +1004,7 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
             /* io_uring_enter failed (short of a kernel bug: no memory). Wait out what is
              * in flight, give everything back, fail the batch at the next block, and
              * let this thread use the loop from now on. */
-            (void)mpt_drain(&u);
+            mpt_drain(&u);
             for (size_t i = finished; i < started; i++) {
                 mpt_release(&u, mpt_job_of(&u, i));
                 mpt_job_of(&u, i)->state = MPT_FREE;
@@ -1026,7 +1029,7 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
     if (rc != 0 && !broken) {
         /* let every request end before anything is given back: no read may land in a
          * slot, and no file appear, after the caller hears of the batch */
-        (void)mpt_drain(&u);
+        mpt_drain(&u);
         for (size_t i = finished + 1; i < started; i++) {
             struct mpt_job *j = mpt_job_of(&u, i);
             mpt_release(&u, j);
