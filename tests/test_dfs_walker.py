@@ -134,7 +134,11 @@ def test_four_tiers_on_two_mounts_hold_the_budget_within_5_percent(juicefs_volum
                "stored": stored / CAPACITY, "samples": len(samples),
                "published": record["usage_bytes"] / CAPACITY}
     print(json.dumps(figures))
-    assert peak <= PEAK_BOUND * CAPACITY, figures
+    # When the peak passes the bound, what the caretakers said of the seat tells a
+    # takeover in the traffic (two tiers judging room a moment each) from a wrong count.
+    assert peak <= PEAK_BOUND * CAPACITY, (
+        figures, run.warnings("walk", "elect", "seat"),
+        [round(s / CAPACITY, 3) for s in samples if s > CAPACITY])
     # The final is the walker's eviction target (the capacity less its slack, one store
     # per writer here) less the unlinks it overshot by: 0.964-0.974x in four runs since
     # the slack counts one store (0.92-0.97x before, a slot's blocks told at one look).
