@@ -77,6 +77,9 @@ class TierConfig:
     n_store_workers: int = 2
     # Jobs are cut into tasks of at most this many bytes (at least one block each).
     task_bytes: int = 8 * MiB
+    # A job that finds workers idle is cut into smaller tasks (down to 1 MiB), one for
+    # each worker that can run at once, so that a lone job uses every CPU the pool has.
+    spread_jobs: bool = True
     # A task running longer than this gets its worker killed (hung mount) and is failed
     # (loads) or retried elsewhere (stores).
     io_timeout_s: float = 60.0
@@ -290,7 +293,7 @@ class TierConfig:
                      "bounce_loads"):
             setattr(self, name, _tristate(name, getattr(self, name)))
         for name in ("native", "enable_events", "prefault", "parallel_agnostic",
-                     "replicated_layout"):
+                     "replicated_layout", "spread_jobs"):
             _want(isinstance(getattr(self, name), bool), name, getattr(self, name),
                   "true or false")
         _want_int(self, "worker_nice", low=0, high=19)
@@ -391,7 +394,8 @@ LAYOUT_FIELDS = ("model_name", "tokens_per_hash", "blocks_per_file", "tp_size", 
 # The fields only an engine uses, also when it attaches to a service: its layout, how it
 # cuts and batches its jobs, its events, which service it attaches to (and whom it
 # believes), its own status socket.
-ENGINE_FIELDS = (*LAYOUT_FIELDS, "task_bytes", "enable_events", "lookup_batch_keys",
+ENGINE_FIELDS = (*LAYOUT_FIELDS, "task_bytes", "spread_jobs", "enable_events",
+                 "lookup_batch_keys",
                  "service", "service_user", "status_socket")
 
 

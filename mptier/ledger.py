@@ -92,12 +92,23 @@ class Counters:
     evicted_keys: int = 0  # keys of this tier's folder evicted to stay within capacity
 
 
+def spread_per_task(n: int, per_task: int, idle: int, least: int) -> int:
+    """Blocks per task for a job of ``n`` blocks while ``idle`` workers wait for work:
+    ``per_task`` (task_bytes' worth), or fewer, so that the job's tasks reach every idle
+    worker -- but never fewer than ``least`` a task (a task's own cost). The job is
+    then as many tasks as that makes (the manager's SPREAD_MIN_BYTES says why)."""
+    if idle < 2 or n <= least or -(-n // per_task) >= idle:
+        return per_task
+    return min(per_task, max(least, -(-n // idle)))
+
+
 class JobLedger:
     """Jobs in flight, their task groups, and the results and events they produced."""
 
     def __init__(self, block_bytes: int, lookups: LookupTable, stored_events: bool) -> None:
         self.jobs: dict[int, Job] = {}
         self.groups: dict[int, Group] = {}
+        self._tasks_left = 0  # over every group: tasks_in_flight without a sum per call
         self._next_group = 1
         self._finished: list[JobResult] = []
         self._events: list[TierEvent] = []
@@ -172,6 +183,7 @@ class JobLedger:
         group = self._next_group
         self._next_group = group + 1
         self.groups[group] = Group(job, keys, per_task, bytearray(n_tasks), n_tasks)
+        self._tasks_left += n_tasks
         return group << TASK_INDEX_BITS
 
     def keys_removed(self, m: Message) -> None:
@@ -196,7 +208,8 @@ class JobLedger:
 
     @property
     def tasks_in_flight(self) -> int:
-        return sum(g.left for g in self.groups.values())
+        """Tasks submitted and not yet reported (queued or running)."""
+        return self._tasks_left
 
     def task_finished(self, m: Message) -> None:
         """Apply a DONE or LOST report; a job whose last task reported is finished."""
@@ -207,6 +220,7 @@ class JobLedger:
             return  # a second report of a task (its retry's twin): the first one counted
         group.done[index] = 1
         group.left -= 1
+        self._tasks_left -= 1
         if not group.left:
             del self.groups[group_id]
         start = index * group.per_task

@@ -70,7 +70,7 @@ from mptier.jobs import (
 )
 from mptier.keys import MAX_KEY_BYTES, check_key
 from mptier.layout import FileMapper
-from mptier.ledger import JobLedger
+from mptier.ledger import JobLedger, spread_per_task
 from mptier.lookup import LookupTable
 from mptier.monitor.tier import attach_tier
 from mptier.shm import SharedKVBuffer, cleanup_stale
@@ -97,6 +97,14 @@ _BYTES_ONLY = {bytes}
 # Shortest valid key: a block hash of at least one byte plus the 4-byte group index.
 _MIN_KEY_BYTES = 5
 # errno of jobs the engine fails itself: queued work dropped at shutdown.
+# A job that finds workers idle is cut into smaller tasks, so that it runs on every one
+# of them at once: with one job in flight a 4 MiB job (one task of the default 8 MiB)
+# kept one worker busy while the other CPU idled (docs/performance.md, section 18). Only
+# while fewer tasks are in flight than workers can run at once (the workers, and the
+# CPUs they may use), and never below this much a task: a task costs its worker ~170 µs
+# outside its I/O (section 12), a fifth of a 1 MiB copy in memory.
+SPREAD_MIN_BYTES = 1 << 20
+
 ERR_CANCELLED = errno.ECANCELED
 
 
@@ -130,6 +138,11 @@ class FileSystemTier:
         self._num_blocks = buffer.num_blocks
         self.mapper = FileMapper((cfg.roots() or [""])[0], **cfg.layout_kwargs())
         self._per_task = max(1, cfg.task_bytes // self._block_bytes)
+        # How many tasks run at once, and the least blocks a task of a spread job takes.
+        self._spread_width = min(cfg.n_load_workers + cfg.n_store_workers,
+                                 len(cfg.worker_cpus) or len(os.sched_getaffinity(0))) \
+            if cfg.spread_jobs else 0
+        self._spread_least = max(1, SPREAD_MIN_BYTES // self._block_bytes)
         # Keys up to this length always fit self._per_task items in a record.
         self._fast_key_len = next((k for k in range(MAX_KEY_BYTES, 0, -1)
                                    if task_record_capacity(TaskKind.STORE, k)
@@ -260,6 +273,9 @@ class FileSystemTier:
                                  "a load needs one slot per key")
         per_task = self._per_task if key_len <= self._fast_key_len else \
             min(self._per_task, task_record_capacity(kind, key_len))
+        idle = self._spread_width - self._ledger.tasks_in_flight
+        if idle > 1:
+            per_task = spread_per_task(n, per_task, idle, self._spread_least)
         first_task = self._ledger.add_job(job_id, kind, keys, block_ids, per_task)
         if not first_task:
             return

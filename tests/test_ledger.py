@@ -6,7 +6,7 @@ import array
 import errno
 
 from mptier.jobs import LookupResult, Message, MessageType, TaskKind, decode_task
-from mptier.ledger import LOOKUP_PRESENT, TASK_INDEX_BITS, JobLedger
+from mptier.ledger import LOOKUP_PRESENT, TASK_INDEX_BITS, JobLedger, spread_per_task
 from mptier.lookup import LookupTable
 from mptier.native.entries import Outcome
 
@@ -37,6 +37,52 @@ def test_job_finishes_with_its_last_task_and_twins_are_ignored():
     assert ledger.take_events() == []
     ledger.task_finished(done(first + 1, 4))  # late report of a finished job
     assert ledger.take_finished() == [] and not ledger.jobs and not ledger.groups
+
+
+def test_tasks_in_flight_counts_every_task_until_its_first_report():
+    """The count the manager asks at every submit (is a worker idle?) is kept, not
+    summed: it must agree with the groups at every step, twins and failures included."""
+    lookups = LookupTable()
+    for key in KEYS[:3]:
+        lookups.lookup(key, "r")
+    ledger = JobLedger(4096, lookups, stored_events=False)
+    a = ledger.add_job(1, TaskKind.STORE, KEYS, ids(KEYS), per_task=3)  # 4 tasks
+    b = ledger.add_lookups(lookups.take_unsent(), per_task=2)  # 2 tasks
+    c = ledger.add_job(2, TaskKind.LOAD, KEYS[:4], ids(KEYS[:4]), per_task=4)  # 1 task
+
+    def agrees(expected: int) -> None:
+        assert ledger.tasks_in_flight == expected == sum(
+            g.left for g in ledger.groups.values())
+
+    agrees(7)
+    ledger.task_finished(done(a + 3, 1))
+    ledger.task_finished(done(a + 3, 1))  # a twin: counted once
+    agrees(6)
+    ledger.task_finished(Message(MessageType.DONE, 0, 1, task_id=b, payload=bytes(2)))
+    ledger.fail_task(c, errno.EIO, "lost")
+    agrees(4)
+    for task_id in ledger.unfinished_task_ids():
+        ledger.fail_task(task_id, errno.ECANCELED, "shut down")
+    agrees(0)
+    assert not ledger.groups
+
+
+def test_a_job_is_spread_over_idle_workers_only_down_to_the_least_task():
+    # (blocks, blocks a task, idle workers, least blocks a task) -> blocks a task
+    assert spread_per_task(16, 32, 2, 4) == 8  # one task of 32 would leave a worker idle
+    assert spread_per_task(16, 32, 4, 4) == 4
+    assert spread_per_task(16, 32, 8, 4) == 4  # not below the least: 4 tasks, not 8
+    assert spread_per_task(6, 32, 4, 4) == 4  # 2 tasks of 4 and 2
+    assert spread_per_task(4, 32, 4, 4) == 32  # no smaller than one least task
+    assert spread_per_task(64, 4, 2, 1) == 4  # 16 tasks already: every worker has one
+    assert spread_per_task(16, 32, 1, 4) == 32  # one idle worker: nothing to spread to
+    assert spread_per_task(16, 2, 4, 4) == 2  # never more a task than task_bytes gives
+    for n in range(1, 70):
+        for idle in range(2, 6):
+            per = spread_per_task(n, 16, idle, 2)
+            tasks = -(-n // per)
+            assert per <= 16 and (per >= 2 or n <= 2)
+            assert tasks <= max(idle, -(-n // 16)), (n, idle, per)
 
 
 def test_partial_load_reports_loaded_keys_and_marks_the_rest_missed():

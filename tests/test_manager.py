@@ -110,6 +110,37 @@ def test_large_job_is_split_across_workers(make_buffer, make_tier):
     assert sum(w["tasks_done"] for w in tier.stats()["workers"]) == 64
 
 
+@pytest.mark.parametrize("spread", [True, False], ids=["spread_jobs", "no_spread"])
+def test_a_job_that_finds_workers_idle_is_spread_over_them(make_buffer, make_tier, spread):
+    """One 4 MiB job (16 blocks of 256 KiB: one task of the default 8 MiB) submitted to an
+    idle tier runs as one task per worker that can run at once (workers, and the CPUs
+    they may use), each at least SPREAD_MIN_BYTES; with ``spread_jobs`` off, as one
+    task. The blocks come back whole either way."""
+    from mptier.ledger import spread_per_task
+    from mptier.manager import SPREAD_MIN_BYTES
+
+    block = 256 * KB
+    buf = make_buffer(64, block)
+    fill_random(buf.view, range(16))
+    tier = make_tier(buf, n_load_workers=2, n_store_workers=2, spread_jobs=spread)
+    width = min(4, len(os.sched_getaffinity(0))) if spread else 0
+    expected = -(-16 // spread_per_task(16, 32, width, SPREAD_MIN_BYTES // block))
+    assert expected == (min(width, 4) if spread else 1)
+    keys = keys_for(16, seed=21)
+
+    def tasks_done() -> int:
+        return sum(w["tasks_done"] for w in tier.stats()["workers"])
+
+    tier.submit_store(TransferJob(1, keys, list(range(16))))
+    assert wait_results(tier, [1])[1].success
+    assert tasks_done() == expected
+    tier.submit_load(TransferJob(2, keys, list(range(16, 32))))
+    assert wait_results(tier, [2])[2].success
+    assert tasks_done() == 2 * expected
+    assert np.array_equal(buf.view[16:32], buf.view[:16])
+    assert tier.stats()["blocks_per_task"] == 32  # task_bytes still says 8 MiB
+
+
 def test_lookup_retry_then_hit_or_miss(make_buffer, make_tier):
     buf = make_buffer(4, 4 * KB)
     tier = make_tier(buf)
