@@ -16,15 +16,9 @@ from mptier import fskind
 from mptier.bench import cleanup, cli, harness
 from mptier.bench.designs import parse_designs, parse_spec
 from mptier.bench.engine import MptierDesign, config_overrides
-from mptier.bench.measure import (
-    CacheDrop,
-    Saturation,
-    device_counters,
-    parse_size,
-    saturation_figures,
-    spin,
-)
+from mptier.bench.measure import CacheDrop, parse_size, spin
 from mptier.bench.report import FIGURE_KEYS, fmt
+from mptier.bench.saturation import Saturation, device_counters, saturation_figures
 
 TINY = ["--block-bytes", "64K", "--job-blocks", "4", "--inflight-jobs", "4",
         "--total-bytes", "2M", "--single-job-blocks", "8", "--repeats", "1",

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from mptier import fskind
-from mptier.bench.measure import device_counters
+from mptier.bench.saturation import device_counters
 
 # When a design's files go: right after the design, or at the end of the run (every
 # case and round).

@@ -74,12 +74,12 @@ from mptier.bench.measure import (
     CacheDrop,
     CpuSnapshot,
     MemorySnapshot,
-    Saturation,
     SchedulerLoad,
     drop_page_cache,
     warm_free_memory,
 )
 from mptier.bench.raw import RawLimit
+from mptier.bench.saturation import Saturation
 from mptier.bench.scheduler import PhaseStats, drive
 from mptier.keys import make_key
 from mptier.layout import FileMapper

@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from mptier.bench.measure import format_size, ms_summary, saturation_figures, us_summary
+from mptier.bench.measure import format_size, ms_summary, us_summary
+from mptier.bench.saturation import saturation_figures
 from mptier.bench.scheduler import PhaseStats
 
 

@@ -1,0 +1,106 @@
+"""What a stretch of a benchmark run kept busy: the machine's CPUs (``/proc/stat``) and
+the block device under the root (``/proc/diskstats``).
+
+* :func:`machine_busy_seconds` -- CPU seconds the whole machine has been busy.
+* :func:`device_counters` -- bytes read and written, busy time and discards of the
+  device holding a path (None in memory and on network or FUSE file systems).
+* :class:`Saturation` and :func:`saturation_figures` -- both over a phase, as the
+  figures the report prints beside the GB/s: which of the two a design ran out of.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (``/proc/stat``: every
+    state but idle and iowait, in ticks of 1/CLK_TCK s); 0.0 where unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+        ticks = [int(x) for x in fields[:8]]
+        # user nice system idle iowait irq softirq steal: all but idle and iowait
+        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+@dataclass(frozen=True)
+class DeviceCounters:
+    """The counters of the block device under a path, at one moment (/proc/diskstats)."""
+
+    read_bytes: int
+    write_bytes: int
+    busy_ms: int            # time with at least one request in flight ("io_ticks")
+    discards: int | None    # discard requests completed; None where not counted
+
+
+# /proc/diskstats counts in sectors of 512 bytes whatever the device's own size.
+DISKSTATS_SECTOR = 512
+
+
+def device_counters(path: str) -> DeviceCounters | None:
+    """The counters of the block device holding ``path``; None where no block device
+    holds it (tmpfs, FUSE, a network file system) or /proc/diskstats is unreadable."""
+    try:
+        dev = os.stat(path).st_dev
+        with open("/proc/diskstats") as f:
+            for line in f:
+                fields = line.split()
+                if (int(fields[0]), int(fields[1])) != (os.major(dev), os.minor(dev)):
+                    continue
+                # major minor name, then reads: completed merged sectors ms, writes:
+                # completed merged sectors ms, in flight, io_ticks ms, weighted ms,
+                # then (Linux 4.18+) discards: completed merged sectors ms
+                return DeviceCounters(
+                    read_bytes=int(fields[5]) * DISKSTATS_SECTOR,
+                    write_bytes=int(fields[9]) * DISKSTATS_SECTOR,
+                    busy_ms=int(fields[12]),
+                    discards=int(fields[14]) if len(fields) >= 18 else None)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class Saturation:
+    """What a stretch of the run kept busy: the machine's CPUs and the block device
+    under the root. Where a design is slower than another, this says which of the two
+    ran out (docs/performance.md, section 18): CPUs busy near the machine's count, or
+    the device busy the whole time at the rate the raw limit (d) reaches."""
+
+    wall: float
+    machine_busy: float
+    device: DeviceCounters | None
+
+    @classmethod
+    def take(cls, root: str) -> Saturation:
+        return cls(time.monotonic(), machine_busy_seconds(), device_counters(root))
+
+    def since(self, earlier: Saturation) -> dict[str, float]:
+        """``seconds``, ``cpu_seconds`` (the whole machine's), and with a device under
+        the root ``disk_busy_seconds``, ``disk_read_bytes``, ``disk_write_bytes``."""
+        out = {"seconds": self.wall - earlier.wall,
+               "cpu_seconds": max(0.0, self.machine_busy - earlier.machine_busy)}
+        if self.device is not None and earlier.device is not None:
+            out["disk_busy_seconds"] = (self.device.busy_ms - earlier.device.busy_ms) / 1e3
+            out["disk_read_bytes"] = self.device.read_bytes - earlier.device.read_bytes
+            out["disk_write_bytes"] = self.device.write_bytes - earlier.device.write_bytes
+        return out
+
+
+def saturation_figures(stretches: list[dict[str, float]]) -> dict[str, float | None]:
+    """Summed stretches (:meth:`Saturation.since`) as ``cpus_busy`` (CPUs busy on
+    average) and ``disk_busy`` (the fraction of the time the device had a request in
+    flight; None without a device). Several short stretches (the large job alone, a
+    few tens of milliseconds each) are summed first: /proc/stat counts in 10 ms ticks."""
+    seconds = sum(s["seconds"] for s in stretches)
+    if not stretches or seconds <= 0:
+        return {"cpus_busy": None, "disk_busy": None}
+    disk = [s["disk_busy_seconds"] for s in stretches if "disk_busy_seconds" in s]
+    return {"cpus_busy": sum(s["cpu_seconds"] for s in stretches) / seconds,
+            "disk_busy": min(1.0, sum(disk) / seconds) if len(disk) == len(stretches)
+            else None}
