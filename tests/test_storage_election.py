@@ -401,3 +401,84 @@ def test_an_idle_contributors_room_goes_back_to_the_cache(shares):
         now += 0.1
     w.fold_at = 0.0
     assert w.room_held(CAP) == 0 and disk.fold(now) == 0
+
+
+# -- a seat changing hands: the new walker counts what nobody published ----------------
+
+def test_a_takeover_counts_the_room_the_stuck_walkers_own_stores_may_take(shares):
+    """The stuck walker's own tier stores on under its walker's room checks (its usage,
+    the grants it counts, its stores) until it sees the seat gone; none of those blocks
+    is logged, so the new walker's first figure (the last record) misses them. Both
+    tiers' checks passed for the same free room: 30 blocks used of 40, 10 + 10 stored,
+    the root at 1.25x. The new walker counts the free room of the last record as the
+    old walker's until it has stepped down and a walk begun since has ended."""
+    a, b = shares(), shares()
+    assert a.elect(0.0) and not b.elect(0.0)
+    used = 30 * BLOCK  # a's own tier's blocks (its walk and its stores count them)
+    a.publish(0.0, used, 30, True, CAP, force=True)
+    now = 0.0
+    while not contributor_step(b, now):  # a stands still: b takes its seat over
+        now += ELECT_GAP_S
+    assert a.walker and b.walker and b.inherited == used
+    # Until a's next keep_seat, each tier's stores take what its own checks leave.
+    a_stores = CAP - used - a.room_held(CAP)
+    b_stores = CAP - b.inherited - b.room_held(CAP)
+    assert a_stores == 10 * BLOCK  # (nothing tells a yet)
+    assert used + a_stores + b_stores <= CAP, (
+        f"the root at {(used + a_stores + b_stores) / CAP:.2f}x its capacity")
+    # b evicts for that room rather than wait on a stuck tier for good.
+    b.fold_at = 0.0
+    assert b.fold(now, lambda path, n: None) == 10 * BLOCK
+    # a moves, steps down; a walk b began before that counts nothing of it...
+    began = now
+    assert not a.keep_seat(now + ELECT_GAP_S) and not a.walker
+    # A contributor now, before it read a grant: its room checks leave it nothing.
+    assert CAP - a.usage_for_tier() - a.room_held(CAP) == a.grant_left() == 0
+    b.fold_at = 0.0
+    b.fold(now + 2 * ELECT_GAP_S, lambda path, n: None)
+    b.walked(began)
+    assert b.room_held(CAP) == 10 * BLOCK, "released before a walk saw a's last blocks"
+    # ...a walk begun after it stepped down holds every block a stored as the walker.
+    b.walked(now + 2 * ELECT_GAP_S)
+    assert b.room_held(CAP) == 0 and b.outstanding() == 0
+
+
+def test_a_contributor_stores_nothing_before_the_walkers_first_answer(shares):
+    """A contributor that has read no record yet (the walker elected a moment before
+    publishing) has no grant: its room checks must not take the root for empty."""
+    w, c = shares(), shares()
+    assert w.elect(0.0) and not c.elect(0.0)
+    c.contribute(0, 8 * BLOCK)
+    c.refresh(0.0)  # nothing published yet
+    assert c.grant_left() == 0
+    assert CAP - c.usage_for_tier() - c.room_held(CAP) == 0, "the whole capacity is its"
+    publish(w, 0.0)
+    c.read_at = 0.0
+    c.refresh(0.0)
+    assert c.granted and CAP - c.usage_for_tier() - c.room_held(CAP) == 0
+
+
+def test_a_new_walker_counts_its_own_blocks_the_last_walker_did_not_fold(shares):
+    """A contributor elected after the walker's death: what it created and the last
+    walker had not folded is in no published figure and no longer in any grant counted
+    (its own limit stops counting with its log), so the figure it trusts until its walk
+    ends must hold it."""
+    w, c = shares(), shares()
+    assert w.elect(0.0) and not c.elect(0.0)
+    disk = Disk(w)
+    contribute(c, 0.0, headroom=8 * BLOCK)
+    disk.step(0.0)
+    contribute(c, 0.0)
+    assert disk.store(c, 2) == 2
+    c.contribute(0, 8 * BLOCK)
+    disk.step(0.1)  # folded: in the published usage
+    contribute(c, 0.1, headroom=8 * BLOCK)
+    assert disk.store(c, 3) == 3
+    c.contribute(0, 8 * BLOCK)  # logged, not folded
+    assert disk.store(c, 1) == 1  # not even logged
+    w.close()  # the walker's process dies: its seat goes
+    assert c.elect(ELECT_GAP_S)
+    on_root = sum(disk.files.values())
+    assert on_root == 6 * BLOCK and c.outstanding() == 0
+    assert c.inherited + c.outstanding() >= on_root, (c.inherited, on_root)
+    assert sum(n for _, n in c.unfolded_own) == 4 * BLOCK

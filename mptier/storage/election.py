@@ -71,6 +71,25 @@ grants only out of its slack (:meth:`RootShare.grant`), so the cache still settl
 the capacity less the slack. A new walker counts the limits the last record says are in
 force; a dead contributor's stops counting once its log is folded.
 
+A seat changing hands leaves room nobody published. The new walker's figure, until a
+pass of its walk begun as the walker ends, is at least the last record's usage plus
+what it created as a contributor that the last walker had not folded (``inherited``:
+its own limit stops counting with its log; a tier that walked before keeps that stint's
+pass, which holds nothing stored since: the caretaker's ``elected_at``). A walker whose
+seat was taken over (it stood still) stores on under its own room checks until its next
+:meth:`RootShare.keep_seat`, and logs none of it: its tier may fill all the room its
+last record left free (the capacity less the usage and the limits in force not folded),
+the very room the new walker's checks, from the same record, see free. Both passed for
+one room: the root at up to 1 + that room's share of the capacity (30 blocks used of
+40: 1.25x). So the new walker counts that room as held (``former_hold``: in
+:meth:`RootShare.outstanding` and in what :meth:`RootShare.fold` returns, so eviction
+makes it, up to that room evicted once per takeover, rather than wait on a stuck tier)
+until the old walker let the old seat file go (its lock, tried at every fold) and a
+pass of the walk begun after that ended (:meth:`RootShare.walked`). A walker whose
+process died stores no more; its tier's other workers, storing on under their dead
+caretaker's last figure until the tier's next caretaker joins as a contributor, are not
+counted (each within the room that figure left).
+
 Where locks do not work (``probe_locks`` false) there is no election: every tier walks
 and evicts as before (the caller does not make a ``RootShare``).
 
@@ -113,7 +132,9 @@ ELECT_GAP_S = 0.5
 # A walker whose publication has not moved for this long is taken to be stuck and its
 # seat is taken over. With contributors it publishes every HEARTBEAT_S or more often
 # (see below), so this is many missed publications, and well under the I/O timeout (60 s
-# by default) after which its worker is declared hung.
+# by default) after which its worker is declared hung. A takeover costs the room the
+# stuck walker's last record left free, held (and evicted for) until a walk has seen
+# what its tier stored meanwhile (module docstring).
 SEAT_STALE_S = 10.0
 # The walker reads the contributors' files and publishes its figure at most this often
 # while other tiers contribute. A contributor's room check trusts a figure this old plus
@@ -192,6 +213,21 @@ def read_record(path: str) -> dict | None:
     except ValueError:
         return None
     return record if isinstance(record, dict) else None
+
+
+def _free_room(record: dict | None) -> int:
+    """The room a walker's ``record`` left free under its budget: its capacity less its
+    usage and the contributors' limits in force not folded (0 without a budget). Its own
+    tier's room checks let its stores fill exactly that, beyond the record's usage."""
+    record = record or {}
+    try:
+        capacity, usage = int(record.get("capacity_bytes") or 0), int(
+            record.get("usage_bytes") or 0)
+        lent = sum(max(0, int(e[6]) - int(e[2]))
+                   for e in (record.get("folded") or {}).values() if len(e) >= 7)
+    except (TypeError, ValueError, IndexError):
+        return 0
+    return max(0, capacity - usage - lent) if capacity and record.get("grants") else 0
 
 
 def _walker_name(record: dict | None) -> str:
@@ -316,6 +352,9 @@ class RootShare:
     others_reserved: int = 0        # the contributors' reservations, at the last fold
     grant_turn: int = 0             # whose ask grant() serves first
     unfolded_own: list[tuple[str, int]] = field(default_factory=list)  # see elect()
+    inherited: int = 0              # the figure to trust until our walk ends (elect())
+    former_hold: int = 0            # room a walker we took the seat from may fill
+    former_gone_at: float | None = None  # when we saw it let the old seat go
     fold_at: float = 0.0
     publish_at: float = 0.0
     news: dict | None = None        # our last publication less its seq and time
@@ -326,6 +365,7 @@ class RootShare:
     keep_at: float = 0.0
     _seat: int | None = None
     _alive: int | None = None
+    _former: int | None = None      # the seat file we took over (its walker's lock)
 
     def __post_init__(self) -> None:
         self.root = os.path.normpath(self.root)
@@ -342,8 +382,9 @@ class RootShare:
             return False
         self.elect_at = now + ELECT_GAP_S
         fd, ino = _try_lock(f"{self.dir}/{SEAT_NAME}", create=True)
+        former = None
         if fd is None and self._walker_stuck(now, ino):
-            fd = self._usurp(ino)
+            fd, former = self._usurp(ino)
         if fd is None:
             if self._alive is None:
                 self._start_contributing()
@@ -369,6 +410,16 @@ class RootShare:
                     cursor.grants = [(cursor.grant_seq, max(cursor.limit, int(entry[6])))]
                 self.cursors[str(tag)] = cursor
         self.unfolded_own = self._unfolded_own(last)
+        # What our figure must hold until our walk ends: the last one's, and the blocks
+        # we created that it did not fold (our own grant stops counting with our log).
+        self.inherited = self.last_usage + sum(n for _, n in self.unfolded_own)
+        self._drop_former()
+        if former is not None:
+            # The walker we took the seat from stores on under its own room checks until
+            # it sees the seat gone, and logs none of it: the room its last record left
+            # free may be filled by it (module docstring, "A seat changing hands").
+            self._former = former
+            self.former_hold = _free_room(last)
         self._stop_contributing()
         return True
 
@@ -404,33 +455,59 @@ class RootShare:
             return False
         return now - self.beat_at >= SEAT_STALE_S
 
-    def _usurp(self, stale_ino: int) -> int | None:
+    def _usurp(self, stale_ino: int) -> tuple[int | None, int | None]:
         """Take the seat from a stuck walker: under ``usurp.lock``, replace ``seat.lock``
         if it is still the file judged stale (inode ``stale_ino``). Returns the new seat's
-        fd, or None when another tier got there first."""
+        fd (None when another tier got there first) and an fd of the stale file, whose
+        lock tells when its walker let it go (None when it was gone already)."""
         guard = _locked_fd(f"{self.dir}/{USURP_NAME}", create=True)
         if guard is None:
-            return None  # another tier is taking it over now
+            return None, None  # another tier is taking it over now
         seat = f"{self.dir}/{SEAT_NAME}"
+        fd = old = None
         try:
             try:
-                if os.stat(seat, follow_symlinks=False).st_ino != stale_ino:
-                    return None  # replaced already: whoever holds it now is not judged
+                old = os.open(seat, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                              | os.O_CLOEXEC)
+                if os.fstat(old).st_ino != stale_ino:
+                    return None, None  # replaced already: whoever holds it is not judged
                 os.unlink(seat)
             except FileNotFoundError:
                 pass
             try:
                 fd, _ = _try_lock(seat, create=True, exclusive=True)
             except FileExistsError:
-                return None  # an ordinary election made it first: that tier walks
+                fd = None  # an ordinary election made it first: that tier walks
         finally:
             os.close(guard)
+            if old is not None and fd is None:
+                os.close(old)
         if fd is not None:
             log.warning(
                 "mptier: the walker of root %s (%s) published nothing for %.0f s: tier %s "
                 "takes its seat over", self.root, _walker_name(self.published), SEAT_STALE_S,
                 self.tag)
-        return fd
+        return fd, (old if fd is not None else None)
+
+    def _drop_former(self) -> None:
+        if self._former is not None:
+            os.close(self._former)
+        self._former, self.former_hold, self.former_gone_at = None, 0, None
+
+    def _former_gone(self, now: float) -> None:
+        """(Walker after a takeover.) Note when the walker we took the seat from let the
+        old seat file go (it saw the seat gone and contributes, or its process ended):
+        from then on its tier stores only within a grant, or not at all."""
+        if self._former is not None and try_flock(self._former):
+            os.close(self._former)
+            self._former, self.former_gone_at = None, now
+
+    def walked(self, began: float) -> None:
+        """(Walker; the caller's walk ended a pass it began at ``began``, the clock of
+        ``now``.) A pass begun after the walker we took the seat from let it go holds
+        every block that walker's tier stored uncounted: its room stops counting."""
+        if self.former_gone_at is not None and began >= self.former_gone_at:
+            self._drop_former()
 
     def keep_seat(self, now: float) -> bool:
         """(Walker.) Whether the seat is still ours (checked at most every ELECT_GAP_S):
@@ -447,6 +524,7 @@ class RootShare:
         self._seat = None
         self.walker = False
         self.cursors.clear()
+        self._drop_former()
         self.published = read_usage(self.root)
         self.elect_at = now + ELECT_GAP_S
         # A new contributor, under a new tag: the new walker knows nothing of our old
@@ -468,7 +546,11 @@ class RootShare:
     def _start_contributing(self) -> None:
         self.gen = self.sent = self.log_size = self.reserved = self.want = 0
         self.limit = self.grant_seq = self.ack = 0
-        self.granted = self.shrunk = False
+        self.shrunk = False
+        # Before any record is read the walker is taken to lend room (our stores wait
+        # for its first answer), not to have no budget: a stepped-down walker's or a
+        # first contributor's stores had the whole capacity by their own count else.
+        self.granted = bool((self.published or {"grants": True}).get("grants"))
         self.state_written = None
         fd = os.open(f"{self.dir}/{self.tag}{ALIVE_SUFFIX}",
                      os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -668,17 +750,21 @@ class RootShare:
             else:
                 self._reap(tag, cursor)  # gone (closed, or dead and reaped): nothing more
         self.others_reserved = sum(c.reserved for c in self.cursors.values())
+        self._former_gone(now)
         return self._held_or_asked()
 
     def _held_or_asked(self) -> int:
         if not self.granting:
             return self.others_reserved
-        return sum(max(0, c.hard - c.folded) for c in self.cursors.values())
+        return self.former_hold + sum(max(0, c.hard - c.folded)
+                                      for c in self.cursors.values())
 
     def outstanding(self) -> int:
-        """(Walker.) The contributors' limits in force less what was folded of them:
-        room they may have used or may use without the walker's count holding it."""
-        return sum(max(0, c.in_force - c.folded) for c in self.cursors.values())
+        """(Walker.) The contributors' limits in force less what was folded of them,
+        and the room a walker whose seat we took may fill (:attr:`former_hold`): room
+        they may have used or may use without the walker's count holding it."""
+        return self.former_hold + sum(max(0, c.in_force - c.folded)
+                                      for c in self.cursors.values())
 
     def asking(self) -> int:
         """(Walker.) Bytes the contributors ask beyond their limits."""
@@ -818,4 +904,5 @@ class RootShare:
         if self._seat is not None:
             os.close(self._seat)
             self._seat = None
+        self._drop_former()
         self.walker = False

@@ -387,7 +387,7 @@ class Caretaker:
             # The seat is ours: walk from scratch, trusting the last figure meanwhile,
             # and count what this tier created as a contributor that the last walker
             # had not folded (its log goes with the seat).
-            kept.inherited_bytes = max(kept.inherited_bytes, share.last_usage)
+            kept.inherited_bytes = max(kept.inherited_bytes, share.inherited)
             for path, nbytes in share.unfolded_own:
                 m.record_store(path, nbytes)
                 m.record_created(path, nbytes)
@@ -439,6 +439,8 @@ class Caretaker:
                 kept.evictor.put(entry)
         self._take_evicted(kept)
         if report.pass_completed:
+            if share is not None and kept.pass_began is not None:
+                share.walked(kept.pass_began)  # a seat taken over: see election.walked
             took = now - (kept.pass_began if kept.pass_began is not None else now)
             kept.rest_until = now + min(WALK_REST_S,
                                         max(WALK_REST_MIN_S, WALK_REST_FACTOR * took))
