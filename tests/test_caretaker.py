@@ -509,3 +509,53 @@ def test_without_a_budget_other_tiers_stores_do_not_slow_the_walkers_walk(root, 
             other.close()
         keeper.close()
         host.close()
+
+
+def test_a_tier_walker_again_trusts_the_last_figure_until_a_pass_of_its_own(root, clock):
+    """A tier that walked the root, lost the seat and contributed, then is elected again
+    keeps its first stint's complete pass, which holds nothing of what the other tiers
+    stored since: until a pass begun as the walker again ends, its figure is at least
+    the last walker's (it was its own stale count and a slice of walk: a few hundred
+    blocks of 605 on the root)."""
+    from mptier.storage.election import ELECT_GAP_S, SEAT_STALE_S, RootShare
+
+    host = Host(root)
+    host.io = IoSettings(root_dir=root, lease_locks=True)  # the election, on this root
+    keeper = Caretaker(host)
+    other = None
+    try:
+        write_blocks(host, 5)
+        keeper.take([0])
+        idle_until(keeper, clock, lambda: complete(host), "complete pass")
+        share = keeper.kept[0].share
+        assert share.walker and host.control.root(0).usage_bytes == 5 * BLOCK
+        other = RootShare(root)  # another tier: the walker stands still, it takes over
+        now = 0.0
+        while not other.elect(now):
+            other.read_at = 0.0
+            other.refresh(now)
+            now += ELECT_GAP_S
+            assert now < 2 * SEAT_STALE_S
+        clock.sleep(1.0)
+        keeper.run(busy=False)  # it moves again: it contributes
+        assert not share.walker
+        on_root = 605 * BLOCK  # the other tier's stores (more than a walk slice)
+        write_blocks(host, 600, first=5)
+        other.publish(now, on_root, 605, True, 0, force=True)
+        other.close()  # the other tier ends: the seat is free
+        for _ in range(4):
+            clock.sleep(ELECT_GAP_S)
+            keeper.run(busy=False)
+            if share.walker:
+                break
+        assert share.walker, "not elected again"
+        assert host.control.root(0).usage_bytes == on_root, "its stale pass's figure"
+        # A pass begun as the walker again counts the root.
+        idle_until(keeper, clock, lambda: keeper.kept[0].elected_at is None,
+                   "pass as the walker again")
+        assert host.control.root(0).usage_bytes == on_root
+    finally:
+        if other is not None:
+            other.close()
+        keeper.close()
+        host.close()

@@ -175,6 +175,10 @@ class _Kept:
     last_at: float = 0.0
     rest_until: float = 0.0
     pass_began: float | None = None  # when the current pass started walking
+    # Elected at this time (monotonic) and no pass begun since has ended: the usage is
+    # at least inherited_bytes. A tier walker before keeps its last stint's pass, which
+    # holds nothing of what the other tiers stored and removed since.
+    elected_at: float | None = None
     temps_removed: int = 0
     # Per slot: (pid, created bytes folded into the usage); their sum is the stamp
     # published beside the usage (ControlBlock.usage_now).
@@ -388,6 +392,7 @@ class Caretaker:
             # and count what this tier created as a contributor that the last walker
             # had not folded (its log goes with the seat).
             kept.inherited_bytes = max(kept.inherited_bytes, share.inherited)
+            kept.elected_at = now
             for path, nbytes in share.unfolded_own:
                 m.record_store(path, nbytes)
                 m.record_created(path, nbytes)
@@ -441,6 +446,9 @@ class Caretaker:
         if report.pass_completed:
             if share is not None and kept.pass_began is not None:
                 share.walked(kept.pass_began)  # a seat taken over: see election.walked
+            if kept.elected_at is not None and kept.pass_began is not None \
+                    and kept.pass_began >= kept.elected_at:
+                kept.elected_at = None  # walked all of it as the walker: exact now
             took = now - (kept.pass_began if kept.pass_began is not None else now)
             kept.rest_until = now + min(WALK_REST_S,
                                         max(WALK_REST_MIN_S, WALK_REST_FACTOR * took))
@@ -706,7 +714,8 @@ class Caretaker:
     def _publish(self, kept: _Kept) -> None:
         m = kept.maintainer
         usage = m.tracker.usage
-        usage_bytes = usage.bytes if m.complete else max(usage.bytes, kept.inherited_bytes)
+        usage_bytes = usage.bytes if m.complete and kept.elected_at is None \
+            else max(usage.bytes, kept.inherited_bytes)
         complete = m.complete
         share = kept.share
         room_held = 0
@@ -715,6 +724,8 @@ class Caretaker:
             room_held = share.room_held(m.capacity_bytes)
         elif share is not None:
             self._publish_share(kept, usage_bytes, complete)
+            if not share.walker:  # it saw the seat taken over (keep_seat): a contributor
+                usage_bytes, complete = share.usage_for_tier(), share.published_complete
             room_held = share.room_held(m.capacity_bytes)
         self._publish_control(kept, usage_bytes, complete, room_held)
 
