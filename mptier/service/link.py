@@ -369,8 +369,10 @@ class ServiceLink(Pool):
         old = self.control
         if old is not None:
             self._retired.append((time.monotonic() + RETIRE_AFTER_S, old))
+        # Counted before the new control block goes in: whoever sees the tier serve
+        # again (its state is the new block's) sees the reattach counted too.
+        self.reattaches += 1
         self.control, self.io, self._sock = control, io, sock
         self._lost = None
         self._detached.clear()
-        self.reattaches += 1
         log.warning("mptier: attached again to service %r", self.name)
