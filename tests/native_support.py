@@ -235,6 +235,21 @@ def shim_fixture(tmp_path_factory) -> str:
     return str(out)
 
 
+def attempts_on_fresh_threads(attempt, tries: int, hung_s: float, wrong: list) -> None:
+    """(In a shim test's child.) ``attempt(k)`` for k = 1..tries, each on a new thread (a
+    ring of its own) joined for at most ``hung_s``; a hung one goes into ``wrong`` and
+    ends the tries (it is a daemon thread: the child's exit does not wait for it)."""
+    import threading
+
+    for k in range(1, tries + 1):
+        t = threading.Thread(target=attempt, args=(k,), daemon=True)
+        t.start()
+        t.join(hung_s)
+        if t.is_alive():
+            wrong.append((k, f"a batch still running after {hung_s} s"))
+            return
+
+
 def run_with_shim(shim_so: str, modes: str, log: Path, code: str, *args: str,
                   check: bool = True) -> tuple[subprocess.CompletedProcess, int, list[str]]:
     """Run ``code`` under the shim; returns the process, the refusals made and the log."""

@@ -338,8 +338,9 @@ def test_a_ring_that_fails_mid_batch_hands_nothing_to_the_next(ring, shim, tmp_p
     of its own), with stdin and more pipes as sentinels. (``ring``: skipped where
     io_uring is refused.)"""
     proc, hits, _ = run_with_shim(shim, "", tmp_path / "shim.log", """
-        import ctypes, os, sys, threading
-        from native_support import BLOCK, aligned, block_paths, make_io, offsets
+        import ctypes, os, sys
+        from native_support import (BLOCK, aligned, attempts_on_fresh_threads, block_paths,
+                                    make_io, offsets)
         from mptier.errors import BatchIOError
         root, tries = sys.argv[1], int(sys.argv[2])
         HUNG_S = 10  # a try takes milliseconds
@@ -381,15 +382,9 @@ def test_a_ring_that_fails_mid_batch_hands_nothing_to_the_next(ring, shim, tmp_p
                     wrong.append((k, f"descriptor {fd} of the process was closed"))
                     del owned[fd]
 
-        for k in range(1, tries + 1):
-            t = threading.Thread(target=attempt, args=(k,), daemon=True)
-            t.start()
-            t.join(HUNG_S)
-            if t.is_alive():
-                wrong.append((k, f"a batch still running after {HUNG_S} s"))
-                break
+        attempts_on_fresh_threads(attempt, tries, HUNG_S, wrong)
         print(wrong, flush=True)
-        sys.exit(1 if wrong else 0)  # (a hung thread is a daemon: exit does not wait)
+        sys.exit(1 if wrong else 0)
     """, str(tmp_path), "48", check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert hits >= 30, f"only {hits} io_uring_enter calls were made to fail"
@@ -406,8 +401,9 @@ def test_a_ring_that_keeps_failing_is_waited_out_before_the_batch_returns(ring, 
     that waits them out uses them all. Later batches on the thread take the loop and
     load every block right."""
     proc, hits, _ = run_with_shim(shim, "", tmp_path / "shim.log", """
-        import ctypes, os, sys, threading
-        from native_support import BLOCK, aligned, block_paths, make_io, offsets
+        import ctypes, os, sys
+        from native_support import (BLOCK, aligned, attempts_on_fresh_threads, block_paths,
+                                    make_io, offsets)
         from mptier.errors import BatchIOError
         root, tries, streak = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
         HUNG_S = 20  # a try takes well under a second
@@ -439,13 +435,7 @@ def test_a_ring_that_keeps_failing_is_waited_out_before_the_batch_returns(ring, 
             except BatchIOError as exc:
                 wrong.append((k, f"a later batch failed: {exc}"))
 
-        for k in range(1, tries + 1):
-            t = threading.Thread(target=attempt, args=(k,), daemon=True)
-            t.start()
-            t.join(HUNG_S)
-            if t.is_alive():
-                wrong.append((k, f"a batch still running after {HUNG_S} s"))
-                break
+        attempts_on_fresh_threads(attempt, tries, HUNG_S, wrong)
         print(wrong, flush=True)
         sys.exit(1 if wrong else 0)
     """, str(tmp_path), "4", "30", check=False)

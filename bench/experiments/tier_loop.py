@@ -14,11 +14,11 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 
 import psutil
+from tier_jobs import drive
 
-from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
+from mptier import FileSystemTier, SharedKVBuffer, make_key
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--root", default="/dev/shm")
@@ -43,31 +43,9 @@ def cpu(procs):
 
 
 def run(tier, op, base_keys, slots):
-    jobs = [(base_keys[i:i + JOB], slots[i:i + JOB]) for i in range(0, len(base_keys), JOB)]
     workers = [psutil.Process(p) for p in tier.worker_pids()]
-    w0, e0, t0 = cpu(workers), cpu([me]), time.perf_counter()
-    submit = tier.submit_load if op == "load" else tier.submit_store
-    job_id, pending, todo = 0, set(), iter(jobs)
-    while True:
-        while len(pending) < INFLIGHT:
-            job = next(todo, None)
-            if job is None:
-                break
-            job_id += 1
-            if a.lookups and op == "load":
-                for key in job[0]:
-                    tier.lookup(key, f"r{job_id}")
-            submit(TransferJob(job_id, job[0], job[1]))
-            pending.add(job_id)
-        if not pending:
-            break
-        for result in tier.get_finished_jobs():
-            assert result.success, result.error
-            pending.discard(result.job_id)
-        if a.lookups:
-            tier.on_schedule_end()
-        time.sleep(0.0005)
-    wall = time.perf_counter() - t0
+    w0, e0 = cpu(workers), cpu([me])
+    wall = drive(tier, op, base_keys, slots, JOB, INFLIGHT, bool(a.lookups))
     gb = len(base_keys) * a.block / 1e9
     return gb / wall, (cpu(workers) - w0) / gb, (cpu([me]) - e0) / gb
 

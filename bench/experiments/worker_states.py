@@ -15,9 +15,10 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 
-from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
+from tier_jobs import drive
+
+from mptier import FileSystemTier, SharedKVBuffer, make_key
 from mptier.bench.saturation import machine_busy_seconds
 
 ap = argparse.ArgumentParser()
@@ -69,34 +70,12 @@ class Sampler(threading.Thread):
 
 
 def run(tier, op, base_keys, slots, sample=False):
-    jobs = [(base_keys[i:i + JOB], slots[i:i + JOB]) for i in range(0, len(base_keys), JOB)]
     pids = {f"{w['role']} {w['slot']}": w["pid"] for w in tier.stats()["workers"]}
     sampler = Sampler(pids) if sample else None
-    busy0, t0 = machine_busy_seconds(), time.perf_counter()
+    busy0 = machine_busy_seconds()
     if sampler:
         sampler.start()
-    submit = tier.submit_load if op == "load" else tier.submit_store
-    job_id, pending, todo = 0, set(), iter(jobs)
-    while True:
-        while len(pending) < INFLIGHT:
-            job = next(todo, None)
-            if job is None:
-                break
-            job_id += 1
-            if a.lookups and op == "load":
-                for key in job[0]:
-                    tier.lookup(key, f"r{job_id}")
-            submit(TransferJob(job_id, job[0], job[1]))
-            pending.add(job_id)
-        if not pending:
-            break
-        for result in tier.get_finished_jobs():
-            assert result.success, result.error
-            pending.discard(result.job_id)
-        if a.lookups:
-            tier.on_schedule_end()
-        time.sleep(0.0005)
-    wall = time.perf_counter() - t0
+    wall = drive(tier, op, base_keys, slots, JOB, INFLIGHT, bool(a.lookups))
     if sampler:
         sampler.stop.set()
         sampler.join()
