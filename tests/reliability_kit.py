@@ -267,15 +267,20 @@ class Traffic:
             time.sleep(0.005)
 
 
-def busy_worker(tier: Any, timeout: float = 10.0, exclude: Iterable[int] = ()) -> dict:
+def busy_worker(tier: Any, timeout: float = 10.0, exclude: Iterable[int] = (),
+                parked: bool = False) -> dict:
     """The first worker seen busy for more than :data:`BUSY_AFTER_S` (polling
-    ``stats()``); ``AssertionError`` if none is within ``timeout``."""
+    ``stats()``), or with ``parked`` one the supervisor parked already (a loaded
+    machine can take the I/O timeout between the block and the first look);
+    ``AssertionError`` if none is within ``timeout``."""
     skip = set(exclude)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for w in tier.stats()["workers"]:
-            if w["state"] == "busy" and w["pid"] not in skip and \
-                    (w["task_age_s"] or 0) > BUSY_AFTER_S:
+            if w["pid"] in skip:
+                continue
+            if (w["state"] == "busy" and (w["task_age_s"] or 0) > BUSY_AFTER_S) or (
+                    parked and w["state"] == "stuck"):
                 return w
         time.sleep(0.005)
     raise AssertionError(f"no busy worker within {timeout} s: {tier.stats()['workers']}")

@@ -236,7 +236,7 @@ def test_a_blocked_open_stat_or_write_parks_its_worker_until_the_connection_is_a
         assert calls.lookup(key, "r") is LookupResult.RETRY
         calls.on_schedule_end()
     fs.wait_blocked(rule)
-    pid = busy_worker(tier)["pid"]
+    pid = busy_worker(tier, parked=True)["pid"]
     wait_until(lambda: worker_state(tier, pid) == "stuck",
                IO_TIMEOUT_S + supervisor.STUCK_AFTER_S + 2 * supervisor.TICK_S + LATE_S,
                f"the worker blocked in {op} to be parked", book.collect)
@@ -439,7 +439,7 @@ def test_a_hung_writer_does_not_hang_the_rest_of_its_folder(make_fuse_fs, make_b
     rule = fs.block("write", name_of(tier, hung), times=1)
     job = book.store([hung], [0])
     fs.wait_blocked(rule)
-    pid = busy_worker(tier)["pid"]
+    pid = busy_worker(tier, parked=True)["pid"]
     wait_until(lambda: worker_state(tier, pid) == "stuck",
                IO_TIMEOUT_S + supervisor.STUCK_AFTER_S + 2 * supervisor.TICK_S + LATE_S,
                "the hung writer parked", book.collect)
