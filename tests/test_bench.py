@@ -25,7 +25,12 @@ TINY = ["--block-bytes", "64K", "--job-blocks", "4", "--inflight-jobs", "4",
         "--idle-seconds", "0.05", "--poll-us", "200", "--busy-work-us", "200", "--no-progress"]
 
 # Figures a job-driven design (a, b, c) fills only where a block device holds the root.
-DISK_FIGURES = {"store_disk_busy", "load_disk_busy", "single_load_disk_busy"}
+# Bytes in flight are the requests' summed times over the stretch times their mean size:
+# where the kernel cut one read into requests of unequal sizes, a mean can overstate a
+# lone read's bytes in flight a little; never by this much.
+IN_FLIGHT_SLACK = 1.5
+DISK_FIGURES = {"store_disk_busy", "load_disk_busy", "single_load_disk_busy",
+                "store_disk_mib", "load_disk_mib", "single_load_disk_mib"}
 # Figures a job-driven design (a, b, c) must fill; (d) has only these three kinds.
 RAW_FIGURES = {"store_gbps", "load_gbps", "store_gbps_busy", "load_gbps_busy",
                "interference", "interference_store", "interference_load"}
@@ -372,6 +377,7 @@ def test_saturation_counts_the_machine_s_cpus_and_the_root_s_device(tmp_path):
     assert saturation_figures([])["cpus_busy"] is None
     if in_memory(tmp_path) or device_counters(str(tmp_path)) is None:
         assert "disk_read_bytes" not in span and busy["disk_busy"] is None
+        assert busy["disk_read_in_flight"] is None and busy["disk_write_in_flight"] is None
         pytest.skip(f"no block device holds {tmp_path}")
     size = 8 << 20
     path = tmp_path / "blocks.bin"
@@ -388,6 +394,13 @@ def test_saturation_counts_the_machine_s_cpus_and_the_root_s_device(tmp_path):
     assert span["disk_read_bytes"] >= size, span
     assert span["disk_busy_seconds"] > 0, span
     assert 0 < saturation_figures([span])["disk_busy"] <= 1.0
+    # Little's law: one synchronous reader has at most its read's bytes in flight, and
+    # some of them for part of the stretch at least (in however many requests the kernel
+    # cut the read into: each counts its bytes and its time).
+    assert span["disk_read_requests"] >= 1 and span["disk_read_seconds"] > 0, span
+    in_flight = saturation_figures([span])["disk_read_in_flight"]
+    assert in_flight is not None and 0 < in_flight <= size * IN_FLIGHT_SLACK, span
+    assert saturation_figures([span])["disk_write_in_flight"] is not None
 
 
 def test_memory_roots_remove_each_design_s_files_at_once(tmp_path):

@@ -21,6 +21,7 @@ from typing import Any
 from mptier.bench.measure import format_size, ms_summary, us_summary
 from mptier.bench.saturation import saturation_figures
 from mptier.bench.scheduler import PhaseStats
+from mptier.units import MiB
 
 
 @dataclass(frozen=True)
@@ -46,14 +47,19 @@ FIGURES: tuple[Figure, ...] = (
     Figure("single_store_ms", "large job alone: store", "ms", "lower", 1),
     Figure("single_load_ms", "large job alone: load", "ms", "lower", 1),
     # What each design ran out of (measure.Saturation): the machine's CPUs busy on
-    # average (of the "cpus" the run's machine line names) and the fraction of the time
-    # the root's block device had a request in flight.
+    # average (of the "cpus" the run's machine line names), the fraction of the time
+    # the root's block device had a request in flight, and how many bytes of the phase's
+    # own kind (written for stores, read for loads) it had in flight on average.
     Figure("store_cpus", "CPUs busy: store", "CPUs", "lower"),
     Figure("load_cpus", "CPUs busy: load", "CPUs", "lower"),
     Figure("single_load_cpus", "CPUs busy: large job alone, load", "CPUs", "lower"),
     Figure("store_disk_busy", "disk busy: store", "x", "lower"),
     Figure("load_disk_busy", "disk busy: load", "x", "lower"),
     Figure("single_load_disk_busy", "disk busy: large job alone, load", "x", "lower"),
+    Figure("store_disk_mib", "written in flight: store", "MiB", "higher", 1),
+    Figure("load_disk_mib", "read in flight: load", "MiB", "higher", 1),
+    Figure("single_load_disk_mib", "read in flight: large job alone, load", "MiB",
+           "higher", 1),
     Figure("submit_store_us_p50", "submit_store p50", "µs", "lower", 1),
     Figure("submit_store_us_p99", "submit_store p99", "µs", "lower", 1),
     Figure("submit_store_us_max", "submit_store max", "µs", "lower", 0),
@@ -79,6 +85,10 @@ BUSY_MACHINE_CPUS = 0.25
 REFERENCE_LETTERS = ("b", "v", "d")
 # Figures an A/A control (a design and its twin, ``:twin=N``) is reported on.
 TWIN_FIGURES = (("store_gbps", "store"), ("load_gbps", "load"))
+
+
+def _mib(nbytes: float | None) -> float | None:
+    return None if nbytes is None else nbytes / MiB
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -133,6 +143,8 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
                 used = saturation_figures([light.saturation])
                 figures[f"{kind}_cpus"] = used["cpus_busy"]
                 figures[f"{kind}_disk_busy"] = used["disk_busy"]
+                figures[f"{kind}_disk_mib"] = _mib(used[
+                    "disk_write_in_flight" if kind == "store" else "disk_read_in_flight"])
             lat = ms_summary(light.latencies_ns)
             figures[f"{kind}_job_p50_ms"] = lat["p50"]
             figures[f"{kind}_job_p99_ms"] = lat["p99"]
@@ -173,6 +185,7 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
         used = saturation_figures(out["single_load_saturation"])
         figures["single_load_cpus"] = used["cpus_busy"]
         figures["single_load_disk_busy"] = used["disk_busy"]
+        figures["single_load_disk_mib"] = _mib(used["disk_read_in_flight"])
     record["verify"] = out.get("verify")
     record["single_verify"] = out.get("single_verify")
     if "corrupted_files" in out:
@@ -368,8 +381,10 @@ def case_caption(case: dict[str, Any]) -> str:
     text = (f"{dropped}; loads verified byte for byte ({case['verified']}); ratios: "
             f"{refs or 'none'}; higher is better for GB/s and loop rate, lower for times; "
             "CPUs busy counts the whole machine (the engine too), disk busy the share of "
-            "the phase the root's device had a request in flight: a design near the "
-            "machine's CPUs ran out of CPU")
+            "the phase the root's device had a request in flight, read (written) in "
+            "flight the bytes the device had on its queue on average: a design near the "
+            "machine's CPUs ran out of CPU, one with less in flight than another on a "
+            "disk that serves more was not asking for more")
     short = short_phase(case)
     if short:
         text += f". WARNING: {short}"

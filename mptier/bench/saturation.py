@@ -2,8 +2,9 @@
 the block device under the root (``/proc/diskstats``).
 
 * :func:`machine_busy_seconds` -- CPU seconds the whole machine has been busy.
-* :func:`device_counters` -- bytes read and written, busy time and discards of the
-  device holding a path (None in memory and on network or FUSE file systems).
+* :func:`device_counters` -- bytes read and written, busy time, the time requests spent
+  in flight and discards of the device holding a path (None in memory and on network
+  or FUSE file systems).
 * :class:`Saturation` and :func:`saturation_figures` -- both over a phase, as the
   figures the report prints beside the GB/s: which of the two a design ran out of.
 """
@@ -35,6 +36,17 @@ class DeviceCounters:
     read_bytes: int
     write_bytes: int
     busy_ms: int            # time with at least one request in flight ("io_ticks")
+    # Requests completed, and the summed time of every read (write) request from its
+    # start to its completion. Over a stretch of wall time the time's growth divided by
+    # that time is the number of requests in flight on average (Little's law); times the
+    # bytes per request, the bytes in flight. Bytes, not requests, compare designs: the
+    # kernel cuts one read into as many requests as the target memory's scattered pages
+    # need (on this VM a 2 MiB read into 4 KiB pages is four requests, into a huge page
+    # one). The kernel times each request itself, so this holds where io_ticks does not.
+    reads: int
+    writes: int
+    read_ms: int
+    write_ms: int
     discards: int | None    # discard requests completed; None where not counted
 
 
@@ -59,6 +71,10 @@ def device_counters(path: str) -> DeviceCounters | None:
                     read_bytes=int(fields[5]) * DISKSTATS_SECTOR,
                     write_bytes=int(fields[9]) * DISKSTATS_SECTOR,
                     busy_ms=int(fields[12]),
+                    reads=int(fields[3]),
+                    writes=int(fields[7]),
+                    read_ms=int(fields[6]),
+                    write_ms=int(fields[10]),
                     discards=int(fields[14]) if len(fields) >= 18 else None)
     except (OSError, ValueError, IndexError):
         return None
@@ -82,25 +98,46 @@ class Saturation:
 
     def since(self, earlier: Saturation) -> dict[str, float]:
         """``seconds``, ``cpu_seconds`` (the whole machine's), and with a device under
-        the root ``disk_busy_seconds``, ``disk_read_bytes``, ``disk_write_bytes``."""
+        the root ``disk_busy_seconds``, ``disk_read_bytes``, ``disk_write_bytes``,
+        ``disk_read_requests``, ``disk_write_requests`` and ``disk_read_seconds``,
+        ``disk_write_seconds`` (the requests' summed times)."""
         out = {"seconds": self.wall - earlier.wall,
                "cpu_seconds": max(0.0, self.machine_busy - earlier.machine_busy)}
         if self.device is not None and earlier.device is not None:
             out["disk_busy_seconds"] = (self.device.busy_ms - earlier.device.busy_ms) / 1e3
             out["disk_read_bytes"] = self.device.read_bytes - earlier.device.read_bytes
             out["disk_write_bytes"] = self.device.write_bytes - earlier.device.write_bytes
+            out["disk_read_requests"] = self.device.reads - earlier.device.reads
+            out["disk_write_requests"] = self.device.writes - earlier.device.writes
+            out["disk_read_seconds"] = (self.device.read_ms - earlier.device.read_ms) / 1e3
+            out["disk_write_seconds"] = (self.device.write_ms - earlier.device.write_ms) / 1e3
         return out
 
 
 def saturation_figures(stretches: list[dict[str, float]]) -> dict[str, float | None]:
     """Summed stretches (:meth:`Saturation.since`) as ``cpus_busy`` (CPUs busy on
-    average) and ``disk_busy`` (the fraction of the time the device had a request in
-    flight; None without a device). Several short stretches (the large job alone, a
-    few tens of milliseconds each) are summed first: /proc/stat counts in 10 ms ticks."""
+    average), ``disk_busy`` (the fraction of the time the device had a request in
+    flight), ``disk_read_in_flight`` and ``disk_write_in_flight`` (bytes being read and
+    written on average: see :class:`DeviceCounters`; 0 without requests; the three None
+    without a device). Several short stretches (the large job alone, a few tens of
+    milliseconds each) are summed first: /proc/stat counts in 10 ms ticks."""
     seconds = sum(s["seconds"] for s in stretches)
     if not stretches or seconds <= 0:
-        return {"cpus_busy": None, "disk_busy": None}
-    disk = [s["disk_busy_seconds"] for s in stretches if "disk_busy_seconds" in s]
-    return {"cpus_busy": sum(s["cpu_seconds"] for s in stretches) / seconds,
-            "disk_busy": min(1.0, sum(disk) / seconds) if len(disk) == len(stretches)
-            else None}
+        return {"cpus_busy": None, "disk_busy": None, "disk_read_in_flight": None,
+                "disk_write_in_flight": None}
+    on_disk = all("disk_busy_seconds" in s for s in stretches)
+
+    def total(key: str) -> float:
+        return sum(s[key] for s in stretches)
+
+    def in_flight(op: str) -> float | None:
+        if not on_disk:
+            return None
+        requests = total(f"disk_{op}_requests")
+        per_request = total(f"disk_{op}_bytes") / requests if requests else 0.0
+        return total(f"disk_{op}_seconds") / seconds * per_request
+
+    return {"cpus_busy": total("cpu_seconds") / seconds,
+            "disk_busy": min(1.0, total("disk_busy_seconds") / seconds) if on_disk else None,
+            "disk_read_in_flight": in_flight("read"),
+            "disk_write_in_flight": in_flight("write")}
