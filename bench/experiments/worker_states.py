@@ -6,6 +6,7 @@ wait channel its workers sleep in.
 
     python bench/experiments/worker_states.py --root /dev/shm --block 2097152 --blocks 2048
     python bench/experiments/worker_states.py --ways crc,nocrc --op store
+    python bench/experiments/worker_states.py --root /var/tmp --ways crc,nocrc,nobounce,big
 """
 
 import argparse
@@ -26,7 +27,9 @@ ap.add_argument("--root", default="/dev/shm")
 ap.add_argument("--block", type=int, default=2 << 20)
 ap.add_argument("--blocks", type=int, default=2048)
 ap.add_argument("--rounds", type=int, default=2)
-ap.add_argument("--ways", default="crc,nocrc", help="crc: checksums on; nocrc: off")
+ap.add_argument("--ways", default="crc,nocrc",
+                help="crc: the defaults; nocrc: checksums off; nobounce: loads read "
+                     "straight into the slots (bounce_loads=false); big: 32 MiB tasks")
 ap.add_argument("--op", choices=("load", "store"), default="load")
 ap.add_argument("--every-ms", type=float, default=0.5)
 ap.add_argument("--lookups", type=int, default=0,
@@ -83,10 +86,14 @@ def run(tier, op, base_keys, slots, sample=False):
     return len(base_keys) * a.block / 1e9 / wall, cpus, sampler.seen if sampler else None
 
 
+WAYS = {"crc": {}, "nocrc": {"checksum_blocks": False}, "nobounce": {"bounce_loads": False},
+        "big": {"task_bytes": 32 << 20}}
 tiers = {}
 for way in a.ways.split(","):
+    if way not in WAYS:
+        raise SystemExit(f"--ways: unknown way {way!r} (known: {', '.join(WAYS)})")
     root = tempfile.mkdtemp(dir=a.root, prefix=f"worker-states-{way}-")
-    tiers[way] = (FileSystemTier(buf, root_dir=root, checksum_blocks=way != "nocrc"), root)
+    tiers[way] = (FileSystemTier(buf, root_dir=root, **WAYS[way]), root)
     if a.op == "load":
         run(tiers[way][0], "store", keys, list(range(n)))
 try:
