@@ -44,14 +44,23 @@ TOLERANCE = 0.05  # issue 19's target
 # ~10; before the election, every tier evicting on its own: 1.56x.
 PEAK_BOUND = 1 + TOLERANCE
 
+# How long a node waits at the start line for the others' tiers to be up.
+START_LINE_S = 120.0
+
 # One tier storing distinct blocks as fast as it can for STORE_S (INFLIGHT jobs of JOB
-# blocks at a time), then idling SETTLE_S; prints a JSON summary.
+# blocks at a time), then idling SETTLE_S; prints a JSON summary. The nodes start
+# storing together: each marks its tier up in the start-line folder and waits for all
+# of them. (Without it each node's window began when its own tier was up, seconds apart
+# on a loaded machine, so one tier still stored after the walker's tier had left: the
+# seat passed on under traffic and a second tier evicted, which the test counts as two
+# walkers.)
 NODE = textwrap.dedent("""
-    import hashlib, json, sys, time
+    import hashlib, json, os, sys, time
     from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
     root, seconds, settle, capacity, name = (sys.argv[1], float(sys.argv[2]),
                                              float(sys.argv[3]), int(sys.argv[4]),
                                              sys.argv[5])
+    start_line, nodes = sys.argv[6], int(sys.argv[7])
     BLOCK, INFLIGHT, JOB = {block}, 8, 1
     buf = SharedKVBuffer.create(INFLIGHT * JOB, BLOCK)
     buf.view[:] = 7
@@ -60,6 +69,10 @@ NODE = textwrap.dedent("""
                           prefault=False, status_socket="")
     out = dict(stored=0, failed=0, errors={{}})
     free, pending, n = list(range(INFLIGHT)), {{}}, 0
+    open(os.path.join(start_line, name), "w").close()
+    give_up = time.monotonic() + {start_line_s}
+    while len(os.listdir(start_line)) < nodes and time.monotonic() < give_up:
+        time.sleep(0.01)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline or pending:
         for result in tier.get_finished_jobs():
@@ -88,11 +101,14 @@ NODE = textwrap.dedent("""
     buf.close()
     buf.unlink()
     print(json.dumps(out), flush=True)
-""").format(block=BLOCK)
+""").format(block=BLOCK, start_line_s=START_LINE_S)
 
 
-def test_four_tiers_on_two_mounts_hold_the_budget_within_5_percent(juicefs_volume, dfs_dirs):
+def test_four_tiers_on_two_mounts_hold_the_budget_within_5_percent(juicefs_volume, dfs_dirs,
+                                                                   tmp_path):
     mounts = (dfs_dirs.a, dfs_dirs.a, dfs_dirs.b, dfs_dirs.b)
+    start_line = tmp_path / "start-line"
+    start_line.mkdir()
 
     def block_bytes() -> int:
         return sum(length for name, length in juicefs_volume.files_below(dfs_dirs.a)
@@ -100,9 +116,11 @@ def test_four_tiers_on_two_mounts_hold_the_budget_within_5_percent(juicefs_volum
 
     run = run_nodes(
         [[sys.executable, "-c", NODE, str(path), str(STORE_S), str(SETTLE_S),
-          str(CAPACITY), f"tier{i}"] for i, path in enumerate(mounts)],
+          str(CAPACITY), f"tier{i}", str(start_line), str(len(mounts))]
+         for i, path in enumerate(mounts)],
         block_bytes,
-        sample_for_s=STORE_S + SETTLE_S, limit_s=STORE_S + SETTLE_S + 120, every_s=0.2,
+        sample_for_s=STORE_S + SETTLE_S,
+        limit_s=STORE_S + SETTLE_S + START_LINE_S + 120, every_s=0.2,
         envs=[dict(os.environ, MPTIER_NATIVE="1" if i % 2 == 0 else "0")
               for i in range(len(mounts))])
     peak, samples, summaries = run.peak, run.samples, run.summaries
