@@ -92,11 +92,18 @@ def test_record_is_on_the_file_when_it_is_published(io, tmp_path, shim, tmpfile)
         buf = aligned(4 * 8192, seed=5)
         io.batch_store(root, paths, buf, [i * 8192 for i in range(4)], 8192,
                        checksum=True, tmpfile=sys.argv[4] == "1")
-        print(json.dumps([bytes(buf[i * 8192 : (i + 1) * 8192]).hex() for i in range(4)]))
+        with open(sys.argv[5], "wb") as out:
+            out.write(bytes(buf[: 4 * 8192]))
     """
-    proc, _, lines = run_with_shim(shim, "publish", tmp_path / "shim.log", code, io.variant,
-                                   str(root), json.dumps(paths), str(int(tmpfile)))
-    blocks = [bytes.fromhex(h) for h in json.loads(proc.stdout)]
+    # The blocks come back in a file: 64 KiB of them as text on the child's standard
+    # output once arrived cut at the pipe's 65,536 bytes (one fresh-clone run; not
+    # reproduced), which is no part of what this test checks.
+    stored = tmp_path / "blocks.bin"
+    _, _, lines = run_with_shim(shim, "publish", tmp_path / "shim.log", code, io.variant,
+                                str(root), json.dumps(paths), str(int(tmpfile)), str(stored))
+    data = stored.read_bytes()
+    assert len(data) == 4 * 8192
+    blocks = [data[i * 8192 : (i + 1) * 8192] for i in range(4)]
     want_records = [record(b).hex() for b in blocks]
     if tmpfile:
         assert lines == [f"link {r}" for r in want_records]
