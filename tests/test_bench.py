@@ -24,11 +24,11 @@ TINY = ["--block-bytes", "64K", "--job-blocks", "4", "--inflight-jobs", "4",
         "--total-bytes", "2M", "--single-job-blocks", "8", "--repeats", "1",
         "--idle-seconds", "0.05", "--poll-us", "200", "--busy-work-us", "200", "--no-progress"]
 
-# Figures a job-driven design (a, b, c) fills only where a block device holds the root.
 # Bytes in flight are the requests' summed times over the stretch times their mean size:
 # where the kernel cut one read into requests of unequal sizes, a mean can overstate a
 # lone read's bytes in flight a little; never by this much.
 IN_FLIGHT_SLACK = 1.5
+# Figures a job-driven design (a, b, c) fills only where a block device holds the root.
 DISK_FIGURES = {"store_disk_busy", "load_disk_busy", "single_load_disk_busy",
                 "store_disk_mib", "load_disk_mib", "single_load_disk_mib"}
 # Figures a job-driven design (a, b, c) must fill; (d) has only these three kinds.

@@ -41,8 +41,9 @@ class DeviceCounters:
     # that time is the number of requests in flight on average (Little's law); times the
     # bytes per request, the bytes in flight. Bytes, not requests, compare designs: the
     # kernel cuts one read into as many requests as the target memory's scattered pages
-    # need (on this VM a 2 MiB read into 4 KiB pages is four requests, into a huge page
-    # one). The kernel times each request itself, so this holds where io_ticks does not.
+    # need (on this VM a 2 MiB read into scattered 4 KiB pages was four requests, into
+    # physically contiguous memory one). The kernel times each request itself, so this
+    # holds where io_ticks does not.
     reads: int
     writes: int
     read_ms: int
