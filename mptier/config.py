@@ -30,9 +30,21 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 from mptier.errors import ConfigError
+from mptier.fskind import MEMORY_FS_TYPES, fs_type
 from mptier.storage.leases import DEFAULT_STALE_TEMP_S
 from mptier.storage.maintain import DEFAULT_POLICY, POLICIES
 from mptier.units import MiB, parse_byte_count
+
+# task_bytes = "auto" where every root is in memory: there the workers' CPUs are what a
+# load or store runs out of, and larger tasks left a burst's last jobs on fewer workers
+# (tmpfs 2 MiB loads 0.88x with 32 MiB tasks, docs/performance.md section 20).
+MEMORY_TASK_BYTES = 8 * MiB
+# ... and where a root is on a disk or a server: each task's end (its last copies and
+# records, the report, the next task's opens) leaves the device without that worker's
+# I/O, so fewer, larger tasks keep it busier: on ext4, 2 MiB blocks, the disk had a
+# request in flight 0.97 of a load phase against 0.88-0.91 with 8 MiB tasks, and 0.92-0.98
+# of a store phase against 0.74-0.94 (bench/experiments/block_trace.py, section 20).
+DEVICE_TASK_BYTES = 32 * MiB
 
 
 @dataclass
@@ -76,7 +88,9 @@ class TierConfig:
     # Store-priority worker processes: take stores first, loads when idle.
     n_store_workers: int = 2
     # Jobs are cut into tasks of at most this many bytes (at least one block each).
-    task_bytes: int = 8 * MiB
+    # "auto": MEMORY_TASK_BYTES where every root is in memory, DEVICE_TASK_BYTES where
+    # one is on a disk or a server (task_bytes_for).
+    task_bytes: int | str = "auto"
     # A job that finds workers idle is cut into smaller tasks (down to 1 MiB), one for
     # each worker that can run at once, so that a lone job uses every CPU the pool has.
     spread_jobs: bool = True
@@ -101,6 +115,10 @@ class TierConfig:
     # read may outlive its worker (O_DIRECT on a disk; network and FUSE file systems),
     # never on tmpfs; True: also buffered reads from local disks; False: never.
     bounce_loads: bool | str = "auto"
+    # Bounced loads through io_uring read a task's blocks in waves (at most half the
+    # bounce buffer's and of the task's blocks in flight), the next wave sent as the last
+    # returns, before its copies. False: every read of a task at once (side by side).
+    bounce_waves: bool = True
     # Use the compiled C core when it is available (False: the pure-Python twin).
     native: bool = True
     # Emit "stored" events from take_events() for keys of successful stores.
@@ -242,6 +260,18 @@ class TierConfig:
             return [os.path.normpath(r) for r in self.root_dirs]
         return [os.path.normpath(self.root_dir)] if self.root_dir else []
 
+    def task_bytes_for(self) -> int:
+        """``task_bytes`` in bytes: the number given, or for "auto" MEMORY_TASK_BYTES
+        where every root is in memory (tmpfs, ramfs, hugetlbfs) and DEVICE_TASK_BYTES
+        otherwise. The roots' file systems are read from the mount table: nothing here
+        touches a root (one may be a hung mount)."""
+        if self.task_bytes != "auto":
+            return int(self.task_bytes)
+        roots = self.roots()
+        if roots and all(fs_type(root) in MEMORY_FS_TYPES for root in roots):
+            return MEMORY_TASK_BYTES
+        return DEVICE_TASK_BYTES
+
     def layout_kwargs(self) -> dict[str, Any]:
         """Arguments for :class:`mptier.layout.FileMapper` (without ``root_dir``)."""
         return {name: getattr(self, name) for name in LAYOUT_FIELDS}
@@ -274,8 +304,10 @@ class TierConfig:
         _want(self.n_load_workers + self.n_store_workers >= 1, "n_load_workers",
               self.n_load_workers, "at least one worker in all (n_load_workers + "
               "n_store_workers >= 1)")
-        self.task_bytes = _parse_bytes("task_bytes", self.task_bytes)
-        _want(self.task_bytes >= 1, "task_bytes", self.task_bytes, "a positive byte count")
+        if self.task_bytes != "auto":
+            self.task_bytes = _parse_bytes("task_bytes", self.task_bytes)
+            _want(self.task_bytes >= 1, "task_bytes", self.task_bytes,
+                  'a positive byte count, or "auto"')
         _want_int(self, "max_stuck_workers", low=0, high=1024)
         _want(isinstance(self.heartbeat_s, (int, float)) and not isinstance(
             self.heartbeat_s, bool) and self.heartbeat_s >= 0, "heartbeat_s",
@@ -293,7 +325,7 @@ class TierConfig:
                      "bounce_loads"):
             setattr(self, name, _tristate(name, getattr(self, name)))
         for name in ("native", "enable_events", "prefault", "parallel_agnostic",
-                     "replicated_layout", "spread_jobs"):
+                     "replicated_layout", "spread_jobs", "bounce_waves"):
             _want(isinstance(getattr(self, name), bool), name, getattr(self, name),
                   "true or false")
         _want_int(self, "worker_nice", low=0, high=19)

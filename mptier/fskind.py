@@ -28,6 +28,8 @@ RAMFS_MAGIC = 0x858458F6
 F2FS_SUPER_MAGIC = 0xF2F52010
 # File systems that keep file data in memory.
 MEMORY_MAGICS = frozenset({TMPFS_MAGIC, RAMFS_MAGIC})
+# The same, by the type name fs_type gives: no device and no server behind them.
+MEMORY_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 MOUNTINFO = "/proc/self/mountinfo"
 

@@ -137,7 +137,7 @@ class FileSystemTier:
         self._block_bytes = buffer.block_bytes
         self._num_blocks = buffer.num_blocks
         self.mapper = FileMapper((cfg.roots() or [""])[0], **cfg.layout_kwargs())
-        self._per_task = max(1, cfg.task_bytes // self._block_bytes)
+        self._per_task = max(1, cfg.task_bytes_for() // self._block_bytes)
         # How many tasks run at once, and the least blocks a task of a spread job takes.
         self._spread_width = min(cfg.n_load_workers + cfg.n_store_workers,
                                  len(cfg.worker_cpus) or len(os.sched_getaffinity(0))) \

@@ -459,3 +459,60 @@ def test_workers_map_their_bounce_buffer_as_they_start(make_buffer, make_tier, t
     # No load ran yet.
     assert tier.stats()["bytes_done"]["load"] == 0
     assert ready == ([1, 1] if setting else [0, 0]), ready
+
+
+def _parked(rule, want: int, settle_s: float = 0.5, limit_s: float = 20.0) -> int:
+    """Wait until ``want`` callers wait in ``rule`` (or ``limit_s`` passed), then
+    ``settle_s`` more: the number waiting then (more would have arrived by now)."""
+    deadline = time.monotonic() + limit_s
+    while rule.waiting < want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(settle_s)
+    return rule.waiting
+
+
+@pytest.mark.parametrize("waves", [True, False], ids=["waves", "whole"])
+def test_a_bounced_uring_load_reads_in_waves_of_half_its_slots(make_fuse_fs, waves):
+    """Through io_uring a bounced load keeps at most half its bounce slots' reads in
+    flight, and sends the next wave as soon as the last has returned (then copies it):
+    seen from a FUSE file system that parks the reads of the first four blocks and of the
+    next four under two rules. WHOLE_BOUNCE (``bounce_waves = false``) sends every slot's
+    read at once. Either way every block lands in its slot."""
+    backend = native.get_backend("native")
+    if backend.uring_status() != "io_uring":
+        pytest.skip(f"no io_uring here: {backend.uring_status()}")
+    fs = make_fuse_fs(direct_io=True)  # every read reaches the file system
+    n = 8
+    source = np.random.default_rng(5).integers(0, 256, n * BLOCK, dtype=np.uint8)
+    for i in range(n):
+        (fs.backing / f"w{i}").write_bytes(source[i * BLOCK:(i + 1) * BLOCK].tobytes())
+    paths = [f"w{i}".encode() for i in range(n)]
+    first, second = fs.block("read", "/w[0-3]"), fs.block("read", "/w[4-7]")
+    fd = native.open_root(str(fs.mountpoint))
+    bounce = Bounce(BLOCK, nbytes=n * BLOCK)  # room for the whole batch: waves or not
+    target = np.zeros(n * BLOCK, dtype=np.uint8)
+    flags = native.URING | (0 if waves else native.WHOLE_BOUNCE)
+    result: list = []
+    loader = threading.Thread(target=lambda: result.append(bounce.load(
+        backend, fd, paths, memoryview(target), [i * BLOCK for i in range(n)], flags)))
+    loader.start()
+    try:
+        in_first = _parked(first, 4)
+        in_second = second.waiting
+        first.release()
+        after_first = _parked(second, 4)
+    finally:
+        first.release()
+        second.release()
+        loader.join(30)
+        bounce.close()
+        os.close(fd)
+    assert not loader.is_alive(), "the load never returned"
+    assert in_first == 4
+    if waves:
+        assert in_second == 0, f"{in_second} reads of the second wave were sent with the first"
+        assert after_first == 4, "the second wave was not sent when the first returned"
+    else:
+        assert in_second == 4, f"{in_second} of the second half in flight, not all 4"
+    assert result[0][:2] == (0, n)
+    assert np.array_equal(target, source)

@@ -49,6 +49,37 @@ def test_bad_values_name_the_key(values, named):
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("roots, expected", [
+    (["/dev/shm/kv"], "memory"),
+    (["/dev/shm/a", "/dev/shm/b"], "memory"),
+    (["{disk}"], "device"),
+    (["/dev/shm/kv", "{disk}"], "device"),  # one root on a disk: the disk's size
+], ids=["tmpfs", "two-tmpfs", "disk", "mixed"])
+def test_task_bytes_auto_follows_the_roots_file_systems(tmp_path, roots, expected):
+    """task_bytes = "auto" (the default): 8 MiB tasks where every root is in memory,
+    32 MiB where one is on a disk or a server; a number given is kept whatever the
+    roots. Read from the mount table: the roots need not exist."""
+    from mptier.config import DEVICE_TASK_BYTES, MEMORY_TASK_BYTES
+    from mptier.fskind import MEMORY_FS_TYPES, fs_type
+
+    if fs_type("/dev/shm") not in MEMORY_FS_TYPES:
+        pytest.skip("/dev/shm is not a memory file system here")
+    disk = str(tmp_path / "kv")
+    if fs_type(disk) in MEMORY_FS_TYPES:
+        disk = "/var/tmp/mptier-no-such-root"  # tmp_path in memory: a path on the disk
+        if fs_type(disk) in MEMORY_FS_TYPES:
+            pytest.skip("no disk-backed folder to name here")
+    dirs = [r.format(disk=disk) for r in roots]
+    cfg = TierConfig(root_dirs=dirs) if len(dirs) > 1 else TierConfig(root_dir=dirs[0])
+    assert cfg.task_bytes == "auto"
+    want = MEMORY_TASK_BYTES if expected == "memory" else DEVICE_TASK_BYTES
+    assert cfg.task_bytes_for() == want
+    assert (MEMORY_TASK_BYTES, DEVICE_TASK_BYTES) == (8 << 20, 32 << 20)
+    given = TierConfig(root_dir=dirs[0], task_bytes="4M")
+    assert given.task_bytes_for() == 4 << 20
+    assert not pathlib.Path(disk).exists()  # asked of the mount table, never made
+
+
 def test_bad_toml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("root_dir = \n")

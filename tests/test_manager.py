@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import errno
 import os
+import pathlib
 import random
 import select
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -112,7 +115,7 @@ def test_large_job_is_split_across_workers(make_buffer, make_tier):
 
 @pytest.mark.parametrize("spread", [True, False], ids=["spread_jobs", "no_spread"])
 def test_a_job_that_finds_workers_idle_is_spread_over_them(make_buffer, make_tier, spread):
-    """One 4 MiB job (16 blocks of 256 KiB: one task of the default 8 MiB) submitted to an
+    """One 4 MiB job (16 blocks of 256 KiB: one task of task_bytes' 8 MiB) submitted to an
     idle tier runs as one task per worker that can run at once (workers, and the CPUs
     they may use), each at least SPREAD_MIN_BYTES; with ``spread_jobs`` off, as one
     task. The blocks come back whole either way."""
@@ -122,7 +125,8 @@ def test_a_job_that_finds_workers_idle_is_spread_over_them(make_buffer, make_tie
     block = 256 * KB
     buf = make_buffer(64, block)
     fill_random(buf.view, range(16))
-    tier = make_tier(buf, n_load_workers=2, n_store_workers=2, spread_jobs=spread)
+    tier = make_tier(buf, n_load_workers=2, n_store_workers=2, spread_jobs=spread,
+                     task_bytes="8M")
     width = min(4, len(os.sched_getaffinity(0))) if spread else 0
     expected = -(-16 // spread_per_task(16, 32, width, SPREAD_MIN_BYTES // block))
     assert expected == (min(width, 4) if spread else 1)
@@ -140,6 +144,32 @@ def test_a_job_that_finds_workers_idle_is_spread_over_them(make_buffer, make_tie
     assert np.array_equal(buf.view[16:32], buf.view[:16])
     assert tier.stats()["blocks_per_task"] == 32  # task_bytes still says 8 MiB
 
+
+
+def test_the_default_task_size_follows_the_root(make_buffer, make_tier, tmp_path):
+    """task_bytes = "auto": a tier on a disk cuts jobs into 32 MiB tasks, one in memory
+    into 8 MiB ones (stats' blocks_per_task), and a 64-block job of 256 KiB blocks comes
+    back whole either way (idle workers: spread, so each runs fewer blocks)."""
+    from mptier.fskind import MEMORY_FS_TYPES, fs_type
+
+    block = 256 * KB
+    shm = pathlib.Path(tempfile.mkdtemp(prefix="mptier-test-task-", dir="/dev/shm"))
+    disk = tmp_path / "kv"
+    try:
+        for root, memory in ((disk, fs_type(str(disk)) in MEMORY_FS_TYPES), (shm, True)):
+            buf = make_buffer(128, block)
+            fill_random(buf.view, range(64))
+            tier = make_tier(buf, root_dir=str(root))
+            assert tier.stats()["blocks_per_task"] == (8 << 20 if memory else 32 << 20) // block
+            keys = keys_for(64, seed=33)
+            tier.submit_store(TransferJob(1, keys, list(range(64))))
+            assert wait_results(tier, [1])[1].success
+            tier.submit_load(TransferJob(2, keys, list(range(64, 128))))
+            assert wait_results(tier, [2])[2].success
+            assert np.array_equal(buf.view[64:128], buf.view[:64])
+            tier.shutdown()
+    finally:
+        shutil.rmtree(shm)
 
 def test_lookup_retry_then_hit_or_miss(make_buffer, make_tier):
     buf = make_buffer(4, 4 * KB)

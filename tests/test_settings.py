@@ -80,7 +80,7 @@ def test_the_pool_settings_are_derived_from_every_field_of_the_config(tmp_path):
                "capacity_bytes": 1 << 20, "eviction_policy": "lru",
                "high_watermark": 0.9, "low_watermark": 0.5, "stale_temp_s": 60.0,
                "lease_locks": False, "root_failures_to_fail": 9, "root_retry_s": 4.0,
-               "room_wait_s": 1.5}
+               "room_wait_s": 1.5, "bounce_waves": False}
     names = {f.name for f in fields(PoolSettings)} - {"root_dir", "root_dirs", "backend"}
     assert names == set(changed), "a PoolSettings field this test does not change"
     assert all(changed[k] != default_of(k) for k in changed)
@@ -89,7 +89,7 @@ def test_the_pool_settings_are_derived_from_every_field_of_the_config(tmp_path):
     # ... and IoSettings takes the storage ones from PoolSettings by the same names.
     io = prepare_io(settings, TierConfig().layout_kwargs(), 4096)
     for name in ("prefault", "capacity_bytes", "eviction_policy", "high_watermark",
-                 "low_watermark", "stale_temp_s"):
+                 "low_watermark", "stale_temp_s", "bounce_waves"):
         assert getattr(io, name) == changed[name], name
     assert io.room_wait_s == changed["room_wait_s"]
     short = dataclasses.replace(settings, io_timeout_s=4.0)  # at most a quarter of it

@@ -52,9 +52,8 @@ several threads and processes. The two backends behave identically:
   publishing and removals in batch order, as the loop does them), where this process
   can use io_uring (probed once: :meth:`Backend.uring_status`); elsewhere, with
   ``NO_OPENAT2``, for one-block batches, and for loads into overlapping slots, the
-  system-call loop runs.
-  The results are the loop's. It pays on block devices, where a lone process leaves
-  the device idle between its dependent steps; on memory file systems (tmpfs:
+  system-call loop runs. The results are the loop's. It pays on block devices, where
+  a lone process leaves the device idle between its dependent steps; in memory (tmpfs:
   :meth:`Backend.probe_in_memory`) the loop is as fast. The Python backend ignores it.
 - O_DIRECT is used with flag ``O_DIRECT`` where the block's address and ``block_bytes``
   are multiples of 4096; a block whose O_DIRECT open or I/O fails with EINVAL is redone
@@ -101,11 +100,11 @@ else:
 
 __all__ = [
     "BACKEND", "CHECKSUM", "FAULT_ENV", "HAS_NATIVE", "LOOKUP_ABSENT", "LOOKUP_BAD",
-    "LOOKUP_PRESENT", "LOOKUP_SHORT", "LOOKUP_SYMLINK", "NO_OPENAT2", "O_DIRECT",
-    "TAG_LEN", "TEMP_SUFFIX_MAX_BYTES", "TMPFILE", "TOUCH", "URING", "XATTR_NAME", "Backend",
-    "batch_error", "batch_load", "batch_lookup", "batch_store", "crc32c", "crc32c_impl",
-    "get_backend", "new_tag", "open_root", "probe_o_direct", "probe_o_tmpfile",
-    "probe_xattr", "set_fault", "uring_status",
+    "LOOKUP_PRESENT", "LOOKUP_SHORT", "LOOKUP_SYMLINK", "NO_OPENAT2", "O_DIRECT", "TAG_LEN",
+    "TEMP_SUFFIX_MAX_BYTES", "TMPFILE", "TOUCH", "URING", "WHOLE_BOUNCE", "XATTR_NAME",
+    "Backend", "batch_error", "batch_load", "batch_lookup", "batch_store", "crc32c",
+    "crc32c_impl", "get_backend", "new_tag", "open_root", "probe_o_direct",
+    "probe_o_tmpfile", "probe_xattr", "set_fault", "uring_status",
 ]
 
 NATIVE_ENV = "MPTIER_NATIVE"
@@ -119,6 +118,7 @@ TOUCH = _pure.TOUCH
 TMPFILE = _pure.TMPFILE
 NO_OPENAT2 = _pure.NO_OPENAT2
 URING = _pure.URING
+WHOLE_BOUNCE = _pure.WHOLE_BOUNCE
 # Lookup statuses. SHORT (a file shorter than a block) is a miss: the next store
 # replaces it, a load removes it; lookup itself removes nothing but symlinks.
 LOOKUP_ABSENT = _pure.LOOKUP_ABSENT
@@ -182,8 +182,9 @@ class Backend(TaskCalls):
                  bounce) -> tuple[int, int, int]:
         """:meth:`load`, reading each block into a slot of ``bounce`` (private,
         page-aligned memory of whole blocks) and copying it to ``buffer`` only after its
-        read returned (``mptier.workers.bounce``); a failed block's slot is never
-        written. No validation beyond ``bounce`` holding a block (else -EINVAL)."""
+        read returned (``mptier.workers.bounce``; with ``URING`` in waves unless
+        ``WHOLE_BOUNCE``: uring.c); a failed block's slot is never written. No
+        validation beyond ``bounce`` holding a block (else -EINVAL)."""
         return _checks.faulted("load", self._impl.load_via, root_fd, paths, buffer,
                                offsets, block_bytes, flags, bounce)[:3]
 

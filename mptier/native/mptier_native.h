@@ -41,6 +41,9 @@
                            * hold their data (never reported as loaded), a store may have
                            * made empty folders for them (nothing after it is published) */
 
+#define MPT_WHOLE_BOUNCE 64 /* bounced load through io_uring: every bounce slot's read in
+                             * flight at once, not in waves (uring.c, MPT_WAVE_SHARE) */
+
 /* Alignment O_DIRECT needs for the user address, the length and the file offset.
  * 4096 covers both 512-byte and 4 KiB logical sectors. */
 #define MPT_DIRECT_ALIGN 4096
@@ -106,8 +109,10 @@ int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base, size_
 /* Load as mpt_batch_load does, but read each block into one of bounce_blocks slots of
  * block_bytes at bounce (the caller's private memory, page-aligned for O_DIRECT) and copy
  * it to base + offsets[i] only after its read returned (mptier.workers.bounce): no read
- * in flight ever targets base. With MPT_URING up to bounce_blocks reads stay in flight
- * while earlier blocks are copied. A failed block's slot in base is never written. */
+ * in flight ever targets base. With MPT_URING the reads go in waves of at most half the
+ * bounce slots and half the blocks, the next sent as the last returns, while that one's
+ * blocks are copied (MPT_WHOLE_BOUNCE: up to bounce_blocks at once). A failed block's
+ * slot in base is never written. */
 int mpt_batch_load_via(int root, const char *paths_blob, size_t n, char *base,
                        size_t base_len, const uint64_t *offsets, size_t block_bytes, int flags, char *bounce,
                        size_t bounce_blocks, size_t *n_done, size_t *fail_index);

@@ -44,7 +44,7 @@ import mmap
 from collections.abc import Sequence
 from typing import Any
 
-from mptier.fskind import fs_type
+from mptier.fskind import MEMORY_FS_TYPES, fs_type
 
 # File systems whose buffered reads go through the page cache (killable waits, nothing
 # copied after SIGKILL). Everything else -- NFS, CIFS, Ceph, Lustre, 9p, every FUSE file
@@ -52,9 +52,9 @@ from mptier.fskind import fs_type
 PAGE_CACHE_FS_TYPES = frozenset({
     "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "jfs", "reiserfs", "bcachefs",
     "tmpfs", "ramfs", "hugetlbfs", "overlay"})
-# File systems in memory: no device and no server, so even an O_DIRECT read is a copy
-# the reading process makes itself, done before SIGKILL is acted on. Never bounced.
-MEMORY_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+# File systems in memory (fskind.MEMORY_FS_TYPES): no device and no server, so even an
+# O_DIRECT read is a copy the reading process makes itself, done before SIGKILL is acted
+# on. Never bounced.
 
 
 def needs_bounce(root_dir: str, use_o_direct: bool, setting: bool | str = "auto") -> bool:

@@ -41,9 +41,9 @@ ORPHAN_SIGNAL = signal.SIGUSR1
 # How long a worker whose supervisor is gone may take to finish its task and leave, from
 # the moment the kernel tells it (io_timeout_s instead when shorter: the longest a task
 # may run before the tier calls the file system hung). One task is at most task_bytes
-# (8 MiB by default: under a second even at 10 MB/s), and leaving is closing files and
-# removing a lease per root, so 10 s leaves room for a loaded machine and a slow network
-# file system, while every worker of a dead engine is gone before a service manager's
+# (32 MiB by default on a disk or server: 3.4 s at 10 MB/s), and leaving is closing
+# files and removing a lease per root, so 10 s leaves room for a loaded machine and a
+# slow network file system, while every worker of a dead engine is gone before a service manager's
 # stop timeout would escalate (docker stop: 10 s; Kubernetes: 30 s; systemd: 90 s). A
 # worker still there then is ended by SIGALRM (its default action; the kernel's timer,
 # whatever the worker is doing): what its unfinished store left (a temporary file, its

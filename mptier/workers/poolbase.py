@@ -49,6 +49,7 @@ class PoolSettings(SupervisionSettings):
     checksum_blocks: bool | str = default_of("checksum_blocks")
     io_uring: bool | str = default_of("io_uring")
     bounce_loads: bool | str = default_of("bounce_loads")
+    bounce_waves: bool = default_of("bounce_waves")
     backend: str = "native"
     prefault: bool = default_of("prefault")
     worker_nice: int = default_of("worker_nice")

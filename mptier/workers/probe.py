@@ -36,7 +36,7 @@ def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
     return IoSettings(root_dir=first.path, use_o_direct=first.use_o_direct,
                       backend=settings.backend, prefault=settings.prefault,
                       checksum=first.checksum, touch=True, tmpfile=first.tmpfile,
-                      uring=first.uring,
+                      uring=first.uring, bounce_waves=settings.bounce_waves,
                       roots=roots, capacity_bytes=settings.capacity_bytes,
                       eviction_policy=settings.eviction_policy,
                       high_watermark=settings.high_watermark,
