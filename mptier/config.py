@@ -260,14 +260,14 @@ class TierConfig:
             return [os.path.normpath(r) for r in self.root_dirs]
         return [os.path.normpath(self.root_dir)] if self.root_dir else []
 
-    def task_bytes_for(self) -> int:
+    def task_bytes_for(self, roots: list[str] | None = None) -> int:
         """``task_bytes`` in bytes: the number given, or for "auto" MEMORY_TASK_BYTES
-        where every root is in memory (tmpfs, ramfs, hugetlbfs) and DEVICE_TASK_BYTES
-        otherwise. The roots' file systems are read from the mount table: nothing here
-        touches a root (one may be a hung mount)."""
+        where every root (``roots``, else this config's) is in memory (tmpfs, ramfs,
+        hugetlbfs) and DEVICE_TASK_BYTES otherwise. The roots' file systems are read from
+        the mount table: nothing here touches a root (one may be a hung mount)."""
         if self.task_bytes != "auto":
             return int(self.task_bytes)
-        roots = self.roots()
+        roots = self.roots() if roots is None else roots
         if roots and all(fs_type(root) in MEMORY_FS_TYPES for root in roots):
             return MEMORY_TASK_BYTES
         return DEVICE_TASK_BYTES

@@ -137,16 +137,12 @@ class FileSystemTier:
         self._block_bytes = buffer.block_bytes
         self._num_blocks = buffer.num_blocks
         self.mapper = FileMapper((cfg.roots() or [""])[0], **cfg.layout_kwargs())
-        self._per_task = max(1, cfg.task_bytes_for() // self._block_bytes)
+        self._cut_tasks_of(cfg.task_bytes_for())
         # How many tasks run at once, and the least blocks a task of a spread job takes.
         self._spread_width = min(cfg.n_load_workers + cfg.n_store_workers,
                                  len(cfg.worker_cpus) or len(os.sched_getaffinity(0))) \
             if cfg.spread_jobs else 0
         self._spread_least = max(1, SPREAD_MIN_BYTES // self._block_bytes)
-        # Keys up to this length always fit self._per_task items in a record.
-        self._fast_key_len = next((k for k in range(MAX_KEY_BYTES, 0, -1)
-                                   if task_record_capacity(TaskKind.STORE, k)
-                                   >= self._per_task), 0)
         self._lookups = LookupTable()
         self._ledger = JobLedger(self._block_bytes, self._lookups, cfg.enable_events)
         self._final_pool_stats: dict[str, Any] | None = None
@@ -177,6 +173,8 @@ class FileSystemTier:
             # Several roots: each key lives on the one RootRouter names.
             self.mappers = [FileMapper(r, **cfg.layout_kwargs()) for r in self._io.root_dirs]
             self._router = RootRouter(self._io.root_dirs)
+            # "auto" by the roots the workers use (a service's, when attached to one)
+            self._cut_tasks_of(cfg.task_bytes_for(self._io.root_dirs))
             self._seen_news = self._pool.news()
             # Status socket / metrics (config status_socket, metrics_port): threads that
             # sleep until an operator asks; see mptier.monitor.
@@ -185,6 +183,14 @@ class FileSystemTier:
             self._cleanup = stack.pop_all()
         self._closed = self._shut_down = False
         _live_tiers.add(self)
+
+    def _cut_tasks_of(self, task_bytes: int) -> None:
+        """Cut jobs into tasks of at most ``task_bytes`` (at least a block each)."""
+        self._per_task = max(1, task_bytes // self._block_bytes)
+        # Keys up to this length always fit self._per_task items in a record.
+        self._fast_key_len = next((k for k in range(MAX_KEY_BYTES, 0, -1)
+                                   if task_record_capacity(TaskKind.STORE, k)
+                                   >= self._per_task), 0)
 
     # What the workers do, as the pool (or the service, after each attach) settled it.
     @property

@@ -6,9 +6,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -69,8 +71,8 @@ class ServiceProcess:
 def start_service(run_dir, tmp_path):
     started: list[ServiceProcess] = []
 
-    def start(name: str = "kv", *extra: str) -> ServiceProcess:
-        service = ServiceProcess(name, str(tmp_path / "kv"), run_dir, *extra)
+    def start(name: str = "kv", *extra: str, root: str | None = None) -> ServiceProcess:
+        service = ServiceProcess(name, root or str(tmp_path / "kv"), run_dir, *extra)
         started.append(service)
         return service
 
@@ -177,6 +179,31 @@ def test_root_dir_is_the_services_and_need_not_be_given(start_service, make_buff
         round_trip(tier, buf, keys_for(3))
         assert tier.mapper.base_path.startswith(str(tmp_path / "kv"))
         assert tier.stats()["o_direct"] is tier.use_o_direct
+
+
+def test_the_automatic_task_size_follows_the_service_s_root(start_service, attach,
+                                                           make_buffer):
+    """task_bytes = "auto" is settled by the roots the workers use: an engine whose own
+    root_dir is on a disk, attached to a service whose root is in memory, cuts its jobs
+    into the memory size of tasks, not the disk's."""
+    from mptier.config import MEMORY_TASK_BYTES
+    from mptier.fskind import MEMORY_FS_TYPES, fs_type
+
+    engine_root = "/not/used/by/a/service"
+    if fs_type(engine_root) in MEMORY_FS_TYPES:
+        pytest.skip("/ is in memory here: nothing to tell apart")
+    shm = tempfile.mkdtemp(prefix="mptier-test-service-", dir="/dev/shm")
+    try:
+        service = start_service("kv", root=shm)
+        buf = make_buffer(16, BLOCK)
+        tier = attach(service, buf)
+        assert tier.config.root_dir == engine_root
+        assert tier.stats()["blocks_per_task"] == MEMORY_TASK_BYTES // BLOCK
+        round_trip(tier, buf, keys_for(4))
+        tier.shutdown()
+        assert service.stop() == 0
+    finally:
+        shutil.rmtree(shm)
 
 
 def test_no_service_is_a_clear_error(run_dir, make_buffer):
