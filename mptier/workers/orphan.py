@@ -43,11 +43,11 @@ ORPHAN_SIGNAL = signal.SIGUSR1
 # may run before the tier calls the file system hung). One task is at most task_bytes
 # (32 MiB by default on a disk or server: 3.4 s at 10 MB/s), and leaving is closing
 # files and removing a lease per root, so 10 s leaves room for a loaded machine and a
-# slow network file system, while every worker of a dead engine is gone before a service manager's
-# stop timeout would escalate (docker stop: 10 s; Kubernetes: 30 s; systemd: 90 s). A
-# worker still there then is ended by SIGALRM (its default action; the kernel's timer,
-# whatever the worker is doing): what its unfinished store left (a temporary file, its
-# lease) is swept by the next tier on the root, as after any kill.
+# slow network file system, while every worker of a dead engine is gone before a
+# service manager's stop timeout would escalate (docker stop: 10 s; Kubernetes: 30 s;
+# systemd: 90 s). A worker still there then is ended by SIGALRM (its default action;
+# the kernel's timer, whatever the worker is doing): what its unfinished store left (a
+# temporary file, its lease) is swept by the next tier on the root, as after any kill.
 ORPHAN_EXIT_S = 10.0
 # Set by the watcher thread once the supervisor is gone (ORPHAN_SIGNAL).
 ORPHANED = threading.Event()
