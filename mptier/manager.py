@@ -137,7 +137,6 @@ class FileSystemTier:
         self._block_bytes = buffer.block_bytes
         self._num_blocks = buffer.num_blocks
         self.mapper = FileMapper((cfg.roots() or [""])[0], **cfg.layout_kwargs())
-        self._cut_tasks_of(cfg.task_bytes_for())
         # How many tasks run at once, and the least blocks a task of a spread job takes.
         self._spread_width = min(cfg.n_load_workers + cfg.n_store_workers,
                                  len(cfg.worker_cpus) or len(os.sched_getaffinity(0))) \
@@ -173,7 +172,8 @@ class FileSystemTier:
             # Several roots: each key lives on the one RootRouter names.
             self.mappers = [FileMapper(r, **cfg.layout_kwargs()) for r in self._io.root_dirs]
             self._router = RootRouter(self._io.root_dirs)
-            # "auto" by the roots the workers use (a service's, when attached to one)
+            # Task size: "auto" by the roots the workers use (a service's, if attached
+            # to one), not those this engine's config names.
             self._cut_tasks_of(cfg.task_bytes_for(self._io.root_dirs))
             self._seen_news = self._pool.news()
             # Status socket / metrics (config status_socket, metrics_port): threads that

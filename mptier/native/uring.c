@@ -822,13 +822,17 @@ static int mpt_terminal(const struct mpt_job *j)
     return j->state >= MPT_READY;
 }
 
-/* Blocks of [from, to) still in the ring. */
-static size_t mpt_flying(struct mpt_ubatch *u, size_t from, size_t to)
+/* Whether block `started` of n may start: its slot is free (depth) and, for a bounced
+ * load in waves, fewer than `wave` blocks of [finished, started) are still in the ring. */
+static int mpt_may_start(struct mpt_ubatch *u, size_t finished, size_t started, size_t n,
+                         size_t depth, size_t wave)
 {
-    size_t k = 0;
-    for (size_t i = from; i < to; i++)
-        k += !mpt_terminal(mpt_job_of(u, i));
-    return k;
+    size_t flying = 0;
+    if (started >= n || started >= finished + depth)
+        return 0;
+    for (size_t i = finished; wave != 0 && i < started; i++)
+        flying += !mpt_terminal(mpt_job_of(u, i));
+    return wave == 0 || flying < wave;
 }
 
 /* Reap every completion there is; the number reaped. */
@@ -977,8 +981,7 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
     *fail_index = n;
     while (finished < n) {
         /* start blocks, in order, while there is room */
-        while (!broken && started < n && started < finished + depth &&
-               (wave == 0 || mpt_flying(&u, finished, started) < wave)) {
+        while (!broken && mpt_may_start(&u, finished, started, n, depth, wave)) {
             const char *dir = "", *leaf = path;
             size_t plen = strlen(path);
             if (store) {
@@ -1034,8 +1037,7 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
                 broken = 1;
             if (!broken)
                 mpt_reap(&u);
-            if (!broken && wave != 0 && started < n && started < finished + depth &&
-                mpt_flying(&u, finished, started) < wave)
+            if (!broken && wave != 0 && mpt_may_start(&u, finished, started, n, depth, wave))
                 continue; /* a wave returned: the next one to the device, then copy */
         }
         if (broken) {
