@@ -119,6 +119,10 @@ class TierConfig:
     # bounce buffer's and of the task's blocks in flight), the next wave sent as the last
     # returns, before its copies. False: every read of a task at once (side by side).
     bounce_waves: bool = True
+    # Lookups through io_uring (where loads go through it) open every key of a lookup
+    # task at once, so a cold key's metadata reads go to the device together. False: one
+    # key after another, as the system-call loop does (side by side).
+    ring_lookups: bool = True
     # Use the compiled C core when it is available (False: the pure-Python twin).
     native: bool = True
     # Emit "stored" events from take_events() for keys of successful stores.
@@ -325,7 +329,8 @@ class TierConfig:
                      "bounce_loads"):
             setattr(self, name, _tristate(name, getattr(self, name)))
         for name in ("native", "enable_events", "prefault", "parallel_agnostic",
-                     "replicated_layout", "spread_jobs", "bounce_waves"):
+                     "replicated_layout", "spread_jobs", "bounce_waves",
+                     "ring_lookups"):
             _want(isinstance(getattr(self, name), bool), name, getattr(self, name),
                   "true or false")
         _want_int(self, "worker_nice", low=0, high=19)

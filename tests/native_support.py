@@ -71,6 +71,7 @@ class IO:
 
     def batch_lookup(self, root, paths, block_bytes, **options):
         options.setdefault("no_openat2", self.walk)
+        options.setdefault("uring", self.uring)
         return self.backend.batch_lookup(root, paths, block_bytes, **options)
 
     def store(self, root_fd, paths, buffer, offsets, block_bytes, flags, tag):

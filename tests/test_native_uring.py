@@ -192,6 +192,92 @@ def test_o_direct_refused_inside_the_ring_goes_buffered(ring):
 
 # -- long batches, processes, threads, descriptors ------------------------------------
 
+def test_a_lookup_s_keys_reach_the_file_system_together(ring, make_fuse_fs):
+    """A lookup's opens are in the ring at once: the FUSE daemon holds the lookups of
+    every key at the same moment (a cold key is a read or two of metadata on a disk, one
+    after another in the loop). The loop, on the same parked file system, has one
+    there at a time, and so has the ring's lookup with LOOP_LOOKUP (``ring_lookups =
+    false``). All answer every key."""
+    fs = make_fuse_fs()
+    n = 4
+    paths = block_paths(n)
+    ring.batch_store(fs.mountpoint, paths, aligned(n * BLOCK, seed=23), offsets(range(n)),
+                     BLOCK, o_direct=False)
+
+    def raw(flags):
+        def lookup():
+            fd = os.open(fs.mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                encoded = [p.encode() for p in paths]
+                return list(ring.backend.lookup(fd, encoded, BLOCK, flags))
+            finally:
+                os.close(fd)
+        return lookup
+
+    for lookup, expect in ((raw(native.URING), n),
+                           (raw(native.URING | native.LOOP_LOOKUP), 1),
+                           (lambda: make_io("native").batch_lookup(fs.mountpoint, paths,
+                                                                   BLOCK), 1)):
+        rule = fs.block("getattr", "*.bin")
+        answers: list = []
+        looker = threading.Thread(target=lambda lookup=lookup, answers=answers:
+                                  answers.append(lookup()))
+        looker.start()
+        try:
+            fs.wait_blocked(rule, count=expect)
+            if expect == 1:
+                for _ in range(20):
+                    threading.Event().wait(0.01)
+                    assert rule.waiting == 1
+        finally:
+            rule.release()
+            looker.join(30)
+        assert answers == [[native.LOOKUP_PRESENT] * n]
+
+
+def test_a_lookup_longer_than_the_ring_answers_as_the_loop_does(tmp_path):
+    """80 keys, more than the ring holds, every kind of entry among them: the ring, the
+    loop and the twin give the same answers, and each removes the symlinks (at a leaf,
+    at a folder) as the loop does; no descriptor is left open."""
+    n = 80
+    paths = block_paths(n)
+    kinds = ["present", "absent", "short", "folder", "long", "leaf link", "folder link"]
+    answers = {}
+    for io in _variants():
+        if io.uring and not io.backend.uring_available():
+            pytest.skip(io.backend.uring_status())
+        root = tmp_path / io.variant
+        root.mkdir()
+        buf = aligned(n * BLOCK, seed=27)
+        present = [p for i, p in enumerate(paths) if kinds[i % len(kinds)] == "present"]
+        io.batch_store(root, present, buf, offsets(range(len(present))), BLOCK)
+        for i, p in enumerate(paths):
+            kind, where = kinds[i % len(kinds)], root / p
+            if kind in ("short", "long", "folder", "leaf link"):
+                where.parent.mkdir(parents=True, exist_ok=True)
+            if kind in ("short", "long"):
+                where.write_bytes(b"x" * (BLOCK // 2 if kind == "short" else BLOCK + 1))
+            elif kind == "folder":
+                where.mkdir()
+            elif kind == "leaf link":
+                os.symlink(root / present[0], where)
+            elif kind == "folder link":
+                where.parent.parent.mkdir(parents=True, exist_ok=True)
+                os.symlink(root, where.parent)
+        before = len(descriptors())
+        answers[io.variant] = io.batch_lookup(root, paths, BLOCK)
+        assert len(descriptors()) == before
+        links = [p for i, p in enumerate(paths) if kinds[i % len(kinds)].endswith("link")]
+        assert not any(os.path.islink(root / p) or os.path.islink((root / p).parent)
+                       for p in links), io.variant
+    assert answers["native-uring"] == answers["native"] == answers["python"]
+    assert {kinds[i % len(kinds)]: a for i, a in enumerate(answers["native"])} == {
+        "present": native.LOOKUP_PRESENT, "absent": native.LOOKUP_ABSENT,
+        "short": native.LOOKUP_SHORT, "folder": native.LOOKUP_BAD,
+        "long": native.LOOKUP_BAD, "leaf link": native.LOOKUP_SYMLINK,
+        "folder link": native.LOOKUP_SYMLINK}
+
+
 def test_batch_longer_than_the_ring(ring, tmp_path):
     n = 100  # the ring holds 32 blocks at a time: slots are reused as blocks finish
     buf = aligned(2 * n * BLOCK, seed=24)

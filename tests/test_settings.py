@@ -9,6 +9,7 @@ from dataclasses import MISSING, dataclass, fields
 
 import pytest
 
+from mptier import native
 from mptier.config import ENGINE_FIELDS, LAYOUT_FIELDS, SERVICE_FIELDS, TierConfig, default_of
 from mptier.workers.launcher import BootSpec
 from mptier.workers.poolbase import PoolSettings
@@ -80,7 +81,7 @@ def test_the_pool_settings_are_derived_from_every_field_of_the_config(tmp_path):
                "capacity_bytes": 1 << 20, "eviction_policy": "lru",
                "high_watermark": 0.9, "low_watermark": 0.5, "stale_temp_s": 60.0,
                "lease_locks": False, "root_failures_to_fail": 9, "root_retry_s": 4.0,
-               "room_wait_s": 1.5, "bounce_waves": False}
+               "room_wait_s": 1.5, "bounce_waves": False, "ring_lookups": False}
     names = {f.name for f in fields(PoolSettings)} - {"root_dir", "root_dirs", "backend"}
     assert names == set(changed), "a PoolSettings field this test does not change"
     assert all(changed[k] != default_of(k) for k in changed)
@@ -89,8 +90,13 @@ def test_the_pool_settings_are_derived_from_every_field_of_the_config(tmp_path):
     # ... and IoSettings takes the storage ones from PoolSettings by the same names.
     io = prepare_io(settings, TierConfig().layout_kwargs(), 4096)
     for name in ("prefault", "capacity_bytes", "eviction_policy", "high_watermark",
-                 "low_watermark", "stale_temp_s", "bounce_waves"):
+                 "low_watermark", "stale_temp_s", "bounce_waves", "ring_lookups"):
         assert getattr(io, name) == changed[name], name
+    # the side-by-side switches reach the native core's flags
+    assert io.flags() & native.WHOLE_BOUNCE and io.flags() & native.LOOP_LOOKUP
+    default_io = prepare_io(PoolSettings.from_config(TierConfig(root_dir=str(tmp_path))),
+                            TierConfig().layout_kwargs(), 4096)
+    assert not default_io.flags() & (native.WHOLE_BOUNCE | native.LOOP_LOOKUP)
     assert io.room_wait_s == changed["room_wait_s"]
     short = dataclasses.replace(settings, io_timeout_s=4.0)  # at most a quarter of it
     assert prepare_io(short, TierConfig().layout_kwargs(), 4096).room_wait_s == 1.0

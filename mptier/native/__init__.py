@@ -19,18 +19,17 @@ several threads and processes. The two backends behave identically:
   RESOLVE_NO_SYMLINKS where the kernel has it, else a per-component O_NOFOLLOW walk;
   flag ``NO_OPENAT2`` forces the walk). A symlink at a block path or a layout
   sub-folder is removed; only a regular file of exactly ``block_bytes`` is served.
-- Store: an existing regular file of exactly ``block_bytes`` counts as stored (names
-  are content hashes; ``TOUCH`` sets its atime). A shorter file or a symlink there is
-  removed and the block written; a directory, FIFO or other non-file (EMEDIUMTYPE), a
-  longer file (EFBIG), or a non-directory where a sub-folder must be (ENOTDIR) fails the
-  block and is left in place. The block goes into an ``O_TMPFILE`` file linked into
-  place (``TMPFILE``, where the file system allows) or into
-  ``<final>.<tag>.<counter>.tmp`` renamed onto the final name; either way no reader
-  sees a partial file at a final name, and a link or rename failing with EEXIST is
-  success. ``CHECKSUM`` sets vLLM's record (xattr ``user.vllm.kv_crc32c``, the CRC32C
-  as 4 bytes big-endian) on the temporary file before it is published. A temporary
-  file never survives a failure; if removing one fails, the store reports that errno
-  (``tmp_unlink_errno``) so the caller can warn.
+- Store: an existing regular file of exactly ``block_bytes`` counts as stored (names are
+  content hashes; ``TOUCH`` sets its atime). A shorter file or a symlink there is removed
+  and the block written; a directory, FIFO or other non-file (EMEDIUMTYPE), a longer file
+  (EFBIG), or a non-directory where a sub-folder must be (ENOTDIR) fails the block and is
+  left in place. The block goes into an ``O_TMPFILE`` file linked into place (``TMPFILE``,
+  where the file system allows) or into ``<final>.<tag>.<counter>.tmp`` renamed onto the
+  final name; either way no reader sees a partial file at a final name, and a link or rename
+  failing with EEXIST is success. ``CHECKSUM`` sets vLLM's record (xattr
+  ``user.vllm.kv_crc32c``, the CRC32C as 4 bytes big-endian) on the temporary file before it
+  is published. A temporary file never survives a failure; if removing one fails, the store
+  reports that errno (``tmp_unlink_errno``) so the caller can warn.
 - Load: reads exactly ``block_bytes``. Missing: ENOENT. A symlink (removed): ELOOP. A
   non-file: EMEDIUMTYPE; longer: EFBIG (both left in place). Shorter: ENODATA, removed.
   With ``CHECKSUM``, a record that is not 4 bytes or does not match: EBADMSG, removed; no
@@ -49,12 +48,13 @@ several threads and processes. The two backends behave identically:
   folders for blocks after ``index``.)
 - ``URING`` runs a store or load through io_uring with up to 32 blocks in flight (each
   block's opens, folder making, stat and read/write in the ring; checks, checksums,
-  publishing and removals in batch order, as the loop does them), where this process
-  can use io_uring (probed once: :meth:`Backend.uring_status`); elsewhere, with
-  ``NO_OPENAT2``, for one-block batches, and for loads into overlapping slots, the
-  system-call loop runs. The results are the loop's. It pays on block devices, where
-  a lone process leaves the device idle between its dependent steps; in memory (tmpfs:
-  :meth:`Backend.probe_in_memory`) the loop is as fast. The Python backend ignores it.
+  publishing and removals in batch order, as the loop does them), and a lookup with
+  every key's open in the ring (not with ``LOOP_LOOKUP``), where this process can use
+  io_uring (:meth:`Backend.uring_status`); elsewhere, with ``NO_OPENAT2``, for one-block
+  batches, and for loads into overlapping slots, the loop runs: the same results.
+  It pays on block devices, where a lone process leaves the device idle between its
+  dependent steps; in memory (:meth:`Backend.probe_in_memory`) the loop is as fast. The
+  Python backend ignores it.
 - O_DIRECT is used with flag ``O_DIRECT`` where the block's address and ``block_bytes``
   are multiples of 4096; a block whose O_DIRECT open or I/O fails with EINVAL is redone
   buffered, so O_DIRECT never fails a block. Probe a root once (:func:`probe_o_direct`,
@@ -100,11 +100,11 @@ else:
 
 __all__ = [
     "BACKEND", "CHECKSUM", "FAULT_ENV", "HAS_NATIVE", "LOOKUP_ABSENT", "LOOKUP_BAD",
-    "LOOKUP_PRESENT", "LOOKUP_SHORT", "LOOKUP_SYMLINK", "NO_OPENAT2", "O_DIRECT", "TAG_LEN",
-    "TEMP_SUFFIX_MAX_BYTES", "TMPFILE", "TOUCH", "URING", "WHOLE_BOUNCE", "XATTR_NAME",
-    "Backend", "batch_error", "batch_load", "batch_lookup", "batch_store", "crc32c",
-    "crc32c_impl", "get_backend", "new_tag", "open_root", "probe_o_direct",
-    "probe_o_tmpfile", "probe_xattr", "set_fault", "uring_status",
+    "LOOKUP_PRESENT", "LOOKUP_SHORT", "LOOKUP_SYMLINK", "LOOP_LOOKUP", "NO_OPENAT2",
+    "O_DIRECT", "TAG_LEN", "TEMP_SUFFIX_MAX_BYTES", "TMPFILE", "TOUCH", "URING",
+    "WHOLE_BOUNCE", "XATTR_NAME", "Backend", "batch_error", "batch_load", "batch_lookup",
+    "batch_store", "crc32c", "crc32c_impl", "get_backend", "new_tag", "open_root",
+    "probe_o_direct", "probe_o_tmpfile", "probe_xattr", "set_fault", "uring_status",
 ]
 
 NATIVE_ENV = "MPTIER_NATIVE"
@@ -118,7 +118,7 @@ TOUCH = _pure.TOUCH
 TMPFILE = _pure.TMPFILE
 NO_OPENAT2 = _pure.NO_OPENAT2
 URING = _pure.URING
-WHOLE_BOUNCE = _pure.WHOLE_BOUNCE
+WHOLE_BOUNCE, LOOP_LOOKUP = _pure.WHOLE_BOUNCE, _pure.LOOP_LOOKUP  # side by side (C only)
 # Lookup statuses. SHORT (a file shorter than a block) is a miss: the next store
 # replaces it, a load removes it; lookup itself removes nothing but symlinks.
 LOOKUP_ABSENT = _pure.LOOKUP_ABSENT
@@ -231,9 +231,9 @@ class Backend(TaskCalls):
         if rc:
             raise batch_error("load", -rc, n_done, index, where(encoded[index]), note)
 
-    def batch_lookup(self, root, paths, block_bytes, *, no_openat2=False) -> list[int]:
-        """The ``LOOKUP_*`` status of each of ``<root>/paths[i]``, in order."""
-        flags = _checks.flags(False, False, False, False, no_openat2)
+    def batch_lookup(self, root, paths, block_bytes, *, no_openat2=False, uring=False):
+        """The ``LOOKUP_*`` status of each of ``<root>/paths[i]``, in order (a list)."""
+        flags = _checks.flags(False, False, False, False, no_openat2, uring)
         block_bytes = _checks.block_size(block_bytes)
         with _checks.Root(root) as (fd, _):
             return list(self._impl.lookup(fd, _checks.paths(paths), block_bytes, flags))

@@ -58,6 +58,7 @@ TMPFILE = 8  # MPT_TMPFILE: store through an O_TMPFILE file linked into place
 NO_OPENAT2 = 16  # MPT_NO_OPENAT2: the component walk even where openat2 exists
 URING = 32  # MPT_URING: several blocks in flight through io_uring (C only; same results)
 WHOLE_BOUNCE = 64  # MPT_WHOLE_BOUNCE: a bounced io_uring load without waves (C only)
+LOOP_LOOKUP = 128  # MPT_LOOP_LOOKUP: a URING lookup one key at a time (C only)
 DIRECT_ALIGN = 4096  # O_DIRECT alignment of address, length and offset (512 B or 4 KiB)
 TAG_LEN = 16  # a writer's tag: exactly 16 characters of [0-9a-z]
 TEMP_SUFFIX_MAX_BYTES = 1 + TAG_LEN + 1 + 20 + 4  # ".<tag>.<uint64 counter>.tmp"

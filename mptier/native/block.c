@@ -1,6 +1,6 @@
 /*
- * block.c - one block the system-call way: load it, store it, evict it, and its checksum
- * record.
+ * block.c - one block the system-call way: load it, store it, evict it, look it up, and
+ * its checksum record.
  *
  * mpt_load_one and mpt_store_one do for one block what the table of cases at the top of
  * mptier_io.c says, one system call after another. The batch loop (mptier_io.c) runs
@@ -531,4 +531,41 @@ void mpt_copy_to_slot(char *dst, const char *src, size_t len)
     }
 #endif
     memcpy(dst, src, len);
+}
+
+/* -- lookup ------------------------------------------------------------------------------ */
+
+/* The lookup answer for rel, given what opening it O_PATH beneath root gave (a
+ * descriptor, which this closes, or -errno): the loop's rules, one home for both paths
+ * (the loop's own open below, io_uring's OPENAT2 in uring.c). */
+uint8_t mpt_lookup_opened(int root, const char *rel, int fd, size_t block_bytes,
+                          int flags)
+{
+    struct stat st;
+    int rc;
+
+    if (fd < 0)
+        return fd == -ELOOP ? MPT_LOOKUP_SYMLINK
+               : fd == -ENOTDIR ? MPT_LOOKUP_BAD : MPT_LOOKUP_ABSENT;
+    rc = fstat(fd, &st);
+    close(fd);
+    if (rc != 0)
+        return MPT_LOOKUP_ABSENT;
+    if (S_ISLNK(st.st_mode)) {
+        int dirfd = mpt_open_parent(root, rel, flags, 0);
+        if (dirfd >= 0) {
+            (void)mpt_unlink_symlink(dirfd, mpt_leaf(rel));
+            mpt_close_dir(dirfd, root);
+        }
+        return MPT_LOOKUP_SYMLINK;
+    }
+    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size > block_bytes)
+        return MPT_LOOKUP_BAD;
+    return (uint64_t)st.st_size == block_bytes ? MPT_LOOKUP_PRESENT : MPT_LOOKUP_SHORT;
+}
+
+uint8_t mpt_lookup_one(int root, const char *rel, size_t block_bytes, int flags)
+{
+    return mpt_lookup_opened(root, rel, mpt_open_beneath(root, rel, O_PATH, flags),
+                             block_bytes, flags);
 }

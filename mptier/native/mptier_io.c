@@ -223,35 +223,15 @@ int mpt_task_load(int root, const unsigned char *record, size_t record_len, char
                           flags, n_done, fail_index);
 }
 
-static uint8_t mpt_lookup_one(int root, const char *rel, size_t block_bytes, int flags)
-{
-    struct stat st;
-    int fd = mpt_open_beneath(root, rel, O_PATH, flags), rc;
-
-    if (fd < 0)
-        return fd == -ELOOP ? MPT_LOOKUP_SYMLINK
-               : fd == -ENOTDIR ? MPT_LOOKUP_BAD : MPT_LOOKUP_ABSENT;
-    rc = fstat(fd, &st);
-    close(fd);
-    if (rc != 0)
-        return MPT_LOOKUP_ABSENT;
-    if (S_ISLNK(st.st_mode)) {
-        int dirfd = mpt_open_parent(root, rel, flags, 0);
-        if (dirfd >= 0) {
-            (void)mpt_unlink_symlink(dirfd, mpt_leaf(rel));
-            mpt_close_dir(dirfd, root);
-        }
-        return MPT_LOOKUP_SYMLINK;
-    }
-    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size > block_bytes)
-        return MPT_LOOKUP_BAD;
-    return (uint64_t)st.st_size == block_bytes ? MPT_LOOKUP_PRESENT : MPT_LOOKUP_SHORT;
-}
-
 int mpt_batch_lookup(int root, const char *paths_blob, size_t n, size_t block_bytes,
                      int flags, uint8_t *out)
 {
     const char *path = paths_blob;
+    /* with MPT_URING, the opens go to the device together: a cold lookup is a read or
+     * two of metadata per key, one at a time here */
+    if ((flags & MPT_URING) && !(flags & MPT_LOOP_LOOKUP) &&
+        mpt_uring_lookup(root, paths_blob, n, block_bytes, flags, out) != MPT_NO_URING)
+        return 0;
     for (size_t i = 0; i < n; i++) {
         out[i] = mpt_lookup_one(root, path, block_bytes, flags);
         path += strlen(path) + 1;

@@ -43,6 +43,8 @@
 
 #define MPT_WHOLE_BOUNCE 64 /* bounced load through io_uring: every bounce slot's read in
                              * flight at once, not in waves (uring.c, MPT_WAVE_SHARE) */
+#define MPT_LOOP_LOOKUP 128 /* a lookup with MPT_URING: one key after another, as without
+                             * it, not every key's open in the ring (side by side) */
 
 /* Alignment O_DIRECT needs for the user address, the length and the file offset.
  * 4096 covers both 512-byte and 4 KiB logical sectors. */
@@ -276,11 +278,20 @@ MPT_INTERNAL int mpt_load_one(struct mpt_batch *b, const char *rel, char *dst, s
                               int direct);
 MPT_INTERNAL int mpt_store_one(struct mpt_batch *b, const char *rel, char *src, size_t len,
                                int direct);
+/* One key's lookup the system-call way (mptier_io.c), and its answer from what the
+ * O_PATH open of it gave (a descriptor, closed here, or -errno): the loop's rules */
+MPT_INTERNAL uint8_t mpt_lookup_one(int root, const char *rel, size_t block_bytes,
+                                    int flags);
+MPT_INTERNAL uint8_t mpt_lookup_opened(int root, const char *rel, int fd,
+                                       size_t block_bytes, int flags);
 /* uring.c: 0 or -errno with *n_done / *fail_index set as the loop sets them, or
  * MPT_NO_URING (nothing done: run the loop) */
 #define MPT_NO_URING 1
 MPT_INTERNAL int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob,
                                  size_t n, char *base, const uint64_t *offsets,
                                  size_t block_bytes, size_t *n_done, size_t *fail_index);
+/* uring.c: every key's answer in out (0), or MPT_NO_URING (nothing done: run the loop) */
+MPT_INTERNAL int mpt_uring_lookup(int root, const char *paths_blob, size_t n,
+                                  size_t block_bytes, int flags, uint8_t *out);
 
 #endif

@@ -1080,6 +1080,97 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
     return rc;
 }
 
+/* -- lookups ---------------------------------------------------------------------------- */
+
+/* A lookup's keys in the ring at once: each an OPENAT2 (O_PATH) of the block, with the
+ * loop's resolve flags, answered by the loop's rules (mpt_lookup_opened) as its
+ * descriptor comes back. A cold key costs a read or two of metadata (its folders, its
+ * inode): one after another in the loop, with nothing else of the worker's on the device
+ * meanwhile (docs/performance.md, section 21). An open the kernel cannot do without
+ * waiting goes to io_uring's helper threads, so the reads go to the device together.
+ * ELOOP and EAGAIN (a symlink on the way, a race the kernel would not judge) are the
+ * loop's to redo: its walk finds and removes the link. */
+struct mpt_lookup_slot {
+    size_t key;            /* which of the batch's keys */
+    const char *rel;
+    struct mpt_open_how how;
+};
+
+/* Hand the ring's completions to their keys; the number of slots given back. */
+static unsigned mpt_lookup_reap(struct mpt_ring *r, struct mpt_lookup_slot *slots,
+                                unsigned *free_slots, unsigned *n_free, int root,
+                                size_t block_bytes, int flags, uint8_t *out)
+{
+    unsigned head = *r->cq_head, tail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE), k = 0;
+    for (; head != tail; head++, k++) {
+        struct io_uring_cqe *c = &r->cqes[head & *r->cq_mask];
+        struct mpt_lookup_slot *s = &slots[c->user_data];
+        out[s->key] = c->res == -ELOOP || c->res == -EAGAIN
+                      ? mpt_lookup_one(root, s->rel, block_bytes, flags)
+                      : mpt_lookup_opened(root, s->rel, c->res, block_bytes, flags);
+        free_slots[(*n_free)++] = (unsigned)c->user_data;
+    }
+    __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
+    return k;
+}
+
+int mpt_uring_lookup(int root, const char *paths_blob, size_t n, size_t block_bytes,
+                     int flags, uint8_t *out)
+{
+    struct mpt_lookup_slot slots[MPT_URING_DEPTH];
+    unsigned free_slots[MPT_URING_DEPTH], n_free = MPT_URING_DEPTH, tries = 0;
+    const char *path = paths_blob;
+    struct mpt_ring *r;
+    size_t started = 0;
+    int broken = 0;
+
+    if (n < MPT_URING_MIN_BLOCKS || !mpt_use_openat2(flags))
+        return MPT_NO_URING;
+    r = mpt_ring();
+    if (r == NULL)
+        return MPT_NO_URING;
+    for (unsigned k = 0; k < MPT_URING_DEPTH; k++)
+        free_slots[k] = MPT_URING_DEPTH - 1 - k;
+    while (started < n || n_free < MPT_URING_DEPTH) {
+        for (; !broken && started < n && n_free > 0; started++) {
+            unsigned k = free_slots[--n_free];
+            struct mpt_lookup_slot *s = &slots[k];
+            struct io_uring_sqe *e = mpt_sqe(r, k);
+            s->key = started;
+            s->rel = path;
+            s->how.flags = (uint64_t)(O_PATH | O_NOFOLLOW | O_CLOEXEC);
+            s->how.mode = 0;
+            s->how.resolve = MPT_RESOLVE_BENEATH | MPT_RESOLVE_NO_SYMLINKS;
+            e->opcode = IORING_OP_OPENAT2;
+            e->fd = root;
+            e->addr = (uint64_t)(uintptr_t)path;
+            e->len = sizeof s->how;
+            e->addr2 = (uint64_t)(uintptr_t)&s->how;
+            path += strlen(path) + 1;
+        }
+        if (n_free == MPT_URING_DEPTH)
+            break; /* broken, and nothing left in the ring */
+        if (mpt_enter(r, 1) == 0) {
+            mpt_lookup_reap(r, slots, free_slots, &n_free, root, block_bytes, flags, out);
+            continue;
+        }
+        /* io_uring_enter failed (no memory in the kernel): wait out what is in the ring,
+         * as mpt_drain does, then the loop answers the rest and this thread keeps to the
+         * loop from now on */
+        broken = 1;
+        mpt_thread_ring_state = -1; /* the ring stays allocated: it may be in use */
+        if (tries < MPT_DRAIN_TRIES)
+            tries++;
+        struct timespec pause = {0, (long)tries * 1000000L};
+        nanosleep(&pause, NULL);
+    }
+    for (; started < n; started++) {
+        out[started] = mpt_lookup_one(root, path, block_bytes, flags);
+        path += strlen(path) + 1;
+    }
+    return 0;
+}
+
 const char *mpt_uring_status(void)
 {
     pthread_once(&mpt_uring_once, mpt_uring_probe);
@@ -1094,6 +1185,13 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
 {
     (void)store, (void)b, (void)paths_blob, (void)n, (void)base, (void)offsets;
     (void)block_bytes, (void)n_done, (void)fail_index;
+    return MPT_NO_URING;
+}
+
+int mpt_uring_lookup(int root, const char *paths_blob, size_t n, size_t block_bytes,
+                     int flags, uint8_t *out)
+{
+    (void)root, (void)paths_blob, (void)n, (void)block_bytes, (void)flags, (void)out;
     return MPT_NO_URING;
 }
 

@@ -50,6 +50,7 @@ class PoolSettings(SupervisionSettings):
     io_uring: bool | str = default_of("io_uring")
     bounce_loads: bool | str = default_of("bounce_loads")
     bounce_waves: bool = default_of("bounce_waves")
+    ring_lookups: bool = default_of("ring_lookups")
     backend: str = "native"
     prefault: bool = default_of("prefault")
     worker_nice: int = default_of("worker_nice")

@@ -37,6 +37,7 @@ def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
                       backend=settings.backend, prefault=settings.prefault,
                       checksum=first.checksum, touch=True, tmpfile=first.tmpfile,
                       uring=first.uring, bounce_waves=settings.bounce_waves,
+                      ring_lookups=settings.ring_lookups,
                       roots=roots, capacity_bytes=settings.capacity_bytes,
                       eviction_policy=settings.eviction_policy,
                       high_watermark=settings.high_watermark,

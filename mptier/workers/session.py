@@ -66,6 +66,7 @@ class IoSettings:
     tmpfile: bool = False  # publish through O_TMPFILE files (probed: they survive close)
     uring: bool = False  # batches through io_uring, several blocks in flight
     bounce_waves: bool = default_of("bounce_waves")  # bounced loads read in waves
+    ring_lookups: bool = default_of("ring_lookups")  # a lookup's opens in the ring at once
     roots: list[RootIo] = field(default_factory=list)  # empty: root_dir alone
     capacity_bytes: int = default_of("capacity_bytes")  # per root; 0 = unlimited
     eviction_policy: str = default_of("eviction_policy")
@@ -98,7 +99,8 @@ class IoSettings:
                 | (native.TOUCH if self.touch else 0)
                 | (native.TMPFILE if r.tmpfile else 0)
                 | (native.URING if r.uring else 0)
-                | (0 if self.bounce_waves else native.WHOLE_BOUNCE))
+                | (0 if self.bounce_waves else native.WHOLE_BOUNCE)
+                | (0 if self.ring_lookups else native.LOOP_LOOKUP))
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
