@@ -476,6 +476,59 @@ def test_a_ring_that_fails_mid_batch_hands_nothing_to_the_next(ring, shim, tmp_p
     assert hits >= 30, f"only {hits} io_uring_enter calls were made to fail"
 
 
+def test_a_ring_that_fails_mid_lookup_still_answers_every_key(ring, shim, tmp_path):
+    """io_uring_enter failing at any point of a lookup: every key is still answered
+    right (the ring's opens are waited out, the rest answered by the loop), no
+    descriptor the ring handed back is left open or closes one of the process's, and
+    the thread's later lookups answer right."""
+    proc, hits, _ = run_with_shim(shim, "", tmp_path / "shim.log", """
+        import ctypes, os, sys
+        from native_support import (BLOCK, aligned, attempts_on_fresh_threads, block_paths,
+                                    descriptors, make_io, offsets)
+        from mptier import native
+        root, tries = sys.argv[1], int(sys.argv[2])
+        HUNG_S = 10  # a try takes milliseconds
+        arm = ctypes.CDLL(None).shim_fail_enter_after
+        io, n = make_io("native-uring"), 40
+        names = block_paths(n)
+        io.batch_store(root, names[::2], aligned(n * BLOCK, seed=5), offsets(range(n // 2)),
+                       BLOCK)
+        want = [native.LOOKUP_PRESENT, native.LOOKUP_ABSENT] * (n // 2)
+        sentinels = [fd for _ in range(4) for fd in os.pipe()]
+        owned = {fd: os.fstat(fd).st_ino for fd in sentinels}
+        wrong = []
+
+        def files():  # the thread's own ring is made at its first lookup, and kept
+            return sorted(t for t in descriptors().values() if t != "anon_inode:[io_uring]")
+
+        def attempt(k):
+            before = files()
+            arm(k)  # the k-th io_uring_enter from here fails
+            got = io.batch_lookup(root, names, BLOCK)
+            arm(0)
+            if got != want:
+                wrong.append((k, "wrong answers", got))
+            if io.batch_lookup(root, names, BLOCK) != want:
+                wrong.append((k, "a later lookup answered wrong"))
+            if files() != before:
+                wrong.append((k, "descriptors left open", files()))
+            for fd, ino in list(owned.items()):
+                try:
+                    same = os.fstat(fd).st_ino == ino
+                except OSError:
+                    same = False
+                if not same:
+                    wrong.append((k, f"descriptor {fd} of the process was closed"))
+                    del owned[fd]
+
+        attempts_on_fresh_threads(attempt, tries, HUNG_S, wrong)
+        print(wrong, flush=True)
+        sys.exit(1 if wrong else 0)
+    """, str(tmp_path), "6", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert hits >= 2, f"only {hits} io_uring_enter calls were made to fail"
+
+
 def test_a_ring_that_keeps_failing_is_waited_out_before_the_batch_returns(ring, shim,
                                                                           tmp_path):
     """io_uring_enter failing many times in a row, past the drain's quick retries
