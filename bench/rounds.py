@@ -29,8 +29,10 @@ def main() -> int:
     for case in doc["cases"]:
         w = case["workload"]
         print(f"{case['root_fs']} {w['block_bytes'] >> 10} KiB, {w['inflight_jobs']} in flight")
+        rounds_of = {r["label"]: r["rounds"] if isinstance(r.get("rounds"), list)
+                     else [r["figures"]] for r in case["designs"]}  # one round: no list
         for r in case["designs"]:
-            rounds = r["rounds"] if isinstance(r["rounds"], list) else [r["figures"]]
+            rounds = rounds_of[r["label"]]
             cells = []
             for key in keys:
                 vals = [x.get(key) for x in rounds]
@@ -38,12 +40,11 @@ def main() -> int:
                                                   for v in vals))
             print(f"  {r['label']:32s} " + " | ".join(cells)
                   + f" | background CPUs {r.get('background_cpus_max') or 0:.1f}")
-        by_label = {r["label"]: r for r in case["designs"]}
         for pair in args.pair:
             a, b = pair.split(",")
-            if a not in by_label or b not in by_label:
+            if a not in rounds_of or b not in rounds_of:
                 continue
-            ra, rb = by_label[a]["rounds"], by_label[b]["rounds"]
+            ra, rb = rounds_of[a], rounds_of[b]
             cells = []
             for key in keys:
                 ratios = sorted(x[key] / y[key] for x, y in zip(ra, rb)
