@@ -1096,13 +1096,13 @@ struct mpt_lookup_slot {
     struct mpt_open_how how;
 };
 
-/* Hand the ring's completions to their keys; the number of slots given back. */
-static unsigned mpt_lookup_reap(struct mpt_ring *r, struct mpt_lookup_slot *slots,
-                                unsigned *free_slots, unsigned *n_free, int root,
-                                size_t block_bytes, int flags, uint8_t *out)
+/* Answer the keys whose opens have come back, and give their slots back. */
+static void mpt_lookup_reap(struct mpt_ring *r, struct mpt_lookup_slot *slots,
+                            unsigned *free_slots, unsigned *n_free, int root,
+                            size_t block_bytes, int flags, uint8_t *out)
 {
-    unsigned head = *r->cq_head, tail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE), k = 0;
-    for (; head != tail; head++, k++) {
+    unsigned head = *r->cq_head, tail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
+    for (; head != tail; head++) {
         struct io_uring_cqe *c = &r->cqes[head & *r->cq_mask];
         struct mpt_lookup_slot *s = &slots[c->user_data];
         out[s->key] = c->res == -ELOOP || c->res == -EAGAIN
@@ -1111,7 +1111,6 @@ static unsigned mpt_lookup_reap(struct mpt_ring *r, struct mpt_lookup_slot *slot
         free_slots[(*n_free)++] = (unsigned)c->user_data;
     }
     __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
-    return k;
 }
 
 int mpt_uring_lookup(int root, const char *paths_blob, size_t n, size_t block_bytes,
