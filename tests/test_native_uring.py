@@ -476,6 +476,30 @@ def test_a_ring_that_fails_mid_batch_hands_nothing_to_the_next(ring, shim, tmp_p
     assert hits >= 30, f"only {hits} io_uring_enter calls were made to fail"
 
 
+def test_a_lookup_near_the_descriptor_limit_answers_as_the_loop_does(ring, tmp_path):
+    """With only a few descriptors to spare, the ring's opens of a 64-key lookup fail
+    with EMFILE; those keys are redone one at a time, so every present key still
+    answers PRESENT (before: 50 of 64 answered ABSENT), as the loop's do."""
+    out = run_python("""
+        import json, os, resource, sys
+        from native_support import BLOCK, aligned, block_paths, make_io, offsets
+        root = sys.argv[1]
+        ring, loop = make_io("native-uring"), make_io("native")
+        names = block_paths(64)
+        ring.batch_store(root, names, aligned(64 * BLOCK, seed=9), offsets(range(64)), BLOCK)
+        ring.batch_lookup(root, names[:2], BLOCK)  # the thread's ring, made now
+        fds = os.listdir("/proc/self/fd")
+        top = max(int(fd) for fd in fds)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1 + 6, hard))
+        answers = [ring.batch_lookup(root, names, BLOCK), loop.batch_lookup(root, names, BLOCK)]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        print(json.dumps(answers))
+    """, str(tmp_path))
+    ring_answers, loop_answers = json.loads(out.stdout)
+    assert ring_answers == loop_answers == [native.LOOKUP_PRESENT] * 64
+
+
 def test_a_ring_that_fails_mid_lookup_still_answers_every_key(ring, shim, tmp_path):
     """io_uring_enter failing at any point of a lookup: every key is still answered
     right (the ring's opens are waited out, the rest answered by the loop), no

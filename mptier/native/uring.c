@@ -1088,8 +1088,11 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
  * inode): one after another in the loop, with nothing else of the worker's on the device
  * meanwhile (docs/performance.md, section 21). An open the kernel cannot do without
  * waiting goes to io_uring's helper threads, so the reads go to the device together.
- * ELOOP and EAGAIN (a symlink on the way, a race the kernel would not judge) are the
- * loop's to redo: its walk finds and removes the link. */
+ * Only a descriptor, ENOENT and ENOTDIR are answered from the ring; any other failure is
+ * the loop's to redo, one key at a time: ELOOP (its walk finds and removes the link),
+ * EAGAIN (a race the kernel would not judge), EINTR (the loop retries it), EMFILE and
+ * ENFILE (the ring holds up to MPT_URING_DEPTH descriptors at once; near the process's
+ * limit the loop's one would still fit, and a present key must not answer absent). */
 struct mpt_lookup_slot {
     size_t key;            /* which of the batch's keys */
     const char *rel;
@@ -1105,9 +1108,9 @@ static void mpt_lookup_reap(struct mpt_ring *r, struct mpt_lookup_slot *slots,
     for (; head != tail; head++) {
         struct io_uring_cqe *c = &r->cqes[head & *r->cq_mask];
         struct mpt_lookup_slot *s = &slots[c->user_data];
-        out[s->key] = c->res == -ELOOP || c->res == -EAGAIN
-                      ? mpt_lookup_one(root, s->rel, block_bytes, flags)
-                      : mpt_lookup_opened(root, s->rel, c->res, block_bytes, flags);
+        out[s->key] = c->res >= 0 || c->res == -ENOENT || c->res == -ENOTDIR
+                      ? mpt_lookup_opened(root, s->rel, c->res, block_bytes, flags)
+                      : mpt_lookup_one(root, s->rel, block_bytes, flags);
         free_slots[(*n_free)++] = (unsigned)c->user_data;
     }
     __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
