@@ -236,6 +236,22 @@ def shim_fixture(tmp_path_factory) -> str:
     return str(out)
 
 
+def closed_sentinels(owned: dict[int, int]) -> list[int]:
+    """(In a shim test's child.) Which of the process's own descriptors ``owned`` (fd ->
+    inode when opened) are closed or now name another file; those are dropped from
+    ``owned``, so each is reported once."""
+    closed = []
+    for fd, ino in list(owned.items()):
+        try:
+            same = os.fstat(fd).st_ino == ino
+        except OSError:
+            same = False
+        if not same:
+            closed.append(fd)
+            del owned[fd]
+    return closed
+
+
 def attempts_on_fresh_threads(attempt, tries: int, hung_s: float, wrong: list) -> None:
     """(In a shim test's child.) ``attempt(k)`` for k = 1..tries, each on a new thread (a
     ring of its own) joined for at most ``hung_s``; a hung one goes into ``wrong`` and

@@ -426,7 +426,7 @@ def test_a_ring_that_fails_mid_batch_hands_nothing_to_the_next(ring, shim, tmp_p
     proc, hits, _ = run_with_shim(shim, "", tmp_path / "shim.log", """
         import ctypes, os, sys
         from native_support import (BLOCK, aligned, attempts_on_fresh_threads, block_paths,
-                                    make_io, offsets)
+                                    closed_sentinels, make_io, offsets)
         from mptier.errors import BatchIOError
         root, tries = sys.argv[1], int(sys.argv[2])
         HUNG_S = 10  # a try takes milliseconds
@@ -459,14 +459,8 @@ def test_a_ring_that_fails_mid_batch_hands_nothing_to_the_next(ring, shim, tmp_p
                     wrong.append((k, "loaded bytes differ"))
             except BatchIOError as exc:
                 wrong.append((k, f"a later batch failed: {exc}"))
-            for fd, ino in list(owned.items()):
-                try:
-                    same = os.fstat(fd).st_ino == ino
-                except OSError:
-                    same = False
-                if not same:
-                    wrong.append((k, f"descriptor {fd} of the process was closed"))
-                    del owned[fd]
+            for fd in closed_sentinels(owned):
+                wrong.append((k, f"descriptor {fd} of the process was closed"))
 
         attempts_on_fresh_threads(attempt, tries, HUNG_S, wrong)
         print(wrong, flush=True)
@@ -508,7 +502,7 @@ def test_a_ring_that_fails_mid_lookup_still_answers_every_key(ring, shim, tmp_pa
     proc, hits, _ = run_with_shim(shim, "", tmp_path / "shim.log", """
         import ctypes, os, sys
         from native_support import (BLOCK, aligned, attempts_on_fresh_threads, block_paths,
-                                    descriptors, make_io, offsets)
+                                    closed_sentinels, descriptors, make_io, offsets)
         from mptier import native
         root, tries = sys.argv[1], int(sys.argv[2])
         HUNG_S = 10  # a try takes milliseconds
@@ -536,14 +530,8 @@ def test_a_ring_that_fails_mid_lookup_still_answers_every_key(ring, shim, tmp_pa
                 wrong.append((k, "a later lookup answered wrong"))
             if files() != before:
                 wrong.append((k, "descriptors left open", files()))
-            for fd, ino in list(owned.items()):
-                try:
-                    same = os.fstat(fd).st_ino == ino
-                except OSError:
-                    same = False
-                if not same:
-                    wrong.append((k, f"descriptor {fd} of the process was closed"))
-                    del owned[fd]
+            for fd in closed_sentinels(owned):
+                wrong.append((k, f"descriptor {fd} of the process was closed"))
 
         attempts_on_fresh_threads(attempt, tries, HUNG_S, wrong)
         print(wrong, flush=True)
