@@ -278,7 +278,7 @@ MPT_INTERNAL int mpt_load_one(struct mpt_batch *b, const char *rel, char *dst, s
                               int direct);
 MPT_INTERNAL int mpt_store_one(struct mpt_batch *b, const char *rel, char *src, size_t len,
                                int direct);
-/* One key's lookup the system-call way (mptier_io.c), and its answer from what the
+/* One key's lookup the system-call way (block.c), and its answer from what the
  * O_PATH open of it gave (a descriptor, closed here, or -errno): the loop's rules */
 MPT_INTERNAL uint8_t mpt_lookup_one(int root, const char *rel, size_t block_bytes,
                                     int flags);

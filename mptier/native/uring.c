@@ -494,13 +494,20 @@ static void mpt_queue_write(struct mpt_ubatch *u, struct mpt_job *j, size_t i)
               (unsigned)(u->len - j->done), j->done);
 }
 
+/* An OPENAT2's how, with the loop's resolve flags (resolve.c): the open can neither
+ * leave the root nor follow a link. It must live until the ring has taken the request. */
+static void mpt_how_beneath(struct mpt_open_how *how, int oflags)
+{
+    how->flags = (uint64_t)(oflags | O_NOFOLLOW | O_CLOEXEC);
+    how->mode = 0;
+    how->resolve = MPT_RESOLVE_BENEATH | MPT_RESOLVE_NO_SYMLINKS;
+}
+
 static void mpt_queue_openat2(struct mpt_ubatch *u, struct mpt_job *j, size_t i, int state,
                               const char *path, int oflags)
 {
     struct io_uring_sqe *s;
-    j->how.flags = (uint64_t)(oflags | O_NOFOLLOW | O_CLOEXEC);
-    j->how.mode = 0;
-    j->how.resolve = MPT_RESOLVE_BENEATH | MPT_RESOLVE_NO_SYMLINKS;
+    mpt_how_beneath(&j->how, oflags);
     mpt_queue(u, j, i, state, IORING_OP_OPENAT2, u->b->root, path, sizeof j->how, 0);
     s = &u->r->sqes[(u->r->tail - 1) & *u->r->sq_mask];
     s->addr2 = (uint64_t)(uintptr_t)&j->how;
@@ -886,6 +893,19 @@ static void mpt_crc_arrived(struct mpt_ubatch *u, size_t from, size_t to)
  * length as a read's). io_uring_enter failing here (no memory in the kernel) is tried
  * again until it answers (MPT_DRAIN_TRIES), and the thread leaves its ring for the loop
  * from then on. */
+/* io_uring_enter failed while requests are in the ring: this thread takes the loop from
+ * now on (the ring stays allocated: it may be in use), and waits tries ms before asking
+ * the ring again, one more each time up to MPT_DRAIN_TRIES. */
+static void mpt_ring_failed_pause(unsigned *tries)
+{
+    struct timespec pause = {0, 0};
+    if (*tries < MPT_DRAIN_TRIES)
+        (*tries)++;
+    mpt_thread_ring_state = -1;
+    pause.tv_nsec = (long)*tries * 1000000L;
+    nanosleep(&pause, NULL);
+}
+
 static void mpt_drain(struct mpt_ubatch *u)
 {
     unsigned tries = 0;
@@ -894,11 +914,7 @@ static void mpt_drain(struct mpt_ubatch *u)
             mpt_reap(u);
             continue;
         }
-        if (tries < MPT_DRAIN_TRIES)
-            tries++;
-        mpt_thread_ring_state = -1; /* the ring stays allocated: it may be in use */
-        struct timespec pause = {0, (long)tries * 1000000L};
-        nanosleep(&pause, NULL);
+        mpt_ring_failed_pause(&tries);
     }
 }
 
@@ -1140,9 +1156,7 @@ int mpt_uring_lookup(int root, const char *paths_blob, size_t n, size_t block_by
             struct io_uring_sqe *e = mpt_sqe(r, k);
             s->key = started;
             s->rel = path;
-            s->how.flags = (uint64_t)(O_PATH | O_NOFOLLOW | O_CLOEXEC);
-            s->how.mode = 0;
-            s->how.resolve = MPT_RESOLVE_BENEATH | MPT_RESOLVE_NO_SYMLINKS;
+            mpt_how_beneath(&s->how, O_PATH);
             e->opcode = IORING_OP_OPENAT2;
             e->fd = root;
             e->addr = (uint64_t)(uintptr_t)path;
@@ -1157,14 +1171,9 @@ int mpt_uring_lookup(int root, const char *paths_blob, size_t n, size_t block_by
             continue;
         }
         /* io_uring_enter failed (no memory in the kernel): wait out what is in the ring,
-         * as mpt_drain does, then the loop answers the rest and this thread keeps to the
-         * loop from now on */
+         * as mpt_drain does, then the loop answers the rest */
         broken = 1;
-        mpt_thread_ring_state = -1; /* the ring stays allocated: it may be in use */
-        if (tries < MPT_DRAIN_TRIES)
-            tries++;
-        struct timespec pause = {0, (long)tries * 1000000L};
-        nanosleep(&pause, NULL);
+        mpt_ring_failed_pause(&tries);
     }
     for (; started < n; started++) {
         out[started] = mpt_lookup_one(root, path, block_bytes, flags);
