@@ -99,7 +99,9 @@ def test_every_design_reports_every_figure_with_consistent_ratios(tmp_path, fake
             assert r["verify"]["ok"] and r["verify"]["blocks_checked"] == 32
             assert r["single_verify"]["ok"]
             assert r["jobs"]["store"] == {"jobs": 8, "failed": 0, "duplicates": 0,
-                                          "bytes_ok": 2 << 20, "first_failure": ""}
+                                          "bytes_ok": 2 << 20, "lookup_misses": 0,
+                                          "first_failure": ""}
+            assert r["jobs"]["load"]["lookup_misses"] == 0
     assert all(v == 1.0 for v in b["ratio_to_b"].values() if v is not None)
     assert all(v == 1.0 for v in d["ratio_to_d"].values() if v is not None)
     if importlib.util.find_spec("matplotlib") is not None:  # the vLLM env has no charts
@@ -485,13 +487,18 @@ def test_vllm_design_is_skipped_with_a_reason_where_vllm_is_missing(tmp_path, fa
 
 
 @pytest.mark.vllm
-def test_vllm_design_runs(tmp_path, fake_drop):
+@pytest.mark.parametrize("lookups", ["await", "beside"])
+def test_vllm_design_runs(tmp_path, fake_drop, lookups):
     from mptier.bench.vllm_tier import VllmTierDesign
     if VllmTierDesign.available() is not None:
         pytest.skip(VllmTierDesign.available())
-    rc, doc = run_bench(tmp_path, "--designs", "vllm,baseline")
+    rc, doc = run_bench(tmp_path, "--designs", "vllm,baseline", "--lookups", lookups)
     assert rc == 0, doc["cases"][0]["problems"]
     case = doc["cases"][0]
+    assert case["workload"]["await_lookups"] is (lookups == "await")
+    for r in case["designs"]:  # vLLM's RETRY is not taken for an answer, nor a miss
+        assert r["jobs"]["load"]["lookup_misses"] == 0
+        assert r["figures"]["lookup_answer_ms_p50"] > 0
     v, b = case["designs"]
     assert case["reference_v"] == "vllm"
     assert v["verify"]["ok"] and v["cold_verify"]["ok"] and v["single_verify"]["ok"]
@@ -500,6 +507,32 @@ def test_vllm_design_runs(tmp_path, fake_drop):
     assert math.isclose(b["ratio_to_v"]["store_gbps"],
                         b["figures"]["store_gbps"] / v["figures"]["store_gbps"])
     assert not list(tmp_path.glob("mptier-bench-*")), "design folders left behind"
+
+
+def test_stored_keys_looked_up_absent_are_a_problem_unless_their_stores_failed():
+    from mptier.bench.report import problems
+    jobs = {"jobs": 4, "failed": 0, "duplicates": 0, "bytes_ok": 4, "lookup_misses": 0,
+            "first_failure": ""}
+    record = {"label": "x", "jobs": {"store": dict(jobs),
+                                     "load": {**jobs, "lookup_misses": 3}}}
+    assert problems({"designs": [record]}) == [
+        "x: every key was stored, yet lookups answered 3 of them absent"]
+    record["jobs"]["store"].update(failed=1, first_failure="job 2: full")
+    assert [p for p in problems({"designs": [record]}) if "absent" in p] == []
+
+
+def test_the_case_title_says_when_loads_went_beside_their_lookups():
+    from mptier.bench.report import case_title
+    w = {"root": "/r", "block_bytes": 1 << 20, "job_blocks": 16, "inflight_jobs": 16,
+         "total_bytes": 1 << 30}
+    case = {"root_fs": "ext4", "o_direct": True}
+    assert "beside" not in case_title({**case, "workload": {**w, "await_lookups": True}})
+    beside = case_title({**case, "workload": {**w, "await_lookups": False}})
+    assert beside.endswith(" · loads beside their lookups")
+    # a run from before the choice existed submitted its loads beside their lookups
+    assert case_title({**case, "workload": w}) == beside
+    args = cli.build_parser().parse_args([])
+    assert cli.workloads(args)[0].await_lookups is True  # an engine's order by default
 
 
 def test_short_phases_are_flagged():

@@ -144,6 +144,7 @@ def test_bench_vllm_runs_the_extension_and_vllm_py_the_python_fallback(
     assert calls["store_batches_c"] == calls["store_batches"] > 0
     assert calls["load_batches_c"] == calls["load_batches"] > 0
     assert calls["lookup_batches_c"] > 0
+    assert v["info"]["lookup_batch_c_ms"] > 0  # timed around vLLM's C lookup
     assert calls["store_batches_python"] == calls["load_batches_python"] == 0
     assert any(PATH_C in n for n in v["notes"])
     assert c_store and not py_store and not py_load
@@ -156,6 +157,7 @@ def test_bench_vllm_runs_the_extension_and_vllm_py_the_python_fallback(
     calls = w["info"]["io_calls"]
     assert calls["store_batches_c"] == calls["load_batches_c"] == 0
     assert calls["lookup_batches_c"] == 0
+    assert w["info"]["lookup_batch_c_ms"] is None
     assert calls["store_batches_python"] > 0 and calls["load_batches_python"] > 0
     assert len(c_store) == n_c_store, "vllm-py reached vLLM's C store"
     assert py_store and py_load, "vllm-py never ran vLLM's per-block Python I/O"

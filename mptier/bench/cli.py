@@ -129,6 +129,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--no-cold-pass", action="store_true",
         help="skip the cold pass (first store and load over the buffer right after each "
              "design starts)")
+    add("--lookups", choices=("await", "beside"), default="await",
+        help="load phases: 'await' submits a job only once every key's lookup is "
+             "answered, as an engine does, so a slow answer delays the load (default); "
+             "'beside' submits it right after asking, the order of runs before "
+             "2026-12-06, where a design's lookup time does not show")
     add("--no-warm-memory", action="store_true",
         help="do not hand each phase recently freed memory first (see docs/performance.md"
              ": on a VM whose free memory goes back to the host, the design that runs "
@@ -205,7 +210,8 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
             verify=not args.no_verify, region_cap_bytes=args.buffer_bytes // 2,
             keep_files=args.keep_files, inject_corruption=args.inject_corruption,
             engine_cpu=args.engine_cpu, warm_memory=not args.no_warm_memory,
-            cold_pass=not args.no_cold_pass, defer_removal=not args.remove_each))
+            cold_pass=not args.no_cold_pass, defer_removal=not args.remove_each,
+            await_lookups=args.lookups == "await"))
     return out
 
 

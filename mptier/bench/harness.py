@@ -4,8 +4,10 @@
     ┌─────────────────────────────────────────────────┐
     │ one step:                                        │
     │   lookup(key) for the next job's keys   [timed]  │
+    │     (and again until answered: answer time)      │
     │   submit_store / submit_load until      [timed]  │──▶ threads (b, c), worker
-    │     --inflight-jobs are in flight                │    processes (a), fio (d)
+    │     --inflight-jobs are in flight (a load        │    processes (a), fio (d)
+    │     once its keys are answered, as an engine)    │
     │   get_finished()                        [timed]  │◀── completions
     │   on_schedule_end()                              │
     │   light half: sleep --poll-us (GIL-free)         │
@@ -121,6 +123,9 @@ class Workload:
     warm_memory: bool = True
     # Run the cold pass (first touch of the buffer by the design's I/O) first.
     cold_pass: bool = True
+    # Load phases: submit a job only once its keys' lookups are answered (an engine's
+    # order), or right after asking (the order before 2026-12-06; scheduler.drive).
+    await_lookups: bool = True
 
     @property
     def n_blocks(self) -> int:
@@ -277,9 +282,9 @@ class Case:
         self.progress(f"{design.label}: load phase")
         jobs = self._jobs(design, keys.phase, w.job_blocks, True)
         out["load"] = run(design, jobs[:split], "load", design.supports_lookup,
-                          w.inflight_jobs)
+                          w.inflight_jobs, await_lookups=w.await_lookups)
         out["load_busy"] = run(design, jobs[split:], "load", design.supports_lookup,
-                               w.inflight_jobs, self.busy)
+                               w.inflight_jobs, self.busy, await_lookups=w.await_lookups)
         design.drain()
         out["verify"] = self._verify(min(w.n_blocks, self.buffer.region))
 
@@ -333,10 +338,11 @@ class Case:
 
     def _run_jobs(self, design: Design, jobs: list[tuple[Any, int]], kind: str,
                   lookups: bool, inflight: int = 1,
-                  load: SchedulerLoad | None = None) -> PhaseStats:
+                  load: SchedulerLoad | None = None, await_lookups: bool = False
+                  ) -> PhaseStats:
         before, busy_before = MemorySnapshot.take(), Saturation.take(self.w.root)
         stats = drive(design, jobs, kind, inflight, load or self.light, lookups,
-                      self.w.stall_timeout_s)
+                      self.w.stall_timeout_s, await_lookups)
         stats.saturation = Saturation.take(self.w.root).since(busy_before)
         stats.memory = MemorySnapshot.take().since(before)
         return stats

@@ -25,6 +25,8 @@ PANELS: tuple[tuple[str, str, tuple[str, ...], bool], ...] = (
      ("get_finished_empty_us_p99", "get_finished_empty_us_max"), True),
     ("lookup per key µs: p50, p99, max", "lookup_us_p50", ("lookup_us_p99", "lookup_us_max"),
      True),
+    ("a load job's lookups answered, ms: p50 bar, p99 dot", "lookup_answer_ms_p50",
+     ("lookup_answer_ms_p99",), True),
     ("scheduler loop rate busy/idle (1 = no interference)", "interference", (), False),
 )
 _MARKERS = ("o", "x")
@@ -50,7 +52,7 @@ def write_png(report: dict[str, Any], path: str) -> None:
             if name not in labels:
                 labels.append(name)
     colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(labels)}
-    fig, axes = plt.subplots(2, 4, figsize=(20, 9.5))
+    fig, axes = plt.subplots(3, 3, figsize=(17, 13))
     width = 0.8 / max(1, len(labels))
     for ax, (title, key, markers, log) in zip(axes.flat, PANELS, strict=True):
         for ci, case in enumerate(cases):

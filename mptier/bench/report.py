@@ -72,6 +72,10 @@ FIGURES: tuple[Figure, ...] = (
     Figure("lookup_us_p50", "lookup per key p50", "µs", "lower", 2),
     Figure("lookup_us_p99", "lookup per key p99", "µs", "lower", 1),
     Figure("lookup_us_max", "lookup per key max", "µs", "lower", 0),
+    # A load job's keys, first question to last answer, loads streaming beside (light
+    # scheduler): how soon an engine learns a request's blocks are on the tier.
+    Figure("lookup_answer_ms_p50", "lookups answered p50", "ms", "lower", 2),
+    Figure("lookup_answer_ms_p99", "lookups answered p99", "ms", "lower", 1),
     Figure("interference", "scheduler loop rate busy/idle", "x", "higher"),
     Figure("interference_store", "  during stores", "x", "higher"),
     Figure("interference_load", "  during loads", "x", "higher"),
@@ -148,6 +152,10 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
             lat = ms_summary(light.latencies_ns)
             figures[f"{kind}_job_p50_ms"] = lat["p50"]
             figures[f"{kind}_job_p99_ms"] = lat["p99"]
+            if kind == "load" and light.answer_ns:
+                answers = ms_summary(light.answer_ns)
+                figures["lookup_answer_ms_p50"] = answers["p50"]
+                figures["lookup_answer_ms_p99"] = answers["p99"]
         if busy is not None:
             figures[f"{kind}_gbps_busy"] = busy.gbps
             figures[f"interference_{kind}"] = _ratio(busy.loop_rate, idle)
@@ -171,6 +179,7 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
                     "jobs": sum(p.jobs for p in both), "failed": sum(p.failed for p in both),
                     "duplicates": sum(p.duplicates for p in both),
                     "bytes_ok": sum(p.ok_bytes for p in both),
+                    "lookup_misses": sum(p.lookup_misses for p in both),
                     "first_failure": next((p.first_failure for p in both
                                            if p.first_failure), "")}
         record["phase_seconds"] = {name: p.elapsed_ns / 1e9 for name, p in phases.items()}
@@ -312,6 +321,12 @@ def problems(case: dict[str, Any]) -> list[str]:
                 out.append(f"{name}: {j['failed']} {phase} job(s) failed, "
                            f"{j['duplicates']} reported twice"
                            + (f"; the first failure: {cause}" if cause else ""))
+        jobs = r.get("jobs") or {}
+        stored = "store" in jobs and not jobs["store"]["failed"]
+        load = jobs.get("load") or {}
+        if stored and load.get("lookup_misses"):
+            out.append(f"{name}: every key was stored, yet lookups answered "
+                       f"{load['lookup_misses']} of them absent")
         for which in ("verify", "single_verify", "cold_verify"):
             v = r.get(which)
             if v and v.get("mode") == "full" and not v["ok"]:
@@ -345,7 +360,8 @@ def case_title(case: dict[str, Any]) -> str:
     w = case["workload"]
     return (f"{w['root']} ({case['root_fs']}, O_DIRECT {'yes' if case['o_direct'] else 'no'})"
             f" · {format_size(w['block_bytes'])} blocks · {w['job_blocks']}-block jobs · "
-            f"{w['inflight_jobs']} in flight · {format_size(w['total_bytes'])} per phase")
+            f"{w['inflight_jobs']} in flight · {format_size(w['total_bytes'])} per phase"
+            + ("" if w.get("await_lookups") else " · loads beside their lookups"))
 
 
 # A phase's throughput is a steady-state figure only when its jobs are several times

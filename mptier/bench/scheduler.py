@@ -1,7 +1,8 @@
 """The scheduler loop: how the harness's main thread drives a design, as an engine would.
 
-Each step: ``lookup`` the next job's keys, ``submit_*`` until ``inflight`` jobs are in
-flight, ``get_finished()``, ``on_schedule_end()``, then one step of a
+Each step: ``lookup`` again the keys not answered yet, ``lookup`` the next job's keys,
+``submit_*`` until ``inflight`` jobs are in flight (with ``await_lookups``, a load only
+once its keys are answered), ``get_finished()``, ``on_schedule_end()``, then one step of a
 :class:`~mptier.bench.measure.SchedulerLoad` (a GIL-free sleep, or pure-Python work).
 Every scheduler call is timed with ``perf_counter_ns``; a job's latency runs from just
 before its submit to the poll that returned it (so it includes up to one step).
@@ -33,6 +34,9 @@ class PhaseStats:
     submit_ns: list[int] = field(default_factory=list)
     empty_poll_ns: list[int] = field(default_factory=list)
     lookup_ns: list[int] = field(default_factory=list)
+    # Per job with lookups: its first question to its last key's answer.
+    answer_ns: list[int] = field(default_factory=list)
+    lookup_misses: int = 0  # keys answered absent (every phase key was stored)
     loop_iterations: int = 0
     loop_ns: int = 0
     duplicates: int = 0
@@ -65,12 +69,30 @@ def describe_failure(result: Any) -> str:
     return " ".join(p for p in parts if p)
 
 
+def answered(result: Any) -> bool:
+    """Whether a design's ``lookup`` answer is final: not ``None`` (the in-process
+    references' "ask again") and not a ``RETRY`` member (mptier's and vLLM's enums)."""
+    return result is not None and getattr(result, "name", None) != "RETRY"
+
+
+def hit(result: Any) -> bool:
+    """Whether a final answer says the key is there (``True`` or a ``HIT`` member)."""
+    return result is True or getattr(result, "name", None) == "HIT"
+
+
 def drive(design: Design, jobs: list[tuple[Any, int]], kind: str, inflight: int,
-          load: SchedulerLoad, with_lookups: bool, stall_timeout_s: float) -> PhaseStats:
+          load: SchedulerLoad, with_lookups: bool, stall_timeout_s: float,
+          await_lookups: bool = False) -> PhaseStats:
     """Run ``jobs`` (``(job record, bytes)``) through ``design`` as a scheduler would.
 
-    Keeps ``inflight`` jobs in flight; between polls runs one step of ``load``.
-    Raises :class:`StallError` when nothing finishes for ``stall_timeout_s``.
+    Keeps ``inflight`` jobs in flight; between polls runs one step of ``load``. With
+    lookups, a job's keys are asked for right before it is submitted and asked again
+    every step until each is answered (as an engine does for a waiting request); the
+    time from the first question to the last answer is the job's ``answer_ns``. With
+    ``await_lookups`` the job is submitted only then (an engine's order: it loads what
+    it knows is there), and counts as in flight while it waits.
+    Raises :class:`StallError` when nothing finishes or is answered for
+    ``stall_timeout_s``.
     """
     submit = design.submit_store if kind == "store" else design.submit_load
     get_finished = design.get_finished
@@ -82,25 +104,59 @@ def drive(design: Design, jobs: list[tuple[Any, int]], kind: str, inflight: int,
     submit_ns, empty_ns, lookup_ns, lat = (stats.submit_ns, stats.empty_poll_ns,
                                           stats.lookup_ns, stats.latencies_ns)
     pending: dict[int, tuple[int, int]] = {}  # job_id -> (submitted at, bytes)
+    # job_id -> (first asked at, keys not yet answered, request, job, bytes)
+    asking: dict[int, tuple[int, list[bytes], str, Any, int]] = {}
     n = len(jobs)
     nxt = done = 0
     stall_ns = int(stall_timeout_s * 1e9)
+
+    def send(job: Any, nbytes: int) -> None:
+        t0 = clock()
+        submit(job)
+        submit_ns.append(clock() - t0)
+        pending[job.job_id] = (t0, nbytes)
+
+    def ask(keys: list[bytes], req: str, timed: bool) -> list[bytes]:
+        """Ask for ``keys``; the ones not answered yet."""
+        left = []
+        for key in keys:
+            t0 = clock()
+            got = lookup(key, req)
+            if timed:  # the per-call figure counts first questions only, as before
+                lookup_ns.append(clock() - t0)
+            if not answered(got):
+                left.append(key)
+            elif not hit(got):
+                stats.lookup_misses += 1
+        return left
+
     gc.collect()
-    start = last = clock()
-    while done < n:
-        while nxt < n and len(pending) < inflight:
+    start = last = progress = clock()
+    while done < n or asking:  # the last jobs' answers are waited for too
+        for job_id, (asked, keys, req, job, nbytes) in list(asking.items()):
+            left = ask(keys, req, False)
+            if left:
+                keys[:] = left
+                continue
+            progress = clock()
+            stats.answer_ns.append(progress - asked)
+            del asking[job_id]
+            if await_lookups:
+                send(job, nbytes)
+        while nxt < n and len(pending) + (len(asking) if await_lookups else 0) < inflight:
             job, nbytes = jobs[nxt]
+            nxt += 1
             if with_lookups:
                 req = f"r{job.job_id}"
-                for key in job.keys:
-                    t0 = clock()
-                    lookup(key, req)
-                    lookup_ns.append(clock() - t0)
-            t0 = clock()
-            submit(job)
-            submit_ns.append(clock() - t0)
-            pending[job.job_id] = (t0, nbytes)
-            nxt += 1
+                asked = clock()
+                left = ask(list(job.keys), req, True)
+                if left:
+                    asking[job.job_id] = (asked, left, req, job, nbytes)
+                    if await_lookups:
+                        continue
+                else:
+                    stats.answer_ns.append(clock() - asked)
+            send(job, nbytes)
         t0 = clock()
         finished = get_finished()
         t1 = clock()
@@ -118,12 +174,14 @@ def drive(design: Design, jobs: list[tuple[Any, int]], kind: str, inflight: int,
                     stats.failed += 1
                     if not stats.first_failure:
                         stats.first_failure = describe_failure(result)
-            last = t1
+            last = progress = t1
         else:
             empty_ns.append(t1 - t0)
-            if t1 - last > stall_ns:
-                raise StallError(f"{design.label}: no {kind} job finished for "
-                                 f"{stall_timeout_s:.0f} s ({n - done} of {n} outstanding)")
+            if t1 - progress > stall_ns:
+                what = f"no {kind} job finished" + (" and no lookup was answered"
+                                                   if asking else "")
+                raise StallError(f"{design.label}: {what} for {stall_timeout_s:.0f} s "
+                                 f"({n - done} of {n} outstanding)")
         end_step()
         iterations, spent = step()
         stats.loop_iterations += iterations

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -81,17 +82,24 @@ def missing_extension() -> str | None:
 
 
 class _Counter:
-    """Wraps one of vLLM's module functions and counts its calls (from any thread)."""
+    """Wraps one of vLLM's module functions and counts its calls (from any thread) and
+    the time spent in them (``ns``: set against the time a lookup took to be answered,
+    it says how much of that was the C call and how much the wait for its thread)."""
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
-        self.n = 0
+        self.n = self.ns = 0
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            self.n += 1
-        return self.fn(*args, **kwargs)
+        start = time.perf_counter_ns()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            spent = time.perf_counter_ns() - start
+            with self._lock:
+                self.n += 1
+                self.ns += spent
 
 
 class VllmTierDesign(Design):
@@ -159,6 +167,7 @@ class VllmTierDesign(Design):
 
     def _restore(self) -> None:
         calls = {name: counter.n for _, _, counter, name in self._counters}
+        spent = {name: counter.ns for _, _, counter, name in self._counters}
         for module, attr, counter, _ in reversed(self._counters):
             setattr(module, attr, counter.fn)
         self._counters.clear()
@@ -174,10 +183,13 @@ class VllmTierDesign(Design):
         ran_py = calls["store_batches_python"] + calls["load_batches_python"]
         path = PATH_C if ran_c and not ran_py else PATH_PYTHON if ran_py and not ran_c \
             else "both" if ran_c else "none"
-        self.info.update(io_calls=calls, io_path=path)
+        lookups = calls["lookup_batches_c"]
+        lookup_ms = spent.get("lookup_batches_c", 0) / 1e6 / lookups if lookups else None
+        self.info.update(io_calls=calls, io_path=path, lookup_batch_c_ms=lookup_ms)
         self.notes.append(
             f"I/O path that ran: {path} ({ran_c} batches in C, {ran_py} in Python, "
-            f"{calls['lookup_batches_c']} C lookup batches)")
+            f"{lookups} C lookup batches"
+            + (f", {lookup_ms:.2f} ms each in C)" if lookup_ms is not None else ")"))
 
     def setup(self, ctx: DesignContext) -> None:
         refusal = self.refusal()
