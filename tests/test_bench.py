@@ -109,6 +109,11 @@ def test_every_design_reports_every_figure_with_consistent_ratios(tmp_path, fake
     else:
         assert not png.exists()
     assert "baseline" in md.read_text()
+    summary = md.read_text().split("## Summary", 1)[1].split("\n\n", 2)[1].splitlines()
+    assert summary[0].endswith("| lookups answered p50 ms |")
+    for row in summary[2:]:  # every job-driven design's answer time, not the raw loop's
+        last = row.rstrip(" |").rsplit("|", 1)[1].strip()
+        assert (last == "—") == ("raw:tool=loop" in row), row
     assert "store throughput" in capsys.readouterr().out
     assert not list(tmp_path.glob("mptier-bench-*")), "design folders left behind"
 

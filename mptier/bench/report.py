@@ -443,8 +443,9 @@ def summary_markdown(doc: dict[str, Any]) -> str:
 
     lines = ["| case | design | store GB/s | load GB/s | store / load GB/s beside busy loop "
              "| loop rate busy/idle | 64-block job alone: store / load ms "
-             "| submit_store p50 / max µs | get_finished (empty) p50 µs |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| submit_store p50 / max µs | get_finished (empty) p50 µs "
+             "| lookups answered p50 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for case in doc["cases"]:
         w = case["workload"]
         name = f"{case['root_fs']} {format_size(w['block_bytes'])} x{w['job_blocks']}"
@@ -456,7 +457,8 @@ def summary_markdown(doc: dict[str, Any]) -> str:
                 f"| {v(r, 'interference')} "
                 f"| {v(r, 'single_store_ms', 1)} / {v(r, 'single_load_ms', 1)} "
                 f"| {v(r, 'submit_store_us_p50', 1)} / {v(r, 'submit_store_us_max', 0)} "
-                f"| {v(r, 'get_finished_empty_us_p50', 1)} |")
+                f"| {v(r, 'get_finished_empty_us_p50', 1)} "
+                f"| {with_ratios(r, 'lookup_answer_ms_p50')} |")
     return "\n".join(lines)
 
 
