@@ -252,10 +252,12 @@ def closed_sentinels(owned: dict[int, int]) -> list[int]:
     return closed
 
 
-def attempts_on_fresh_threads(attempt, tries: int, hung_s: float, wrong: list) -> None:
-    """(In a shim test's child.) ``attempt(k)`` for k = 1..tries, each on a new thread (a
-    ring of its own) joined for at most ``hung_s``; a hung one goes into ``wrong`` and
-    ends the tries (it is a daemon thread: the child's exit does not wait for it)."""
+def run_attempts_and_exit(attempt, tries: int, hung_s: float, wrong: list) -> None:
+    """(In a shim test's child: its last call.) ``attempt(k)`` for k = 1..tries, each on a
+    new thread (a ring of its own) joined for at most ``hung_s``; a hung one goes into
+    ``wrong`` and ends the tries (it is a daemon thread: the child's exit does not wait
+    for it). Then prints ``wrong`` and exits 1 if it holds anything, else 0 (the parent
+    checks with :func:`assert_shim_child_passed`)."""
     import threading
 
     for k in range(1, tries + 1):
@@ -264,7 +266,17 @@ def attempts_on_fresh_threads(attempt, tries: int, hung_s: float, wrong: list) -
         t.join(hung_s)
         if t.is_alive():
             wrong.append((k, f"a batch still running after {hung_s} s"))
-            return
+            break
+    print(wrong, flush=True)
+    sys.exit(1 if wrong else 0)
+
+
+def assert_shim_child_passed(proc: subprocess.CompletedProcess, hits: int,
+                             at_least: int) -> None:
+    """A shim test's child (:func:`run_attempts_and_exit`) found nothing wrong, and the
+    shim failed at least ``at_least`` io_uring_enter calls (else the test proved nothing)."""
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert hits >= at_least, f"only {hits} io_uring_enter calls were made to fail"
 
 
 def run_with_shim(shim_so: str, modes: str, log: Path, code: str, *args: str,

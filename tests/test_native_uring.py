@@ -22,6 +22,7 @@ import pytest
 from native_support import (  # noqa: F401  (fixtures)
     BLOCK,
     aligned,
+    assert_shim_child_passed,
     block_paths,
     descriptors,
     files_under,
@@ -425,7 +426,7 @@ def test_a_ring_that_fails_mid_batch_hands_nothing_to_the_next(ring, shim, tmp_p
     io_uring is refused.)"""
     proc, hits, _ = run_with_shim(shim, "", tmp_path / "shim.log", """
         import ctypes, os, sys
-        from native_support import (BLOCK, aligned, attempts_on_fresh_threads, block_paths,
+        from native_support import (BLOCK, aligned, run_attempts_and_exit, block_paths,
                                     closed_sentinels, make_io, offsets)
         from mptier.errors import BatchIOError
         root, tries = sys.argv[1], int(sys.argv[2])
@@ -462,12 +463,9 @@ def test_a_ring_that_fails_mid_batch_hands_nothing_to_the_next(ring, shim, tmp_p
             for fd in closed_sentinels(owned):
                 wrong.append((k, f"descriptor {fd} of the process was closed"))
 
-        attempts_on_fresh_threads(attempt, tries, HUNG_S, wrong)
-        print(wrong, flush=True)
-        sys.exit(1 if wrong else 0)
+        run_attempts_and_exit(attempt, tries, HUNG_S, wrong)
     """, str(tmp_path), "48", check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert hits >= 30, f"only {hits} io_uring_enter calls were made to fail"
+    assert_shim_child_passed(proc, hits, 30)
 
 
 def test_a_lookup_near_the_descriptor_limit_answers_as_the_loop_does(ring, tmp_path):
@@ -501,7 +499,7 @@ def test_a_ring_that_fails_mid_lookup_still_answers_every_key(ring, shim, tmp_pa
     the thread's later lookups answer right."""
     proc, hits, _ = run_with_shim(shim, "", tmp_path / "shim.log", """
         import ctypes, os, sys
-        from native_support import (BLOCK, aligned, attempts_on_fresh_threads, block_paths,
+        from native_support import (BLOCK, aligned, run_attempts_and_exit, block_paths,
                                     closed_sentinels, descriptors, make_io, offsets)
         from mptier import native
         root, tries = sys.argv[1], int(sys.argv[2])
@@ -533,12 +531,9 @@ def test_a_ring_that_fails_mid_lookup_still_answers_every_key(ring, shim, tmp_pa
             for fd in closed_sentinels(owned):
                 wrong.append((k, f"descriptor {fd} of the process was closed"))
 
-        attempts_on_fresh_threads(attempt, tries, HUNG_S, wrong)
-        print(wrong, flush=True)
-        sys.exit(1 if wrong else 0)
+        run_attempts_and_exit(attempt, tries, HUNG_S, wrong)
     """, str(tmp_path), "6", check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert hits >= 2, f"only {hits} io_uring_enter calls were made to fail"
+    assert_shim_child_passed(proc, hits, 2)
 
 
 def test_a_ring_that_keeps_failing_is_waited_out_before_the_batch_returns(ring, shim,
@@ -553,7 +548,7 @@ def test_a_ring_that_keeps_failing_is_waited_out_before_the_batch_returns(ring, 
     load every block right."""
     proc, hits, _ = run_with_shim(shim, "", tmp_path / "shim.log", """
         import ctypes, os, sys
-        from native_support import (BLOCK, aligned, attempts_on_fresh_threads, block_paths,
+        from native_support import (BLOCK, aligned, run_attempts_and_exit, block_paths,
                                     make_io, offsets)
         from mptier.errors import BatchIOError
         root, tries, streak = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -586,12 +581,9 @@ def test_a_ring_that_keeps_failing_is_waited_out_before_the_batch_returns(ring, 
             except BatchIOError as exc:
                 wrong.append((k, f"a later batch failed: {exc}"))
 
-        attempts_on_fresh_threads(attempt, tries, HUNG_S, wrong)
-        print(wrong, flush=True)
-        sys.exit(1 if wrong else 0)
+        run_attempts_and_exit(attempt, tries, HUNG_S, wrong)
     """, str(tmp_path), "4", "30", check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert hits >= 4 * 30, f"only {hits} io_uring_enter calls were made to fail"
+    assert_shim_child_passed(proc, hits, 4 * 30)
 
 
 # -- the tier ---------------------------------------------------------------------------

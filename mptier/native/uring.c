@@ -503,14 +503,26 @@ static void mpt_how_beneath(struct mpt_open_how *how, int oflags)
     how->resolve = MPT_RESOLVE_BENEATH | MPT_RESOLVE_NO_SYMLINKS;
 }
 
+/* An OPENAT2 of path beneath dirfd with the loop's resolve rules (mpt_how_beneath),
+ * queued under user_data: a batch's opens and a lookup's. how must outlive the request. */
+static void mpt_sqe_openat2(struct mpt_ring *r, uint64_t user_data, int dirfd,
+                            const char *path, struct mpt_open_how *how, int oflags)
+{
+    struct io_uring_sqe *s = mpt_sqe(r, user_data);
+    mpt_how_beneath(how, oflags);
+    s->opcode = IORING_OP_OPENAT2;
+    s->fd = dirfd;
+    s->addr = (uint64_t)(uintptr_t)path;
+    s->len = sizeof *how;
+    s->addr2 = (uint64_t)(uintptr_t)how;
+}
+
 static void mpt_queue_openat2(struct mpt_ubatch *u, struct mpt_job *j, size_t i, int state,
                               const char *path, int oflags)
 {
-    struct io_uring_sqe *s;
-    mpt_how_beneath(&j->how, oflags);
-    mpt_queue(u, j, i, state, IORING_OP_OPENAT2, u->b->root, path, sizeof j->how, 0);
-    s = &u->r->sqes[(u->r->tail - 1) & *u->r->sq_mask];
-    s->addr2 = (uint64_t)(uintptr_t)&j->how;
+    mpt_sqe_openat2(u->r, i, u->b->root, path, &j->how, oflags);
+    j->state = (uint8_t)state;
+    u->inflight++;
 }
 
 static void mpt_queue_openat(struct mpt_ubatch *u, struct mpt_job *j, size_t i, int state,
@@ -1152,16 +1164,9 @@ int mpt_uring_lookup(int root, const char *paths_blob, size_t n, size_t block_by
     while (started < n || n_free < MPT_URING_DEPTH) {
         for (; !broken && started < n && n_free > 0; started++) {
             unsigned k = free_slots[--n_free];
-            struct mpt_lookup_slot *s = &slots[k];
-            struct io_uring_sqe *e = mpt_sqe(r, k);
-            s->key = started;
-            s->rel = path;
-            mpt_how_beneath(&s->how, O_PATH);
-            e->opcode = IORING_OP_OPENAT2;
-            e->fd = root;
-            e->addr = (uint64_t)(uintptr_t)path;
-            e->len = sizeof s->how;
-            e->addr2 = (uint64_t)(uintptr_t)&s->how;
+            slots[k].key = started;
+            slots[k].rel = path;
+            mpt_sqe_openat2(r, k, root, path, &slots[k].how, O_PATH);
             path += strlen(path) + 1;
         }
         if (n_free == MPT_URING_DEPTH)
