@@ -1,9 +1,12 @@
 """Per-round figures of an ``mptier bench --json`` file: how far the rounds spread.
 
-    python bench/rounds.py RESULT.json [--figures store_gbps,load_gbps] [--pair A,B ...]
+    .venv/bin/python bench/rounds.py RESULT.json [--figures store_gbps,load_gbps] \
+        [--pair A,B ...] [--verdicts]
 
 The tables report medians over rounds; on a shared machine the spread says how much a
-difference between two designs can be trusted.
+difference between two designs can be trusted. With ``--verdicts`` a run whose designs
+have twins (``SPEC:twin=N``) also gets its A/A lines, worked out again from the rounds
+(so a run older than the bench's own verdicts gets them too).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import argparse
 import json
 import statistics
 import sys
+
+from mptier.bench import twins
 
 
 def main() -> int:
@@ -22,6 +27,9 @@ def main() -> int:
                    help="also each round's A / B (designs by label) and their median: a "
                         "paired ratio, steadier than a ratio of medians when the machine "
                         "drifts between rounds (repeatable)")
+    p.add_argument("--verdicts", action="store_true",
+                   help="also the A/A controls and, for each two designs with twins, "
+                        "whether the run resolved them (mptier.bench.twins)")
     args = p.parse_args()
     with open(args.json, encoding="utf-8") as f:
         doc = json.load(f)
@@ -53,6 +61,11 @@ def main() -> int:
                     cells.append(f"{key} median x{statistics.median(ratios):.2f} (" +
                                  " ".join(f"{v:.2f}" for v in ratios) + ")")
             print(f"  {a} / {b}: " + " | ".join(cells))
+        if args.verdicts:
+            spreads = case.get("twins") or []
+            found = {**case, "verdicts": twins.verdicts(case["designs"], spreads)}
+            for line in twins.twin_lines(found):
+                print(f"  {line}")
     return 0
 
 

@@ -204,23 +204,40 @@ def test_a_twin_is_the_same_design_under_its_own_label():
 
 
 def test_a_twin_run_reports_its_spread_round_by_round(tmp_path, fake_drop, capsys):
-    rc, doc = run_bench(tmp_path, "--designs", "baseline,baseline:twin=1", "--rounds", "2",
-                        "--no-cold-pass")
+    rc, doc = run_bench(tmp_path, "--designs",
+                        "baseline,baseline:twin=1,pool-native,pool-native:twin=1",
+                        "--rounds", "2", "--no-cold-pass")
     assert rc == 0, doc["cases"][0]["problems"]
     (case,) = doc["cases"]
-    plain, twin = case["designs"]
+    plain, twin, native, native_twin = case["designs"]
     assert twin["label"] == "baseline:twin=1" and twin["info"] == plain["info"]
-    assert twin["position"] == [1, 0] and plain["position"] == [0, 1]
-    (entry,) = case["twins"]
+    assert twin["position"] == [1, 2] and plain["position"] == [0, 3]
+    entry, native_entry = case["twins"]
     assert (entry["twin"], entry["of"]) == ("baseline:twin=1", "baseline")
+    assert (native_entry["twin"], native_entry["of"]) == ("pool-native:twin=1", "pool-native")
     for key, name in (("store_gbps", "store"), ("load_gbps", "load")):
         assert entry[name] == pytest.approx(
             [a[key] / b[key] for a, b in zip(twin["rounds"], plain["rounds"])])
         assert len(entry[name]) == 2
     assert case["reference_b"] == "baseline"  # the twin is never the reference
+    # the verdict the run wrote: baseline's family over pool-native's, round by round
+    (verdict,) = case["verdicts"]
+    assert (verdict["a"], verdict["b"]) == ("baseline", "pool-native")
+    for round_no in range(2):
+        ratios = sorted(x["rounds"][round_no]["load_gbps"] / y["rounds"][round_no]["load_gbps"]
+                        for x in (plain, twin) for y in (native, native_twin))
+        assert verdict["load"]["rounds"][round_no] == pytest.approx(
+            (ratios[1] + ratios[2]) / 2)
+    twin_ratios = entry["load"] + native_entry["load"]
+    assert verdict["load"]["band"] == pytest.approx(
+        [min(*twin_ratios, *(1 / v for v in twin_ratios)),
+         max(*twin_ratios, *(1 / v for v in twin_ratios))])
+    assert verdict["load"]["verdict"] in ("ahead", "behind", "not resolved")
     out = capsys.readouterr().out
     assert "A/A control: baseline:twin=1 ÷ baseline, round by round: store " + " ".join(
         f"{v:.2f}" for v in entry["store"]) in out
+    assert "A/A verdict: baseline ÷ pool-native (each with its twins), round by round: " \
+        f"store {verdict['store']['rounds'][0]:.2f}" in out
 
 
 def test_bad_arguments_exit_2(tmp_path, capsys):

@@ -25,6 +25,7 @@ import traceback
 from typing import Any
 
 from mptier.bench import report as rep
+from mptier.bench import twins
 from mptier.bench.cleanup import KeptFiles
 from mptier.bench.designs import DEFAULT_DESIGNS, DesignSpec, parse_designs
 from mptier.bench.harness import Case, Workload
@@ -329,8 +330,9 @@ def run_case(w: Workload, specs: list[DesignSpec], progress: _Progress,
     case_doc["designs"] = records
     for letter, label in rep.add_ratios(records).items():
         case_doc[f"reference_{letter}"] = label
-    case_doc["twins"] = rep.twin_spreads(
+    case_doc["twins"] = twins.twin_spreads(
         records, [(spec.label, spec.twin_of.label) for spec in specs if spec.twin_of])
+    case_doc["verdicts"] = twins.verdicts(records, case_doc["twins"])
     drops = [r["page_cache_dropped"] for r in records if r["page_cache_dropped"] is not None]
     case_doc["page_cache_dropped"] = (None if not drops else all(drops))
     background = [r.get("background_cpus_max", r.get("background_cpus")) for r in records

@@ -21,6 +21,7 @@ from typing import Any
 from mptier.bench.measure import format_size, ms_summary, us_summary
 from mptier.bench.saturation import saturation_figures
 from mptier.bench.scheduler import PhaseStats
+from mptier.bench.twins import twin_lines
 from mptier.units import MiB
 
 
@@ -87,8 +88,6 @@ BUSY_MACHINE_CPUS = 0.25
 # Designs every other design is compared with, by letter: the in-process baseline, vLLM's
 # own tier, the raw limit.
 REFERENCE_LETTERS = ("b", "v", "d")
-# Figures an A/A control (a design and its twin, ``:twin=N``) is reported on.
-TWIN_FIGURES = (("store_gbps", "store"), ("load_gbps", "load"))
 
 
 def _mib(nbytes: float | None) -> float | None:
@@ -273,39 +272,6 @@ def add_ratios(records: list[dict[str, Any]]) -> dict[str, str | None]:
                 key: (_ratio(record["figures"][key], ref["figures"][key]) if ref else None)
                 for key in FIGURE_KEYS}
     return labels
-
-
-def twin_spreads(records: list[dict[str, Any]],
-                 pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """For each (twin, original) pair of labels: the twin's figure over the original's,
-    round by round (``{"twin", "of", "store": [...], "load": [...]}``, rounds where
-    either lacks the figure left out). The two are one design, so the spread of these
-    ratios is how far apart this run puts designs that do not differ."""
-    by_label = {r["label"]: r for r in records}
-    out = []
-    for twin, of in pairs:
-        a, b = by_label.get(twin), by_label.get(of)
-        if a is None or b is None or a.get("error") or b.get("error"):
-            continue
-        rounds_a, rounds_b = a.get("rounds") or [a["figures"]], b.get("rounds") or [b["figures"]]
-        entry: dict[str, Any] = {"twin": twin, "of": of}
-        for key, name in TWIN_FIGURES:
-            entry[name] = [x[key] / y[key] for x, y in zip(rounds_a, rounds_b)
-                           if x.get(key) and y.get(key)]
-        out.append(entry)
-    return out
-
-
-def twin_lines(case: dict[str, Any]) -> list[str]:
-    """One line per A/A control of the case: its ratios round by round."""
-    lines = []
-    for t in case.get("twins") or []:
-        figures = "; ".join(f"{name} " + " ".join(f"{v:.2f}" for v in t[name])
-                            for _, name in TWIN_FIGURES if t[name])
-        lines.append(f"A/A control: {t['twin']} ÷ {t['of']}, round by round: {figures}. "
-                     "One design twice: differences between designs inside this spread "
-                     "are not resolved by this run")
-    return lines
 
 
 def problems(case: dict[str, Any]) -> list[str]:
