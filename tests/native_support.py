@@ -74,9 +74,9 @@ class IO:
         options.setdefault("uring", self.uring)
         return self.backend.batch_lookup(root, paths, block_bytes, **options)
 
-    def store(self, root_fd, paths, buffer, offsets, block_bytes, flags, tag):
+    def store(self, root_fd, paths, buffer, offsets, block_bytes, flags, tag, found=None):
         return self.backend.store(root_fd, paths, buffer, offsets, block_bytes,
-                                  flags | self.resolve_flags, tag)
+                                  flags | self.resolve_flags, tag, found)
 
     def load(self, root_fd, paths, buffer, offsets, block_bytes, flags):
         return self.backend.load(root_fd, paths, buffer, offsets, block_bytes,

@@ -148,6 +148,43 @@ def test_store_leaves_an_existing_whole_block_untouched(io, tmp_path):
     assert all((tmp_path / p).stat().st_size == BLOCK for p in paths)
 
 
+@pytest.mark.parametrize("flags", [0, native.O_DIRECT | native.CHECKSUM | native.TMPFILE],
+                         ids=["buffered", "direct-checksum-tmpfile"])
+def test_store_says_which_blocks_it_found_already_there(io, tmp_path, flags):
+    """The errno layer's ``found``: what a worker counts as skipped instead of written
+    when it made no existence check of its own (rootio, no budget)."""
+    paths = block_paths(5)
+    write_file(tmp_path / paths[1], bytes(BLOCK))  # whole: kept, found
+    write_file(tmp_path / paths[3], bytes(BLOCK // 2))  # short: replaced, not found
+    os.makedirs((tmp_path / paths[4]).parent, exist_ok=True)
+    os.symlink(tmp_path / paths[1], tmp_path / paths[4])  # a symlink: removed, written
+    encoded = [p.encode() for p in paths]
+    buf = aligned(5 * BLOCK, seed=9)
+    fd = native.open_root(tmp_path)
+    try:
+        found = bytearray(b"\x07" * 6)  # stale flags are cleared; the extra one is left
+        assert io.store(fd, encoded, buf, offsets(range(5)), BLOCK, flags,
+                        b"0123456789abcdef", found) == (0, 5, 5, 0)
+        assert list(found) == [0, 1, 0, 0, 0, 7]
+        assert not os.path.islink(tmp_path / paths[4])
+        assert all((tmp_path / p).stat().st_size == BLOCK for p in paths)
+        again = bytearray(5)
+        assert io.store(fd, encoded, buf, offsets(range(5)), BLOCK, flags,
+                        b"0123456789abcdef", again)[0] == 0
+        assert list(again) == [1] * 5
+        # a failed batch answers for the blocks done before the failure
+        fresh = block_paths(3, tag="fresh")
+        write_file(tmp_path / fresh[0], bytes(BLOCK))
+        native.set_fault(f"store:2:{errno.EACCES}")
+        partly = bytearray(3)
+        assert io.store(fd, [p.encode() for p in fresh], buf, offsets(range(3)), BLOCK,
+                        flags, b"0123456789abcdef", partly) == (-errno.EACCES, 2, 2, 0)
+        assert list(partly[:2]) == [1, 0]
+    finally:
+        native.set_fault(None)
+        os.close(fd)
+
+
 def test_store_creates_missing_subfolders(io, tmp_path):
     paths = ["x/y/z/deep.bin", *block_paths(2)]
     io.batch_store(tmp_path, paths, aligned(3 * BLOCK, seed=2), offsets(range(3)), BLOCK)

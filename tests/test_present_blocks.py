@@ -10,6 +10,7 @@ import json
 import os
 import time
 
+import pytest
 from conftest import fill_random, wait_results
 from test_monitor_cli import _free_port, _scrape, _status, _value
 from test_service import attach, start_service  # noqa: F401  (fixtures)
@@ -26,12 +27,16 @@ def store(tier, job_id: int, keys: list[bytes], slots: list[int]):
     return result
 
 
+@pytest.mark.parametrize("capacity", [0, 1 << 30], ids=["no-budget", "budget"])
 def test_a_store_of_present_blocks_writes_nothing_and_counts_them_skipped(
-        make_buffer, make_tier, root):
+        make_buffer, make_tier, root, capacity):
+    """Without a budget the store itself says which blocks it found (no existence check
+    before it); under one a check first keeps them out of the room to make. Both count
+    alike."""
     buf = make_buffer(16, BLOCK)
     port = _free_port()
     tier = make_tier(buf, n_load_workers=1, n_store_workers=1, task_bytes=4 * BLOCK,
-                     metrics_port=port)
+                     metrics_port=port, capacity_bytes=capacity)
     fill_random(buf.view, range(8), seed=5)
     keys = [make_key(os.urandom(32)) for _ in range(8)]
     store(tier, 1, keys[:3], [0, 1, 2])

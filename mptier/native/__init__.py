@@ -166,11 +166,11 @@ class Backend(TaskCalls):
 
     # -- errno layer -------------------------------------------------------------------
     def store(self, root_fd: int, paths, buffer, offsets, block_bytes: int, flags: int,
-              tag: bytes) -> tuple[int, int, int, int]:
-        """Store block i to ``paths[i]`` (bytes, relative): ``(rc, n_done, fail_index,
-        tmp_unlink_errno)``. No validation; an injected fault applies."""
+              tag: bytes, found: bytearray | None = None) -> tuple[int, int, int, int]:
+        """Store block i to ``paths[i]``: ``(rc, n_done, fail_index, tmp_unlink_errno)``;
+        ``found[i]`` (if given): done block i was there already. No validation; faults apply."""
         return _checks.faulted("store", self._impl.store, root_fd, paths, buffer, offsets,
-                               block_bytes, flags, tag)[:4]
+                               block_bytes, flags, tag, found)[:4]
 
     def load(self, root_fd: int, paths, buffer, offsets, block_bytes: int,
              flags: int) -> tuple[int, int, int]:

@@ -65,16 +65,21 @@ def _offsets(offsets: Sequence[int]):
 
 
 def store(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
-          block_bytes: int, flags: int, tag: bytes) -> tuple[int, int, int, int]:
+          block_bytes: int, flags: int, tag: bytes, found: bytearray | None = None
+          ) -> tuple[int, int, int, int]:
     n = len(paths)
     if n == 0:
         return 0, 0, 0, 0
     offs = _offsets(offsets)
     out = ffi.new("size_t[2]")
     tmp_errno = ffi.new("int *")
+    if found is not None and len(found) < n:
+        raise ValueError(f"found holds {len(found)} flags for {n} blocks")
+    seen = ffi.NULL if found is None else ffi.from_buffer("uint8_t[]", found,
+                                                          require_writable=True)
     with ffi.from_buffer("char[]", buffer, require_writable=True) as base:
         rc = lib.mpt_batch_store(root_fd, _blob(paths), n, base, len(base), offs,
-                                 block_bytes, flags, tag, out, out + 1, tmp_errno)
+                                 block_bytes, flags, tag, out, out + 1, tmp_errno, seen)
     return rc, out[0], out[1], tmp_errno[0]
 
 

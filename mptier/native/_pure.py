@@ -233,10 +233,11 @@ def _write_block(fd: int, chunk: memoryview, direct: bool, check: bool) -> None:
 class _Batch:
     """What one batch shares between its blocks (twin of ``struct mpt_batch``)."""
 
-    __slots__ = ("flags", "root", "tag", "tmp_errno")
+    __slots__ = ("flags", "found_one", "root", "tag", "tmp_errno")
 
     def __init__(self, root: int, flags: int, tag: bytes) -> None:
         self.root, self.flags, self.tag, self.tmp_errno = root, flags, tag, 0
+        self.found_one = False  # the block just stored was there already
 
     def unlink_temp(self, dirfd: int, tmp: bytes) -> None:
         try:
@@ -335,6 +336,7 @@ def _store_in(b: _Batch, dirfd: int, leaf: bytes, chunk: memoryview, direct: boo
         if regular and size == len(chunk):
             if b.flags & TOUCH:
                 _touch_at(dirfd, leaf)
+            b.found_one = True
             return 0  # names are content hashes: an existing block holds this one
         if regular and size > len(chunk):
             return -errno.EFBIG
@@ -383,7 +385,7 @@ def _store_one(b: _Batch, rel: bytes, chunk: memoryview, direct: bool) -> int:
 # -- batches -------------------------------------------------------------------------------
 
 def _batch(one, paths: Sequence[bytes], buffer, offsets: Sequence[int], block_bytes: int,
-           flags: int) -> tuple[int, int, int]:
+           flags: int, done=None) -> tuple[int, int, int]:
     n = len(paths)
     if n == 0:
         return 0, 0, 0
@@ -401,15 +403,29 @@ def _batch(one, paths: Sequence[bytes], buffer, offsets: Sequence[int], block_by
                     rc = one(paths[i], chunk, False)  # never fail a block over O_DIRECT
             if rc:
                 return rc, i, i
+            if done is not None:
+                done(i)
     return 0, n, n
 
 
 def store(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
-          block_bytes: int, flags: int, tag: bytes) -> tuple[int, int, int, int]:
-    """Twin of ``mpt_batch_store``: ``(rc, n_done, fail_index, tmp_unlink_errno)``."""
+          block_bytes: int, flags: int, tag: bytes, found: bytearray | None = None
+          ) -> tuple[int, int, int, int]:
+    """Twin of ``mpt_batch_store``: ``(rc, n_done, fail_index, tmp_unlink_errno)``;
+    ``found[i]`` set to 1 where block i was there already (nothing written)."""
     b = _Batch(root_fd, flags, tag)
-    rc, n_done, index = _batch(lambda rel, chunk, direct: _store_one(b, rel, chunk, direct),
-                               paths, buffer, offsets, block_bytes, flags)
+    if found is not None:
+        found[:len(paths)] = bytes(len(paths))
+
+    def one(rel: bytes, chunk, direct: bool) -> int:
+        b.found_one = False
+        return _store_one(b, rel, chunk, direct)
+
+    def stored(i: int) -> None:
+        if found is not None:
+            found[i] = b.found_one
+
+    rc, n_done, index = _batch(one, paths, buffer, offsets, block_bytes, flags, stored)
     return rc, n_done, index, b.tmp_errno
 
 

@@ -332,6 +332,7 @@ static int mpt_store_in(struct mpt_batch *b, int dirfd, const char *leaf, const 
         if (S_ISREG(st.st_mode) && (uint64_t)st.st_size == len) {
             if (b->flags & MPT_TOUCH)
                 mpt_touch_at(dirfd, leaf);
+            b->found_one = 1;
             return 0; /* names are content hashes: an existing block holds this one */
         }
         if (S_ISREG(st.st_mode) && (uint64_t)st.st_size > len)

@@ -57,7 +57,7 @@ ffibuilder.cdef(
     int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
                         size_t base_len, const uint64_t *offsets, size_t block_bytes,
                         int flags, const char *tag, size_t *n_done, size_t *fail_index,
-                        int *tmp_unlink_errno);
+                        int *tmp_unlink_errno, uint8_t *found);
     int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base,
                        size_t base_len, const uint64_t *offsets, size_t block_bytes,
                        int flags, size_t *n_done, size_t *fail_index);

@@ -86,13 +86,17 @@ static int mpt_batch(mpt_block_fn one, struct mpt_batch *b, const char *paths_bl
         char *p = base + offsets[i];
         char *io = b->bounce != NULL ? b->bounce : p; /* a bounced load reads there */
         int direct = mpt_direct_ok(b->flags, io, block_bytes);
-        int rc = one(b, path, io, block_bytes, direct);
+        int rc;
+        b->found_one = 0;
+        rc = one(b, path, io, block_bytes, direct);
         if (rc == -EINVAL && direct)
             rc = one(b, path, io, block_bytes, 0); /* never fail a block over O_DIRECT */
         if (rc != 0) {
             *fail_index = i;
             return rc;
         }
+        if (b->found != NULL)
+            b->found[i] = (uint8_t)b->found_one;
         if (io != p) {
             mpt_map_slot(p, block_bytes);
             mpt_copy_to_slot(p, io, block_bytes); /* only after the read returned */
@@ -163,11 +167,17 @@ static int mpt_batch_inside(int store, struct mpt_batch *b, const char *paths_bl
 
 int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base, size_t base_len,
                     const uint64_t *offsets, size_t block_bytes, int flags, const char *tag,
-                    size_t *n_done, size_t *fail_index, int *tmp_unlink_errno)
+                    size_t *n_done, size_t *fail_index, int *tmp_unlink_errno,
+                    uint8_t *found)
 {
     struct mpt_batch b = {root, flags, tag, 0, mpt_memory_fs(root, flags)};
-    int rc = mpt_batch_inside(1, &b, paths_blob, n, base, base_len, offsets, block_bytes,
-                              n_done, fail_index);
+    int rc;
+
+    b.found = found;
+    if (found != NULL)
+        memset(found, 0, n);
+    rc = mpt_batch_inside(1, &b, paths_blob, n, base, base_len, offsets, block_bytes,
+                          n_done, fail_index);
 
     *tmp_unlink_errno = b.tmp_errno;
     return rc;

@@ -100,11 +100,13 @@
  * are done, nothing after *fail_index is published, removed or touched, and a load's
  * memory from *fail_index on is undefined (see MPT_URING). All I/O into base has ended
  * when they return. A block not wholly inside base[0, base_len) fails with EINVAL before
- * any of its I/O (base_len: the caller's own mapping, never a number it was sent). */
+ * any of its I/O (base_len: the caller's own mapping, never a number it was sent).
+ * A store's found (or NULL) gets found[i] = 1 for each done block i that was there
+ * already, so that it was only touched, and 0 for one it wrote. */
 int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base,
                     size_t base_len, const uint64_t *offsets, size_t block_bytes,
                     int flags, const char *tag, size_t *n_done, size_t *fail_index,
-                    int *tmp_unlink_errno);
+                    int *tmp_unlink_errno, uint8_t *found);
 int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base, size_t base_len,
                    const uint64_t *offsets, size_t block_bytes, int flags, size_t *n_done,
                    size_t *fail_index);
@@ -214,6 +216,8 @@ struct mpt_batch {
     int memory_fs; /* the root keeps data in memory: even O_DIRECT I/O is a CPU copy */
     char *bounce;  /* load: read into these slots, then copy (mpt_batch_load_via); or NULL */
     size_t bounce_blocks;
+    uint8_t *found; /* store: found[i] = 1 where block i was there already, or NULL */
+    int found_one;  /* store: the block mpt_store_one just stored was there already */
 };
 
 /* openat2(2)'s argument, kernel ABI (include/uapi/linux/openat2.h). */

@@ -768,6 +768,7 @@ static int mpt_finish(struct mpt_ubatch *u, size_t i)
     switch (j->state) {
     case MPT_SLOW:
         mpt_release(u, j);
+        b->found_one = 0;
         rc = u->store ? mpt_store_one(b, j->rel, j->p, u->len, j->slow_direct)
                       : mpt_load_one(b, j->rel, j->p, u->len, j->slow_direct);
         if (rc == -EINVAL && j->slow_direct)
@@ -775,6 +776,8 @@ static int mpt_finish(struct mpt_ubatch *u, size_t i)
                           : mpt_load_one(b, j->rel, j->p, u->len, 0);
         if (rc == 0 && j->dst != j->p)
             mpt_copy_to_slot(j->dst, j->p, u->len); /* bounced: the read has returned */
+        if (rc == 0 && u->store && b->found != NULL)
+            b->found[i] = (uint8_t)b->found_one;
         break;
     case MPT_FAILED:
         rc = j->rc;
@@ -784,6 +787,8 @@ static int mpt_finish(struct mpt_ubatch *u, size_t i)
     case MPT_EXISTS:
         if (b->flags & MPT_TOUCH)
             mpt_touch_at(j->dirfd, j->leaf);
+        if (b->found != NULL)
+            b->found[i] = 1;
         break;
     case MPT_READY:
         if (!u->store) {

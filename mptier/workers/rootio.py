@@ -141,12 +141,18 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
         root.lease = Lease.create(root.path, tag=ctx.tag.decode())
     block_bytes = ctx.block_bytes
     capacity = ctx.io.capacity_bytes
-    # Blocks already there cost this existence check: the store finds them too and only
-    # touches them (names are content hashes), writing nothing; the check counts them
-    # (skipped, not written) and keeps them out of the room a budget must make. The new
-    # ones are counted exactly, budget or not, so stats()' usage never lags ours.
-    statuses = ctx.backend.lookup(fd, paths, block_bytes, 0)
-    is_new = [status != native.LOOKUP_PRESENT for status in statuses]
+    # Blocks already there are found by the store, which only touches them (names are
+    # content hashes) and says so (``found``): they count as skipped, not written, and
+    # the new ones are counted exactly, so stats()' usage never lags ours. Under a budget
+    # an existence check first keeps them out of the room eviction must make before any
+    # write; without one that check would only delay the task's first write by a walk of
+    # every path (docs/performance.md, section 23), and every block is reserved (erring
+    # high by the blocks found, until the store returns).
+    if capacity:
+        statuses = ctx.backend.lookup(fd, paths, block_bytes, 0)
+        is_new = [status != native.LOOKUP_PRESENT for status in statuses]
+    else:
+        is_new = [True] * len(paths)
     left = sum(is_new) * block_bytes  # reserved: new bytes not written yet
     writer = ctx.slot_writer
     writer.reserve(root.index, left)  # before any check: every later check counts it
@@ -176,9 +182,14 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
                     f"{shared}) past capacity_bytes={capacity}, and eviction could not "
                     f"make room within room_wait_s={ctx.io.room_wait_s:g} s; the {done} "
                     "block(s) before were stored")
+            found = bytearray(end - done)
             rc, n, index, temp_err = ctx.backend.store(
                 fd, paths[done:end], ctx.memory, offsets[done:end], block_bytes,
-                root.flags, ctx.tag)
+                root.flags, ctx.tag, found)
+            reserved_done = sum(is_new[done:done + n]) * block_bytes
+            reserved_piece = sum(is_new[done:end]) * block_bytes
+            for i in range(n):  # the store's own answer: another writer may have been first
+                is_new[done + i] = not found[i]
             if -rc in FULL_ERRNOS:  # out of blocks, inodes or quota: the caretaker
                 writer.count_no_space(root.index)  # evicts on the rise
             if temp_err:
@@ -199,12 +210,12 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
                 # through another mount) a name keeps leading to the removed folder
                 # until its parent is listed. List, then store the rest again.
                 refreshed += 1
-                left -= sum(is_new[done:done + n]) * block_bytes
+                left -= reserved_done
                 writer.reserve(root.index, left)
                 _list_folders_of(root, paths[done + index])
                 done += n
                 continue
-            left -= sum(is_new[done:end]) * block_bytes
+            left -= reserved_piece
             writer.reserve(root.index, left)  # after the count: both for an instant
             if rc:
                 return rc, done + n, done + index, ""
