@@ -63,8 +63,8 @@ def main() -> int:
             print(f"  {a} / {b}: " + " | ".join(cells))
         if args.verdicts:
             spreads = case.get("twins") or []
-            found = {**case, "verdicts": twins.verdicts(case["designs"], spreads)}
-            for line in twins.twin_lines(found):
+            judged = {**case, "verdicts": twins.verdicts(case["designs"], spreads)}
+            for line in twins.twin_lines(judged):
                 print(f"  {line}")
     return 0
 
