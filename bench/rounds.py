@@ -37,10 +37,9 @@ def main() -> int:
     for case in doc["cases"]:
         w = case["workload"]
         print(f"{case['root_fs']} {w['block_bytes'] >> 10} KiB, {w['inflight_jobs']} in flight")
-        rounds_of = {r["label"]: r["rounds"] if isinstance(r.get("rounds"), list)
-                     else [r["figures"]] for r in case["designs"]}  # one round: no list
+        by_label = {r["label"]: twins.rounds_of(r) for r in case["designs"]}
         for r in case["designs"]:
-            rounds = rounds_of[r["label"]]
+            rounds = by_label[r["label"]]
             cells = []
             for key in keys:
                 vals = [x.get(key) for x in rounds]
@@ -50,9 +49,9 @@ def main() -> int:
                   + f" | background CPUs {r.get('background_cpus_max') or 0:.1f}")
         for pair in args.pair:
             a, b = pair.split(",")
-            if a not in rounds_of or b not in rounds_of:
+            if a not in by_label or b not in by_label:
                 continue
-            ra, rb = rounds_of[a], rounds_of[b]
+            ra, rb = by_label[a], by_label[b]
             cells = []
             for key in keys:
                 ratios = sorted(x[key] / y[key] for x, y in zip(ra, rb)

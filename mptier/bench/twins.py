@@ -24,7 +24,8 @@ MIN_VERDICT_ROUNDS = 2
 AHEAD, BEHIND, UNRESOLVED = "ahead", "behind", "not resolved"
 
 
-def _rounds(record: dict[str, Any]) -> list[dict[str, Any]]:
+def rounds_of(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A design record's figures round by round (a one-round run keeps no list)."""
     return record.get("rounds") or [record["figures"]]
 
 
@@ -46,7 +47,7 @@ def twin_spreads(records: list[dict[str, Any]],
             continue
         entry: dict[str, Any] = {"twin": twin, "of": of}
         for key, name in TWIN_FIGURES:
-            entry[name] = [x[key] / y[key] for x, y in zip(_rounds(a), _rounds(b))
+            entry[name] = [x[key] / y[key] for x, y in zip(rounds_of(a), rounds_of(b))
                            if x.get(key) and y.get(key)]
         out.append(entry)
     return out
@@ -76,7 +77,7 @@ def verdicts(records: list[dict[str, Any]],
         entry: dict[str, Any] = {"a": a, "b": b}
         for key, name in TWIN_FIGURES:
             per_round = []
-            for members in zip(*(_rounds(r) for r in families[a] + families[b])):
+            for members in zip(*(rounds_of(r) for r in families[a] + families[b])):
                 ours, theirs = members[:len(families[a])], members[len(families[a]):]
                 ratios = [x[key] / y[key] for x in ours for y in theirs
                           if x.get(key) and y.get(key)]
