@@ -31,6 +31,7 @@ from mptier.workers import rootio
 from mptier.workers.caretaker import (
     BUSY_GAP_S,
     EVICT_GAP_S,
+    FOLDERS_GAP_S,
     IDLE_GAP_S,
     REST_CHECK_S,
     WALK_REST_MIN_S,
@@ -559,3 +560,45 @@ def test_a_tier_walker_again_trusts_the_last_figure_until_a_pass_of_its_own(root
             other.close()
         keeper.close()
         host.close()
+
+
+def test_an_idle_caretaker_makes_the_top_folders_ahead_a_slice_a_step(open_host, clock,
+                                                                      root):
+    """With folders_ahead an idle caretaker's next step comes within FOLDERS_GAP_S
+    while top folders are left to make, and its schedule is the walk's again after; a
+    root that refuses them (EROFS) is left to its stores, with one warning."""
+    host, keeper = open_host(roots=[{"path": root, "folders_ahead": True}])
+    blocks = host.mapper.blocks_dir
+    keeper.take([0])
+    keeper.run(busy=False)
+    assert 0 < len(os.listdir(blocks)) < 16 ** 3
+    assert keeper.wait_s(1.0) <= FOLDERS_GAP_S
+    for _ in range(10_000):
+        if len(os.listdir(blocks)) == 16 ** 3:
+            break
+        clock.sleep(keeper.wait_s(1.0))
+        keeper.run(busy=False)
+    assert len(os.listdir(blocks)) == 16 ** 3
+    clock.sleep(keeper.wait_s(1.0))
+    keeper.run(busy=False)
+    assert keeper.wait_s(1.0) > FOLDERS_GAP_S
+
+
+def test_a_root_that_refuses_the_folders_is_left_to_its_stores(open_host, clock, root,
+                                                                monkeypatch, caplog):
+    from mptier.storage import folders as folders_module
+
+    def refused(path, mode=0o777):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+    host, keeper = open_host(roots=[{"path": root, "folders_ahead": True}])
+    monkeypatch.setattr(folders_module.os, "mkdir", refused)  # (os.mkdir everywhere)
+    keeper.take([0])
+    with caplog.at_level("WARNING", logger="mptier.workers"):
+        keeper.run(busy=False)
+        clock.sleep(keeper.wait_s(1.0))
+        keeper.run(busy=False)
+    warned = [r for r in caplog.records if "ahead" in r.getMessage()]
+    assert len(warned) == 1 and "Read-only" in warned[0].getMessage()
+    assert keeper.wait_s(1.0) > FOLDERS_GAP_S
+    assert host.health == []  # not a fault of the root: its stores go on

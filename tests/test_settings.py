@@ -11,9 +11,10 @@ import pytest
 
 from mptier import native
 from mptier.config import ENGINE_FIELDS, LAYOUT_FIELDS, SERVICE_FIELDS, TierConfig, default_of
+from mptier.storage import FOLDERS_AHEAD_MIN_CAPACITY
 from mptier.workers.launcher import BootSpec
 from mptier.workers.poolbase import PoolSettings
-from mptier.workers.probe import prepare_io
+from mptier.workers.probe import folders_ahead, prepare_io
 from mptier.workers.session import IoSettings
 from mptier.workers.supervised import SupervisionSettings
 from mptier.workers.supervisor import SupervisorSettings
@@ -81,7 +82,8 @@ def test_the_pool_settings_are_derived_from_every_field_of_the_config(tmp_path):
                "capacity_bytes": 1 << 20, "eviction_policy": "lru",
                "high_watermark": 0.9, "low_watermark": 0.5, "stale_temp_s": 60.0,
                "lease_locks": False, "root_failures_to_fail": 9, "root_retry_s": 4.0,
-               "room_wait_s": 1.5, "bounce_waves": False, "ring_lookups": False}
+               "room_wait_s": 1.5, "bounce_waves": False, "ring_lookups": False,
+               "folders_ahead": False}
     names = {f.name for f in fields(PoolSettings)} - {"root_dir", "root_dirs", "backend"}
     assert names == set(changed), "a PoolSettings field this test does not change"
     assert all(changed[k] != default_of(k) for k in changed)
@@ -97,6 +99,8 @@ def test_the_pool_settings_are_derived_from_every_field_of_the_config(tmp_path):
     default_io = prepare_io(PoolSettings.from_config(TierConfig(root_dir=str(tmp_path))),
                             TierConfig().layout_kwargs(), 4096)
     assert not default_io.flags() & (native.WHOLE_BOUNCE | native.LOOP_LOOKUP)
+    # ... and the folders made ahead reach each root's settings (tmp_path: a local disk)
+    assert not io.roots[0].folders_ahead and default_io.roots[0].folders_ahead
     assert io.room_wait_s == changed["room_wait_s"]
     short = dataclasses.replace(settings, io_timeout_s=4.0)  # at most a quarter of it
     assert prepare_io(short, TierConfig().layout_kwargs(), 4096).room_wait_s == 1.0
@@ -135,3 +139,18 @@ def test_a_service_takes_every_field_but_the_engines_own():
     assert pool_fields | {"native"} <= set(SERVICE_FIELDS), \
         "a pool setting the service would not take from its own config"
     assert {"io_uring", "bounce_loads"} <= set(SERVICE_FIELDS)
+
+
+def test_folders_ahead_auto_means_a_local_root_without_a_small_budget(tmp_path, make_fuse_fs):
+    """``folders_ahead = "auto"`` makes the top folders ahead on a local file system
+    (where it was measured) unless the budget is under FOLDERS_AHEAD_MIN_CAPACITY, and
+    not on a FUSE mount; true and false are taken as said."""
+    local = str(tmp_path)
+    assert folders_ahead("auto", local, 0) is True
+    assert folders_ahead("auto", local, FOLDERS_AHEAD_MIN_CAPACITY) is True
+    assert folders_ahead("auto", local, FOLDERS_AHEAD_MIN_CAPACITY - 1) is False
+    assert folders_ahead(True, local, 1 << 20) is True
+    assert folders_ahead(False, local, 0) is False
+    fuse = make_fuse_fs()
+    assert folders_ahead("auto", str(fuse.mountpoint), 0) is False
+    assert folders_ahead(True, str(fuse.mountpoint), 0) is True

@@ -6,11 +6,13 @@
     maintain.BlockIndex    every block walked or told about, oldest atime first
     leases.Lease           a writer's flock-held lease; leases.TempSweeper / sweep_temps
     maintain.RootMaintainer  the one object a worker steps: all of the above per root
+    folders.TopFolders     a block folder's <h3> folders, made ahead of the stores
     du / scrub / gc        the offline tools behind ``mptier du|scrub|gc``
 """
 
 from __future__ import annotations
 
+from mptier.storage.folders import FOLDERS_AHEAD_MIN_CAPACITY, TopFolders
 from mptier.storage.leases import (
     DEFAULT_STALE_TEMP_S,
     Lease,
@@ -35,6 +37,7 @@ from mptier.storage.walk import BAD_KINDS, Entry, Kind, Walker
 __all__ = [
     "BAD_KINDS",
     "DEFAULT_STALE_TEMP_S",
+    "FOLDERS_AHEAD_MIN_CAPACITY",
     "BlockIndex",
     "Entry",
     "EvictionPlan",
@@ -44,6 +47,7 @@ __all__ = [
     "RootMaintainer",
     "StepReport",
     "TempSweeper",
+    "TopFolders",
     "Usage",
     "UsageTracker",
     "Walker",

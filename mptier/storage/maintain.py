@@ -9,6 +9,7 @@
         ├─ evict           usage + want_free past capacity - slack: the index's next,
         │                  exactly the excess (or ``free_bytes``: inodes, ENOSPC)
         └─ empty folders   <h3> and <h2>_g<group> folders the walk finds empty: removed
+                           (<h3> ones kept with keep_top_folders: storage.folders)
       report.removed       -> "removed" events;  maintainer.usage_bytes -> stats()
 
 Eviction never waits for a walk pass: a block enters the index the moment the walk
@@ -287,7 +288,8 @@ class RootMaintainer:
                  stale_temp_s: float = DEFAULT_STALE_TEMP_S, locks_work: bool | None = None,
                  sweep: bool = True, max_index: int = DEFAULT_MAX_INDEX,
                  hand_out: bool = False, slack_bytes: int | None = None,
-                 eviction_policy: str = DEFAULT_POLICY) -> None:
+                 eviction_policy: str = DEFAULT_POLICY, keep_top_folders: bool = False
+                 ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 (0 = unlimited), got "
                              f"{capacity_bytes}")
@@ -320,6 +322,9 @@ class RootMaintainer:
         self.refused = 0
         self.rechecked = 0      # candidates used since indexed: put back, newer
         self.folders_removed = 0
+        # Empty <h3> folders stay (made ahead for stores: mptier.storage.folders); only
+        # empty <h2>_g<group> folders go.
+        self.keep_top_folders = keep_top_folders
         # Hand told blocks out unseen (their look is then evict_told's, on an unlink
         # thread): for a walker that other tiers hand their blocks to, where every
         # evicted block is a told one and each look a round trip on a network mount.
@@ -409,9 +414,10 @@ class RootMaintainer:
 
     def _remove_folder(self, path: str, report: StepReport) -> None:
         """An empty block folder the walk found: removed, and for a <h2>_g<group>
-        folder its <h3> folder too if that is now empty (its mtime is ours)."""
+        folder its <h3> folder too if that is now empty (its mtime is ours) -- unless
+        <h3> folders are kept."""
         removed = remove_empty_folder(path)
-        if removed and LEAF_RE.match(os.path.basename(path)):
+        if removed and not self.keep_top_folders and LEAF_RE.match(os.path.basename(path)):
             removed += remove_empty_folder(os.path.dirname(path))
         report.folders_removed += removed
         self.folders_removed += removed
@@ -504,6 +510,8 @@ class RootMaintainer:
                 if index is not None:
                     index.know(entry)
             elif entry.kind is Kind.EMPTY_FOLDER:
+                if self.keep_top_folders and not LEAF_RE.match(os.path.basename(entry.path)):
+                    continue
                 if time.time_ns() - entry.mtime_ns > FOLDER_GRACE_NS:
                     self._remove_folder(entry.path, report)
             elif self.sweeper is not None:

@@ -11,6 +11,9 @@ steps it -- never on the engine's scheduler thread -- ::
                                     for room, so eviction keeps up under load
     after a complete pass           a rest without walking (eviction still runs): four
                                     times the pass's duration, 0.5 s to WALK_REST_S
+    folders to make ahead           first in each step, a slice of the block folder's
+                                    <h3> folders (storage.folders), and an idle
+                                    worker's next step within FOLDERS_GAP_S
 
 After each step it publishes the root's usage and the walk's position in the control
 block (other workers and the engine read them without a message), and reports keys it
@@ -54,7 +57,7 @@ from typing import Any, Protocol
 
 from mptier.errors import MptierError
 from mptier.jobs import MessageType, encode_message, pack_keys
-from mptier.storage import RootMaintainer
+from mptier.storage import RootMaintainer, TopFolders
 from mptier.storage.election import ELECT_GAP_S, RootShare
 from mptier.storage.maintain import EVICT_SLACK_FRACTION
 from mptier.storage.roots import root_identity
@@ -146,6 +149,10 @@ GRANT_AHEAD_S = 0.5
 MAKE_ROOM_POLL_S = 0.005
 # How often a resting or unhealthy root is looked at.
 REST_CHECK_S = 0.1
+# While a root's folders are being made ahead (storage.folders), an idle worker's next
+# step comes this soon: a slice takes at most folders.MAKE_STEP_S, so the 4,096 are
+# made within a second of the pool's start on a local disk.
+FOLDERS_GAP_S = 0.005
 ERROR_BACKOFF_S = 1.0
 # How often the root's free inodes are looked at (one statvfs: a round trip on a network
 # mount). A file system running out of inodes does so over many stores; once a second
@@ -216,6 +223,9 @@ class _Kept:
     # it is joined, or locks are known not to work).
     share: RootShare | None = None
     share_at: float | None = None
+    # The block folder's <h3> folders still to make (None: made, given up, or not
+    # made ahead on this root: RootIo.folders_ahead).
+    folders: TopFolders | None = None
 
 
 class Caretaker:
@@ -246,7 +256,8 @@ class Caretaker:
                 path, capacity_bytes=io.capacity_bytes, high_watermark=io.high_watermark,
                 low_watermark=io.low_watermark, block_bytes=ctx.block_bytes,
                 stale_temp_s=io.stale_temp_s, locks_work=io.lease_locks,
-                hand_out=bool(io.capacity_bytes), eviction_policy=io.eviction_policy)
+                hand_out=bool(io.capacity_bytes), eviction_policy=io.eviction_policy,
+                keep_top_folders=io.roots[index].folders_ahead)
             kept = _Kept(index, path, maintainer, pass_base=rec.pass_id + 2,
                          inherited_bytes=0 if fresh else rec.usage_bytes,
                          evicted_base=(rec.evicted_blocks, rec.evicted_bytes),
@@ -257,7 +268,9 @@ class Caretaker:
                          if io.capacity_bytes else None,
                          folders_base=control.root_extra(index)[2],
                          walked=control.walked_entries(index),
-                         no_space_seen=control.no_space_stores(index))
+                         no_space_seen=control.no_space_stores(index),
+                         folders=TopFolders(ctx.roots[index].mapper.blocks_dir)
+                         if io.roots[index].folders_ahead else None)
             # What workers created before now is on disk already: this walk finds it.
             for slot in range(control.n_slots):
                 kept.ring_at[slot] = control.ring_count(slot)
@@ -307,6 +320,8 @@ class Caretaker:
             elif now < kept.next_at:
                 continue
             self._step(kept, now)
+            if kept.folders is not None:  # folders still to make: the next slice soon
+                kept.next_at = min(kept.next_at, now + FOLDERS_GAP_S)
 
     def _urgent(self, kept: _Kept) -> bool:
         """Eviction cannot wait for the next gap: past the high watermark (or nearly:
@@ -369,6 +384,8 @@ class Caretaker:
                 return
         finally:
             writer.set_root(None)
+        if kept.folders is not None and not want_free:  # (a store waiting: evict first)
+            self._make_folders(kept)
         if kept.share_at is not None and now >= kept.share_at:
             _join_election(kept, now)
         share = kept.share
@@ -464,6 +481,24 @@ class Caretaker:
         own = [key for folder, key in report.removed if folder == self.folder]
         if own:
             self._send_removed(own)
+
+    def _make_folders(self, kept: _Kept) -> None:
+        """A slice of the block folder's missing <h3> folders (mptier.storage.folders)."""
+        writer = self.ctx.slot_writer
+        writer.set_root(kept.index)  # a hang in a mkdir is blamed on this root
+        try:
+            kept.folders.step()
+        except OSError as exc:  # read-only, full: stores make the folders they need
+            log.warning("mptier: making the folders of %s ahead: %s; stores make them "
+                        "as they need them", kept.folders.blocks_dir, exc)
+            kept.folders = None
+            return
+        finally:
+            writer.set_root(None)
+        if kept.folders.done:
+            log.debug("mptier: made %d folders of %s ahead", kept.folders.made,
+                      kept.folders.blocks_dir)
+            kept.folders = None
 
     def _moved(self, kept: _Kept) -> bool:
         """Does the root path lead to another folder than the one walked (a file system

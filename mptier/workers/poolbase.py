@@ -51,6 +51,7 @@ class PoolSettings(SupervisionSettings):
     bounce_loads: bool | str = default_of("bounce_loads")
     bounce_waves: bool = default_of("bounce_waves")
     ring_lookups: bool = default_of("ring_lookups")
+    folders_ahead: bool | str = default_of("folders_ahead")
     backend: str = "native"
     prefault: bool = default_of("prefault")
     worker_nice: int = default_of("worker_nice")

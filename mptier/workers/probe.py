@@ -14,7 +14,8 @@ from typing import Any
 from mptier import fskind, native
 from mptier.errors import ConfigError, MptierError
 from mptier.layout import FileMapper
-from mptier.workers.bounce import needs_bounce
+from mptier.storage import FOLDERS_AHEAD_MIN_CAPACITY
+from mptier.workers.bounce import PAGE_CACHE_FS_TYPES, needs_bounce
 from mptier.workers.poolbase import PoolSettings
 from mptier.workers.session import IoSettings, RootIo
 
@@ -84,7 +85,20 @@ def _prepare_root(settings: PoolSettings, root: str, layout: dict[str, Any],
         tmpfile = False
     return RootIo(root, use_o_direct=bool(o_direct), checksum=bool(checksum),
                   tmpfile=tmpfile, uring=use_uring(settings.io_uring, backend, where),
-                  bounce=needs_bounce(root, bool(o_direct), settings.bounce_loads))
+                  bounce=needs_bounce(root, bool(o_direct), settings.bounce_loads),
+                  folders_ahead=folders_ahead(settings.folders_ahead, root,
+                                              settings.capacity_bytes))
+
+
+def folders_ahead(setting: bool | str, root: str, capacity_bytes: int) -> bool:
+    """Whether the caretaker makes ``root``'s top folders ahead (``TierConfig.
+    folders_ahead``): "auto" on a local file system (a disk or memory, where it was
+    measured) unless a budget under FOLDERS_AHEAD_MIN_CAPACITY is set; True or False
+    as said."""
+    if setting != "auto":
+        return bool(setting)
+    return fskind.fs_type(root) in PAGE_CACHE_FS_TYPES and (
+        not capacity_bytes or capacity_bytes >= FOLDERS_AHEAD_MIN_CAPACITY)
 
 
 def use_uring(setting: bool | str, backend: Any, where: str) -> bool:
