@@ -6,6 +6,7 @@ every other round. The roots are removed at the end, not between rounds (ext4's
 deletions would slow the next fill: docs/performance.md, section 14).
 
     python bench/experiments/fresh_fill.py --root /var/tmp --blocks 2048 --rounds 6
+    python bench/experiments/fresh_fill.py --at-once ...   # no wait for the folders
 
 Where the time of the way without goes (the helper threads waiting for the lock of the
 block folder): run one fill under ``perf record -e sched:sched_switch -g -a`` and read
@@ -58,6 +59,9 @@ def main() -> None:
     ap.add_argument("--block", default="256K")
     ap.add_argument("--blocks", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--at-once", action="store_true",
+                    help="store as soon as the tier is up, while its caretaker still makes "
+                         "the folders (an engine that stores at once)")
     a = ap.parse_args()
     block_bytes = parse_bytes(a.block)
     buf = SharedKVBuffer.create(JOB_BLOCKS * IN_FLIGHT, block_bytes)
@@ -74,14 +78,17 @@ def main() -> None:
                 try:
                     blocks_dir = tier.mapper.blocks_dir
                     waited = time.monotonic()
-                    while way == "ahead" and len(os.listdir(blocks_dir)) < len(
-                            TOP_FOLDER_NAMES):
+                    while way == "ahead" and not a.at_once and len(
+                            os.listdir(blocks_dir)) < len(TOP_FOLDER_NAMES):
                         assert time.monotonic() - waited < FOLDERS_WAIT_S, "no folders"
                         time.sleep(0.01)
                     os.sync()
                     keys = [make_key(hashlib.sha256(f"{rnd}-{way}-{i}".encode()).digest(), 0)
                             for i in range(a.blocks)]
                     seconds = fill(tier, keys)
+                    if way == "ahead":
+                        made = len(os.listdir(blocks_dir))
+                        print(f"  {made} top folders when the fill ended", flush=True)
                 finally:
                     tier.shutdown()
                 rates[way].append(a.blocks * block_bytes / seconds / 1e9)
