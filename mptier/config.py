@@ -127,8 +127,9 @@ class TierConfig:
     # per step), and the walk keeps them when empty: a store into a fresh root then
     # makes one folder per block, not two, and no store waits for the lock of the block
     # folder. "auto": on local file systems (disks and memory) unless capacity_bytes is
-    # under FOLDERS_AHEAD_MIN_CAPACITY; True: on every root; False: made on demand by the
-    # stores and removed when empty (side by side). Cost: 4,096 folders (16 MiB on ext4).
+    # under FOLDERS_AHEAD_MIN_CAPACITY or free inodes under FOLDERS_AHEAD_MIN_INODES
+    # (mptier.storage.folders); True: on every root; False: made on demand by the stores
+    # and removed when empty (side by side). Cost: 4,096 folders (16 MiB on ext4).
     folders_ahead: bool | str = "auto"
     # Use the compiled C core when it is available (False: the pure-Python twin).
     native: bool = True

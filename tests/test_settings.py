@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from dataclasses import MISSING, dataclass, fields
 
 import pytest
+from reliability_kit import tiny_tmpfs
 
 from mptier import native
 from mptier.config import ENGINE_FIELDS, LAYOUT_FIELDS, SERVICE_FIELDS, TierConfig, default_of
-from mptier.storage import FOLDERS_AHEAD_MIN_CAPACITY
+from mptier.storage import FOLDERS_AHEAD_MIN_CAPACITY, FOLDERS_AHEAD_MIN_INODES
 from mptier.workers.launcher import BootSpec
 from mptier.workers.poolbase import PoolSettings
 from mptier.workers.probe import folders_ahead, prepare_io
@@ -154,3 +156,10 @@ def test_folders_ahead_auto_means_a_local_root_without_a_small_budget(tmp_path, 
     fuse = make_fuse_fs()
     assert folders_ahead("auto", str(fuse.mountpoint), 0) is False
     assert folders_ahead(True, str(fuse.mountpoint), 0) is True
+    # a local file system short of inodes: the folders would take more than a 64th
+    with tiny_tmpfs(16 << 20, f"nr_inodes={FOLDERS_AHEAD_MIN_INODES // 2}") as short:
+        assert os.statvfs(short).f_favail < FOLDERS_AHEAD_MIN_INODES
+        assert folders_ahead("auto", short, 0) is False
+        assert folders_ahead(True, short, 0) is True
+    with tiny_tmpfs(16 << 20, f"nr_inodes={FOLDERS_AHEAD_MIN_INODES + 16}") as enough:
+        assert folders_ahead("auto", enough, 0) is True

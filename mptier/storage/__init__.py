@@ -12,7 +12,11 @@
 
 from __future__ import annotations
 
-from mptier.storage.folders import FOLDERS_AHEAD_MIN_CAPACITY, TopFolders
+from mptier.storage.folders import (
+    FOLDERS_AHEAD_MIN_CAPACITY,
+    FOLDERS_AHEAD_MIN_INODES,
+    TopFolders,
+)
 from mptier.storage.leases import (
     DEFAULT_STALE_TEMP_S,
     Lease,
@@ -38,6 +42,7 @@ __all__ = [
     "BAD_KINDS",
     "DEFAULT_STALE_TEMP_S",
     "FOLDERS_AHEAD_MIN_CAPACITY",
+    "FOLDERS_AHEAD_MIN_INODES",
     "BlockIndex",
     "Entry",
     "EvictionPlan",

@@ -39,6 +39,9 @@ FOLDER_MODE = 0o777
 # folders (16 MiB on ext4, which the budget does not count) would be more than a 64th
 # of it.
 FOLDERS_AHEAD_MIN_CAPACITY = 1 << 30
+# ... and a file system with fewer free inodes than this: the folders would take more
+# than a 64th of them, which blocks (one inode each, and their <h2>_g folders) need.
+FOLDERS_AHEAD_MIN_INODES = 64 * len(TOP_FOLDER_NAMES)
 
 
 class TopFolders:

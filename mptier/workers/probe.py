@@ -7,6 +7,7 @@ survive being published, whether io_uring pays). Both pool kinds run it, bounded
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from mptier import fskind, native
 from mptier.errors import ConfigError, MptierError
 from mptier.layout import FileMapper
-from mptier.storage import FOLDERS_AHEAD_MIN_CAPACITY
+from mptier.storage import FOLDERS_AHEAD_MIN_CAPACITY, FOLDERS_AHEAD_MIN_INODES
 from mptier.workers.bounce import PAGE_CACHE_FS_TYPES, needs_bounce
 from mptier.workers.poolbase import PoolSettings
 from mptier.workers.session import IoSettings, RootIo
@@ -93,12 +94,19 @@ def _prepare_root(settings: PoolSettings, root: str, layout: dict[str, Any],
 def folders_ahead(setting: bool | str, root: str, capacity_bytes: int) -> bool:
     """Whether the caretaker makes ``root``'s top folders ahead (``TierConfig.
     folders_ahead``): "auto" on a local file system (a disk or memory, where it was
-    measured) unless a budget under FOLDERS_AHEAD_MIN_CAPACITY is set; True or False
-    as said."""
+    measured) unless a budget under FOLDERS_AHEAD_MIN_CAPACITY is set or the file
+    system has fewer than FOLDERS_AHEAD_MIN_INODES free inodes (``statvfs``; one that
+    does not count them has enough); True or False as said."""
     if setting != "auto":
         return bool(setting)
-    return fskind.fs_type(root) in PAGE_CACHE_FS_TYPES and (
-        not capacity_bytes or capacity_bytes >= FOLDERS_AHEAD_MIN_CAPACITY)
+    if fskind.fs_type(root) not in PAGE_CACHE_FS_TYPES or (
+            capacity_bytes and capacity_bytes < FOLDERS_AHEAD_MIN_CAPACITY):
+        return False
+    try:
+        fs = os.statvfs(root)
+    except OSError:
+        return False
+    return not fs.f_files or fs.f_favail >= FOLDERS_AHEAD_MIN_INODES
 
 
 def use_uring(setting: bool | str, backend: Any, where: str) -> bool:
