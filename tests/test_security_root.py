@@ -233,6 +233,11 @@ def test_a_read_only_root_serves_loads_and_fails_stores_fast(make_buffer, make_t
             tier = make_tier(buf, root_dir=f"{point}/kv", task_bytes=BLOCK,
                              root_retry_s=4.0, root_failures_to_fail=2)
             try:
+                # The caretaker's folders made ahead first: a mkdir in flight makes the
+                # remount fail (EBUSY), as a store writing would.
+                assert tier.stats()["roots"][0]["folders_ahead"]
+                blocks = tier.mapper.blocks_dir
+                wait_for(lambda: len(os.listdir(blocks)) == 16 ** 3, 30, "the folders")
                 _read_only_then_writable(tier, buf, point)
             finally:
                 tier.shutdown()  # before the unmount: workers hold the root open
