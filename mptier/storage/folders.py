@@ -18,7 +18,7 @@ So the caretaker of a root makes the missing ``<h3>`` folders of its tier's bloc
 folder, a slice per step (:class:`TopFolders`), and the walk keeps them when empty
 (``RootMaintainer(keep_top_folders=True)``). They cost a folder each (4 KiB on ext4:
 16 MiB for all) and are made once per block folder; ``TierConfig.folders_ahead`` says
-where (docs/storage.md, "Folders").
+where (docs/storage.md, "Folders made ahead").
 """
 
 from __future__ import annotations
