@@ -115,6 +115,12 @@ class TierConfig:
     # read may outlive its worker (O_DIRECT on a disk; network and FUSE file systems),
     # never on tmpfs; True: also buffered reads from local disks; False: never.
     bounce_loads: bool | str = "auto"
+    # Process workers store through the same private buffer: each block copied into a
+    # slot of it (in huge pages) and written from there, since a direct write from the
+    # engine's 4 KiB pages hands the device one segment per page. "auto": O_DIRECT
+    # stores on a local disk (mptier.workers.bounce, BOUNCE_STORES_FS_TYPES); True:
+    # wherever not in memory; False: written from the engine's slots (side by side).
+    bounce_stores: bool | str = "auto"
     # Bounced loads through io_uring read a task's blocks in waves (at most half the
     # bounce buffer's and of the task's blocks in flight), the next wave sent as the last
     # returns, before its copies. False: every read of a task at once (side by side).
@@ -334,7 +340,7 @@ class TierConfig:
                   and value > 0, name, value, "a positive number of seconds")
         _want_int(self, "max_task_retries", low=0, high=100)
         for name in ("use_o_direct", "checksum_blocks", "io_uring", "lease_locks",
-                     "bounce_loads", "folders_ahead"):
+                     "bounce_loads", "bounce_stores", "folders_ahead"):
             setattr(self, name, _tristate(name, getattr(self, name)))
         for name in ("native", "enable_events", "prefault", "parallel_agnostic",
                      "replicated_layout", "spread_jobs", "bounce_waves",

@@ -447,7 +447,8 @@ def test_workers_map_their_bounce_buffer_as_they_start(make_buffer, make_tier, t
     from mptier.workers.bounce import Bounce
 
     tier = make_tier(make_buffer(4, BLOCK), root_dir=str(tmp_path / "kv"),
-                     bounce_loads=setting, n_load_workers=1, n_store_workers=1)
+                     bounce_loads=setting, bounce_stores=setting,
+                     n_load_workers=1, n_store_workers=1)
     pids = [w["pid"] for w in tier.stats()["workers"]]
     assert len(pids) == 2
     deadline = time.monotonic() + 30

@@ -13,6 +13,7 @@ from reliability_kit import tiny_tmpfs
 
 from mptier import native
 from mptier.config import ENGINE_FIELDS, LAYOUT_FIELDS, SERVICE_FIELDS, TierConfig, default_of
+from mptier.fskind import fs_type
 from mptier.storage import FOLDERS_AHEAD_MIN_CAPACITY, FOLDERS_AHEAD_MIN_INODES
 from mptier.workers.launcher import BootSpec
 from mptier.workers.poolbase import PoolSettings
@@ -85,7 +86,7 @@ def test_the_pool_settings_are_derived_from_every_field_of_the_config(tmp_path):
                "high_watermark": 0.9, "low_watermark": 0.5, "stale_temp_s": 60.0,
                "lease_locks": False, "root_failures_to_fail": 9, "root_retry_s": 4.0,
                "room_wait_s": 1.5, "bounce_waves": False, "ring_lookups": False,
-               "folders_ahead": False}
+               "folders_ahead": False, "bounce_stores": False}
     names = {f.name for f in fields(PoolSettings)} - {"root_dir", "root_dirs", "backend"}
     assert names == set(changed), "a PoolSettings field this test does not change"
     assert all(changed[k] != default_of(k) for k in changed)
@@ -103,6 +104,10 @@ def test_the_pool_settings_are_derived_from_every_field_of_the_config(tmp_path):
     assert not default_io.flags() & (native.WHOLE_BOUNCE | native.LOOP_LOOKUP)
     # ... and the folders made ahead reach each root's settings (tmp_path: a local disk)
     assert not io.roots[0].folders_ahead and default_io.roots[0].folders_ahead
+    # ... and so do bounced stores (O_DIRECT on a local disk: "auto" says yes)
+    if fs_type(str(tmp_path)) in ("ext4", "xfs", "btrfs") and default_io.use_o_direct:
+        assert default_io.roots[0].bounce_stores
+    assert not io.roots[0].bounce_stores
     assert io.room_wait_s == changed["room_wait_s"]
     short = dataclasses.replace(settings, io_timeout_s=4.0)  # at most a quarter of it
     assert prepare_io(short, TierConfig().layout_kwargs(), 4096).room_wait_s == 1.0

@@ -166,14 +166,14 @@ class Backend(TaskCalls):
 
     # -- errno layer -------------------------------------------------------------------
     def store(self, root_fd: int, paths, buffer, offsets, block_bytes: int, flags: int,
-              tag: bytes, found: bytearray | None = None) -> tuple[int, int, int, int]:
+              tag: bytes, found: bytearray | None = None, bounce=None):
         """Store block i to ``paths[i]``: ``(rc, n_done, fail_index, tmp_unlink_errno)``;
-        ``found[i]`` (if given): done block i was there already. No validation; faults apply."""
+        ``found[i]``: done block i was there already; ``bounce``: each block written from
+        a slot of it (workers.bounce; -EINVAL if under a block). Faults apply."""
         return _checks.faulted("store", self._impl.store, root_fd, paths, buffer, offsets,
-                               block_bytes, flags, tag, found)[:4]
+                               block_bytes, flags, tag, found, bounce)[:4]
 
-    def load(self, root_fd: int, paths, buffer, offsets, block_bytes: int,
-             flags: int) -> tuple[int, int, int]:
+    def load(self, root_fd: int, paths, buffer, offsets, block_bytes: int, flags: int):
         """Load ``paths[i]`` into block i: ``(rc, n_done, fail_index)``. No validation."""
         return _checks.faulted("load", self._impl.load, root_fd, paths, buffer, offsets,
                                block_bytes, flags)[:3]

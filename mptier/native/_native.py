@@ -65,8 +65,8 @@ def _offsets(offsets: Sequence[int]):
 
 
 def store(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
-          block_bytes: int, flags: int, tag: bytes, found: bytearray | None = None
-          ) -> tuple[int, int, int, int]:
+          block_bytes: int, flags: int, tag: bytes, found: bytearray | None = None,
+          bounce=None) -> tuple[int, int, int, int]:
     n = len(paths)
     if n == 0:
         return 0, 0, 0, 0
@@ -78,8 +78,15 @@ def store(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
     seen = ffi.NULL if found is None else ffi.from_buffer("uint8_t[]", found,
                                                           require_writable=True)
     with ffi.from_buffer("char[]", buffer, require_writable=True) as base:
-        rc = lib.mpt_batch_store(root_fd, _blob(paths), n, base, len(base), offs,
-                                 block_bytes, flags, tag, out, out + 1, tmp_errno, seen)
+        if bounce is None:
+            rc = lib.mpt_batch_store(root_fd, _blob(paths), n, base, len(base), offs,
+                                     block_bytes, flags, tag, out, out + 1, tmp_errno, seen)
+        else:
+            with ffi.from_buffer("char[]", bounce, require_writable=True) as via:
+                rc = lib.mpt_batch_store_via(root_fd, _blob(paths), n, base, len(base), offs,
+                                             block_bytes, flags, tag, via,
+                                             len(via) // block_bytes, out, out + 1,
+                                             tmp_errno, seen)
     return rc, out[0], out[1], tmp_errno[0]
 
 

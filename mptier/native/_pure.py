@@ -409,23 +409,40 @@ def _batch(one, paths: Sequence[bytes], buffer, offsets: Sequence[int], block_by
 
 
 def store(root_fd: int, paths: Sequence[bytes], buffer, offsets: Sequence[int],
-          block_bytes: int, flags: int, tag: bytes, found: bytearray | None = None
-          ) -> tuple[int, int, int, int]:
-    """Twin of ``mpt_batch_store``: ``(rc, n_done, fail_index, tmp_unlink_errno)``;
-    ``found[i]`` set to 1 where block i was there already (nothing written)."""
+          block_bytes: int, flags: int, tag: bytes, found: bytearray | None = None,
+          bounce=None) -> tuple[int, int, int, int]:
+    """Twin of ``mpt_batch_store`` (``mpt_batch_store_via`` with ``bounce``: each block
+    copied into the first block of ``bounce`` and written from there):
+    ``(rc, n_done, fail_index, tmp_unlink_errno)``; ``found[i]`` set to 1 where block i
+    was there already (nothing written)."""
     b = _Batch(root_fd, flags, tag)
     if found is not None:
         found[:len(paths)] = bytes(len(paths))
+    via = None
+    if bounce is not None:
+        via, via_base = _flat(bounce)
+        if via.nbytes < block_bytes:
+            via.release()
+            return -errno.EINVAL, 0, 0, 0
+        via_direct = _direct_ok(flags, via_base, block_bytes)
 
     def one(rel: bytes, chunk, direct: bool) -> int:
         b.found_one = False
+        if via is not None:  # written from the bounce slot: its alignment decides
+            via[:block_bytes] = chunk
+            with via[:block_bytes] as slot:
+                return _store_one(b, rel, slot, direct and via_direct)
         return _store_one(b, rel, chunk, direct)
 
     def stored(i: int) -> None:
         if found is not None:
             found[i] = b.found_one
 
-    rc, n_done, index = _batch(one, paths, buffer, offsets, block_bytes, flags, stored)
+    try:
+        rc, n_done, index = _batch(one, paths, buffer, offsets, block_bytes, flags, stored)
+    finally:
+        if via is not None:
+            via.release()
     return rc, n_done, index, b.tmp_errno
 
 

@@ -58,6 +58,11 @@ ffibuilder.cdef(
                         size_t base_len, const uint64_t *offsets, size_t block_bytes,
                         int flags, const char *tag, size_t *n_done, size_t *fail_index,
                         int *tmp_unlink_errno, uint8_t *found);
+    int mpt_batch_store_via(int root, const char *paths_blob, size_t n, char *base,
+                            size_t base_len, const uint64_t *offsets, size_t block_bytes,
+                            int flags, const char *tag, char *bounce, size_t bounce_blocks,
+                            size_t *n_done, size_t *fail_index, int *tmp_unlink_errno,
+                            uint8_t *found);
     int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base,
                        size_t base_len, const uint64_t *offsets, size_t block_bytes,
                        int flags, size_t *n_done, size_t *fail_index);

@@ -73,10 +73,11 @@
 typedef int (*mpt_block_fn)(struct mpt_batch *b, const char *rel, char *p, size_t len,
                             int direct);
 
-static int mpt_batch(mpt_block_fn one, struct mpt_batch *b, const char *paths_blob, size_t n,
+static int mpt_batch(int store, struct mpt_batch *b, const char *paths_blob, size_t n,
                      char *base, const uint64_t *offsets, size_t block_bytes,
                      size_t *n_done, size_t *fail_index)
 {
+    mpt_block_fn one = store ? mpt_store_one : mpt_load_one;
     const char *path = paths_blob;
     size_t i;
 
@@ -84,10 +85,12 @@ static int mpt_batch(mpt_block_fn one, struct mpt_batch *b, const char *paths_bl
     *fail_index = n;
     for (i = 0; i < n; i++) {
         char *p = base + offsets[i];
-        char *io = b->bounce != NULL ? b->bounce : p; /* a bounced load reads there */
+        char *io = b->bounce != NULL ? b->bounce : p; /* bounced: the I/O's memory */
         int direct = mpt_direct_ok(b->flags, io, block_bytes);
         int rc;
         b->found_one = 0;
+        if (store && io != p)
+            memcpy(io, p, block_bytes); /* a bounced store writes from its own pages */
         rc = one(b, path, io, block_bytes, direct);
         if (rc == -EINVAL && direct)
             rc = one(b, path, io, block_bytes, 0); /* never fail a block over O_DIRECT */
@@ -97,7 +100,7 @@ static int mpt_batch(mpt_block_fn one, struct mpt_batch *b, const char *paths_bl
         }
         if (b->found != NULL)
             b->found[i] = (uint8_t)b->found_one;
-        if (io != p) {
+        if (!store && io != p) {
             mpt_map_slot(p, block_bytes);
             mpt_copy_to_slot(p, io, block_bytes); /* only after the read returned */
         }
@@ -155,8 +158,8 @@ static int mpt_batch_inside(int store, struct mpt_batch *b, const char *paths_bl
         rc = mpt_uring_batch(store, b, paths_blob, inside, base, offsets, block_bytes,
                              n_done, fail_index);
     if (rc == MPT_NO_URING)
-        rc = mpt_batch(store ? mpt_store_one : mpt_load_one, b, paths_blob, inside, base,
-                       offsets, block_bytes, n_done, fail_index);
+        rc = mpt_batch(store, b, paths_blob, inside, base, offsets, block_bytes, n_done,
+                       fail_index);
     if (rc == 0 && inside < n) {
         *n_done = inside;
         *fail_index = inside;
@@ -165,12 +168,14 @@ static int mpt_batch_inside(int store, struct mpt_batch *b, const char *paths_bl
     return rc;
 }
 
-int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base, size_t base_len,
-                    const uint64_t *offsets, size_t block_bytes, int flags, const char *tag,
-                    size_t *n_done, size_t *fail_index, int *tmp_unlink_errno,
-                    uint8_t *found)
+static int mpt_store_batch(int root, const char *paths_blob, size_t n, char *base,
+                           size_t base_len, const uint64_t *offsets, size_t block_bytes,
+                           int flags, const char *tag, char *bounce, size_t bounce_blocks,
+                           size_t *n_done, size_t *fail_index, int *tmp_unlink_errno,
+                           uint8_t *found)
 {
-    struct mpt_batch b = {root, flags, tag, 0, mpt_memory_fs(root, flags)};
+    struct mpt_batch b = {root, flags, tag, 0, mpt_memory_fs(root, flags), bounce,
+                          bounce_blocks};
     int rc;
 
     b.found = found;
@@ -181,6 +186,32 @@ int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base, size
 
     *tmp_unlink_errno = b.tmp_errno;
     return rc;
+}
+
+int mpt_batch_store(int root, const char *paths_blob, size_t n, char *base, size_t base_len,
+                    const uint64_t *offsets, size_t block_bytes, int flags, const char *tag,
+                    size_t *n_done, size_t *fail_index, int *tmp_unlink_errno,
+                    uint8_t *found)
+{
+    return mpt_store_batch(root, paths_blob, n, base, base_len, offsets, block_bytes, flags,
+                           tag, NULL, 0, n_done, fail_index, tmp_unlink_errno, found);
+}
+
+int mpt_batch_store_via(int root, const char *paths_blob, size_t n, char *base,
+                        size_t base_len, const uint64_t *offsets, size_t block_bytes,
+                        int flags, const char *tag, char *bounce, size_t bounce_blocks,
+                        size_t *n_done, size_t *fail_index, int *tmp_unlink_errno,
+                        uint8_t *found)
+{
+    if (bounce == NULL || bounce_blocks == 0) {
+        *n_done = 0;
+        *fail_index = 0;
+        *tmp_unlink_errno = 0;
+        return -EINVAL;
+    }
+    return mpt_store_batch(root, paths_blob, n, base, base_len, offsets, block_bytes, flags,
+                           tag, bounce, bounce_blocks, n_done, fail_index, tmp_unlink_errno,
+                           found);
 }
 
 int mpt_batch_load(int root, const char *paths_blob, size_t n, char *base, size_t base_len,

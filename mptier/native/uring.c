@@ -138,7 +138,8 @@ struct mpt_job {
     const char *dir;   /* store: its folder ("" for the root), NUL-terminated */
     const char *leaf;  /* store: its file name */
     char *p;           /* the block's memory: where it is read or written */
-    char *dst;         /* bounced load: the caller's slot, written once p holds the block */
+    char *dst;         /* the caller's slot: a bounced load's, written once p holds the
+                        * block; a bounced store's, copied to p as the block starts */
     struct mpt_open_how how;
     struct statx stx;
     char name[NAME_MAX + 1]; /* the temporary's name, or a folder component */
@@ -633,8 +634,11 @@ static void mpt_start(struct mpt_ubatch *u, size_t i, const char *rel, const cha
     j->dir = dir;
     j->leaf = leaf;
     j->dst = p;
-    if (u->b->bounce != NULL) /* read into a private slot; mpt_finish copies it over */
+    if (u->b->bounce != NULL) { /* I/O from or into a private slot */
         p = u->b->bounce + (i % u->b->bounce_blocks) * u->len;
+        if (u->store) /* written from there: its pages are the bounce buffer's, not ours */
+            memcpy(p, j->dst, u->len);
+    } /* a bounced load's read lands there, and mpt_finish copies it over */
     j->p = p;
     j->direct = (uint8_t)mpt_direct_ok(u->b->flags, p, u->len);
     j->tmpfile = (u->b->flags & MPT_TMPFILE) != 0;
@@ -774,7 +778,7 @@ static int mpt_finish(struct mpt_ubatch *u, size_t i)
         if (rc == -EINVAL && j->slow_direct)
             rc = u->store ? mpt_store_one(b, j->rel, j->p, u->len, 0)
                           : mpt_load_one(b, j->rel, j->p, u->len, 0);
-        if (rc == 0 && j->dst != j->p)
+        if (rc == 0 && !u->store && j->dst != j->p)
             mpt_copy_to_slot(j->dst, j->p, u->len); /* bounced: the read has returned */
         if (rc == 0 && u->store && b->found != NULL)
             b->found[i] = (uint8_t)b->found_one;
@@ -982,7 +986,7 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
                     size_t *fail_index)
 {
     struct mpt_ubatch u = {NULL, b, store, block_bytes, 0};
-    /* a bounced load keeps at most one block in flight per bounce slot */
+    /* a bounced batch keeps at most one block in flight per bounce slot */
     size_t depth = b->bounce != NULL && b->bounce_blocks < MPT_URING_DEPTH
                    ? b->bounce_blocks : MPT_URING_DEPTH;
     /* A bounced load reads in waves: the next goes to the device as the last returns,
@@ -1038,7 +1042,7 @@ int mpt_uring_batch(int store, struct mpt_batch *b, const char *paths_blob, size
             started++;
         }
         /* hand the new requests over; wait only when the next block is not done */
-        if (!broken && b->bounce != NULL && mapped < started) {
+        if (!broken && !store && b->bounce != NULL && mapped < started) {
             /* bounced: the new reads go to the device first, then, while they fly, the
              * slots they will be copied to are mapped (mpt_map_slot) -- the work a
              * direct read's pinning does at submission, instead of one fault per page

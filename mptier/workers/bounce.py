@@ -55,6 +55,11 @@ PAGE_CACHE_FS_TYPES = frozenset({
 # File systems in memory (fskind.MEMORY_FS_TYPES): no device and no server, so even an
 # O_DIRECT read is a copy the reading process makes itself, done before SIGKILL is acted
 # on. Never bounced.
+# Where "auto" bounces O_DIRECT stores: local file systems with a device behind them,
+# where it was measured (docs/storage.md, "Stores through the bounce buffer"). On a
+# network or FUSE file system the write's pages are the server's or the daemon's affair
+# and the copy would be pure cost.
+BOUNCE_STORES_FS_TYPES = PAGE_CACHE_FS_TYPES - MEMORY_FS_TYPES
 
 
 def needs_bounce(root_dir: str, use_o_direct: bool, setting: bool | str = "auto") -> bool:
@@ -69,6 +74,19 @@ def needs_bounce(root_dir: str, use_o_direct: bool, setting: bool | str = "auto"
     if kind in MEMORY_FS_TYPES:
         return False
     return setting is True or use_o_direct or kind not in PAGE_CACHE_FS_TYPES
+
+
+def bounce_stores(root_dir: str, use_o_direct: bool, setting: bool | str = "auto") -> bool:
+    """Whether process workers' stores under ``root_dir`` copy each block into the
+    bounce buffer and write it from there (``TierConfig.bounce_stores``): "auto" for
+    O_DIRECT stores on a local disk (BOUNCE_STORES_FS_TYPES), where the write's pages
+    decide how the device takes it; True wherever not in memory; False never."""
+    if setting is False:
+        return False
+    kind = fs_type(root_dir)
+    if kind in MEMORY_FS_TYPES:
+        return False
+    return setting is True or (use_o_direct and kind in BOUNCE_STORES_FS_TYPES)
 
 
 # A bounce buffer holds this many bytes of blocks (at least one block): the reads in
@@ -152,6 +170,16 @@ class Bounce:
         self.map()
         return backend.load_via(root_fd, paths, memory, offsets, self.block_bytes, flags,
                                 self._view)
+
+    def store(self, backend: Any, root_fd: int, paths: Sequence[bytes], memory: memoryview,
+              offsets: Sequence[int], flags: int, tag: bytes,
+              found: bytearray | None = None) -> tuple[int, int, int, int]:
+        """Store ``memory[offsets[i]:+block_bytes]`` to ``paths[i]``, each block copied
+        into a slot of this buffer and written from there (``backend.store`` with
+        ``bounce``); returns what ``backend.store`` would."""
+        self.map()
+        return backend.store(root_fd, paths, memory, offsets, self.block_bytes, flags, tag,
+                             found, self._view)
 
     def load_task(self, backend: Any, root_fd: int, record, memory: memoryview,
                   flags: int) -> tuple[int, int, int]:

@@ -42,6 +42,7 @@ class RootHandle:
     identity: tuple[int, int] | None = None
     lease: Lease | None = None
     bounce: bool = False  # loads go through the worker's bounce buffer (bounce.py)
+    bounce_stores: bool = False  # ... and stores (TierConfig.bounce_stores)
 
     def __post_init__(self) -> None:
         self.encoded_path = os.fsencode(self.path)  # for the native stat of each run
@@ -134,9 +135,10 @@ class WorkerContext:
             memory = mapped.memory
         # A process worker can be killed while stuck in a read; the read must not land
         # in a slot the engine reused since (see mptier.workers.bounce). Thread workers
-        # die with the engine: no bounce.
+        # die with the engine: no bounce, for loads or stores.
         roots = [RootHandle(i, r.path, FileMapper(r.path, **session.layout), io.flags(i),
-                            bounce=mapped is not None and r.bounce)
+                            bounce=mapped is not None and r.bounce,
+                            bounce_stores=mapped is not None and r.bounce_stores)
                  for i, r in enumerate(io.roots)]
         ctx = cls(role=role, slot_writer=slot_writer,
                   queues=tuple(session.queues[k] for k in QUEUE_ORDER[role]),
@@ -146,8 +148,8 @@ class WorkerContext:
                   router=RootRouter(io.root_dirs), backend=backend, io=io,
                   session=session, tag=native.new_tag().encode(), mapped=mapped,
                   owns_descriptors=mapped is not None,
-                  bounce=Bounce(session.block_bytes) if any(r.bounce for r in roots)
-                  else None)
+                  bounce=Bounce(session.block_bytes)
+                  if any(r.bounce or r.bounce_stores for r in roots) else None)
         if ctx.bounce is not None:
             ctx.bounce.map()  # now, like the pre-fault: not in the first load's time
         ctx.caretaker = Caretaker(ctx)

@@ -58,6 +58,7 @@ def root_figures(control: ControlBlock, io: IoSettings) -> list[dict[str, Any]]:
             "read_only_stores": control.read_only_stores(index),
             "o_direct": io.roots[index].use_o_direct, "io_uring": io.roots[index].uring,
             "bounce_loads": io.roots[index].bounce,
+            "bounce_stores": io.roots[index].bounce_stores,
             "folders_ahead": io.roots[index].folders_ahead,
             "errno": rec.err, "failures": rec.failures, "times_out": rec.outs,
             "probe_in_s": max(0.0, (rec.retry_at_ns - now) / 1e9)

@@ -49,6 +49,7 @@ class PoolSettings(SupervisionSettings):
     checksum_blocks: bool | str = default_of("checksum_blocks")
     io_uring: bool | str = default_of("io_uring")
     bounce_loads: bool | str = default_of("bounce_loads")
+    bounce_stores: bool | str = default_of("bounce_stores")
     bounce_waves: bool = default_of("bounce_waves")
     ring_lookups: bool = default_of("ring_lookups")
     folders_ahead: bool | str = default_of("folders_ahead")

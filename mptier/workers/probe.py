@@ -16,7 +16,7 @@ from mptier import fskind, native
 from mptier.errors import ConfigError, MptierError
 from mptier.layout import FileMapper
 from mptier.storage import FOLDERS_AHEAD_MIN_CAPACITY, FOLDERS_AHEAD_MIN_INODES
-from mptier.workers.bounce import PAGE_CACHE_FS_TYPES, needs_bounce
+from mptier.workers.bounce import PAGE_CACHE_FS_TYPES, bounce_stores, needs_bounce
 from mptier.workers.poolbase import PoolSettings
 from mptier.workers.session import IoSettings, RootIo
 
@@ -87,6 +87,7 @@ def _prepare_root(settings: PoolSettings, root: str, layout: dict[str, Any],
     return RootIo(root, use_o_direct=bool(o_direct), checksum=bool(checksum),
                   tmpfile=tmpfile, uring=use_uring(settings.io_uring, backend, where),
                   bounce=needs_bounce(root, bool(o_direct), settings.bounce_loads),
+                  bounce_stores=bounce_stores(root, bool(o_direct), settings.bounce_stores),
                   folders_ahead=folders_ahead(settings.folders_ahead, root,
                                               settings.capacity_bytes))
 

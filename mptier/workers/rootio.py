@@ -183,9 +183,14 @@ def _store_run(ctx: WorkerContext, root: RootHandle, fd: int, paths: list[bytes]
                     f"make room within room_wait_s={ctx.io.room_wait_s:g} s; the {done} "
                     "block(s) before were stored")
             found = bytearray(end - done)
-            rc, n, index, temp_err = ctx.backend.store(
-                fd, paths[done:end], ctx.memory, offsets[done:end], block_bytes,
-                root.flags, ctx.tag, found)
+            if root.bounce_stores:
+                rc, n, index, temp_err = ctx.bounce.store(
+                    ctx.backend, fd, paths[done:end], ctx.memory, offsets[done:end],
+                    root.flags, ctx.tag, found)
+            else:
+                rc, n, index, temp_err = ctx.backend.store(
+                    fd, paths[done:end], ctx.memory, offsets[done:end], block_bytes,
+                    root.flags, ctx.tag, found)
             reserved_done = sum(is_new[done:done + n]) * block_bytes
             reserved_piece = sum(is_new[done:end]) * block_bytes
             for i in range(n):  # the store's own answer: another writer may have been first

@@ -44,6 +44,7 @@ class RootIo:
     tmpfile: bool = False
     uring: bool = False
     bounce: bool = False  # process workers load through a bounce buffer (bounce.py)
+    bounce_stores: bool = False  # ... and store through it (TierConfig.bounce_stores)
     # The caretaker makes the block folder's <h3> folders ahead and the walk keeps them
     # (TierConfig.folders_ahead as it came out for this root; mptier.storage.folders).
     folders_ahead: bool = False
