@@ -55,6 +55,7 @@ PAGE_CACHE_FS_TYPES = frozenset({
 # File systems in memory (fskind.MEMORY_FS_TYPES): no device and no server, so even an
 # O_DIRECT read is a copy the reading process makes itself, done before SIGKILL is acted
 # on. Never bounced.
+
 # Where "auto" bounces O_DIRECT stores: local file systems with a device behind them,
 # where it was measured (docs/storage.md, "Stores through the bounce buffer"). On a
 # network or FUSE file system the write's pages are the server's or the daemon's affair
