@@ -10,12 +10,17 @@ Two ways to ask, for two needs:
   number (``linux/magic.h``), of the file system that really serves the path. Touches
   the path (a system call that a dead mount can stall): for probes of a root at start.
 
+And of an open file in memory (the engine's buffer): :func:`page_bytes_of`, the size of
+the pages its file system gives it -- huge on hugetlbfs and on a tmpfs that asks for
+transparent huge pages.
+
 The C core asks ``statfs`` itself (``mpt_fs_in_memory``); its magic numbers are checked
 against :data:`TMPFS_MAGIC` and :data:`RAMFS_MAGIC` when it is loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 
@@ -25,6 +30,7 @@ XFS_SUPER_MAGIC = 0x58465342
 BTRFS_SUPER_MAGIC = 0x9123683E
 TMPFS_MAGIC = 0x01021994
 RAMFS_MAGIC = 0x858458F6
+HUGETLBFS_MAGIC = 0x958458F6
 F2FS_SUPER_MAGIC = 0xF2F52010
 # File systems that keep file data in memory.
 MEMORY_MAGICS = frozenset({TMPFS_MAGIC, RAMFS_MAGIC})
@@ -32,12 +38,24 @@ MEMORY_MAGICS = frozenset({TMPFS_MAGIC, RAMFS_MAGIC})
 MEMORY_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 MOUNTINFO = "/proc/self/mountinfo"
+# Which shared-memory files get transparent huge pages: the selected word of this file
+# (Documentation/admin-guide/mm/transhuge.rst). "force" and "deny" override every
+# tmpfs mount's own huge= option; the kernel's internal mount (memfd_create, SysV shm)
+# follows the word itself.
+SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+# The size of one transparent huge page (a PMD's reach): 2 MiB on x86-64.
+HPAGE_PMD_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
+# huge= values (a mount option, or the internal mount's word) under which a shared-
+# memory file's pages are huge wherever the kernel has them; "advise" leaves it to
+# each mapping's madvise, which is the engine's and unknown here.
+HUGE_SHMEM_POLICIES = frozenset({"always", "within_size", "force"})
 
 
 class _Statfs(ctypes.Structure):
     # struct statfs begins with f_type (__fsword_t, a long) on every Linux ABI; the rest
     # (120 bytes on 64-bit Linux) is room for the kernel to fill.
-    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_char * 256)]
+    _fields_ = [("f_type", ctypes.c_long), ("f_bsize", ctypes.c_long),
+                ("_rest", ctypes.c_char * 256)]
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -58,6 +76,65 @@ def fs_magic(path: str | bytes) -> int | None:
         return statfs_type(path)
     except OSError:
         return None
+
+
+def _fstatfs(fd: int) -> _Statfs:
+    buf = _Statfs()
+    if _libc.fstatfs(fd, ctypes.byref(buf)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return buf
+
+
+def _read_word(path: str) -> str:
+    """The selected ``[word]`` of a sysfs choice file, or its whole text; "" if none."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else text
+
+
+def _super_options(dev: int) -> str | None:
+    """The file-system options (after `` - type source``) of the mount whose device
+    is ``dev`` (``st_dev``), or None where no mount this process sees has it."""
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields, tail = left.split(), right.split()
+                if len(fields) > 2 and fields[2] == want and len(tail) > 2:
+                    return tail[2]
+    except OSError:
+        pass
+    return None
+
+
+def page_bytes_of(fd: int) -> int:
+    """The size of the pages that back the open file ``fd`` in memory: hugetlbfs's own
+    page size; a transparent huge page (2 MiB on x86-64) for a tmpfs file whose mount
+    asks for them (``huge=always`` or ``within_size``, or ``shmem_enabled`` set to
+    ``force``; a file of no visible mount, as from ``memfd_create``, follows
+    ``shmem_enabled``'s word); else the base page. Transparent ones are the kernel's
+    best effort: a page it could not get whole is 4 KiB. Raises ``OSError``."""
+    fs = _fstatfs(fd)
+    kind = fs.f_type & 0xFFFFFFFF
+    if kind == HUGETLBFS_MAGIC:
+        return int(fs.f_bsize)
+    if kind == TMPFS_MAGIC:
+        policy = _read_word(SHMEM_ENABLED)
+        if policy != "deny":
+            options = _super_options(os.fstat(fd).st_dev)
+            huge = policy if options is None else next(
+                (o.partition("=")[2] for o in options.split(",") if o.startswith("huge=")),
+                "never")
+            if policy == "force" or huge in HUGE_SHMEM_POLICIES:
+                with contextlib.suppress(ValueError):
+                    return int(_read_word(HPAGE_PMD_SIZE))
+    return os.sysconf("SC_PAGE_SIZE")
 
 
 def mount_table() -> list[tuple[str, str]]:

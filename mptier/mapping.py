@@ -31,6 +31,8 @@ import re
 import time
 from dataclasses import dataclass
 
+from mptier import fskind
+
 PAGE_SIZE = mmap.PAGESIZE
 MADV_POPULATE_READ = 22  # Linux 5.14+
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
@@ -188,6 +190,18 @@ class MappedBuffer:
             self.memory.release()
             _libc.munmap(self._base, self._total)
             self._base = 0
+
+
+def page_bytes(segments: list[Segment]) -> int:
+    """The smallest page size among the files behind ``segments``
+    (:func:`mptier.fskind.page_bytes_of`); the base page for a file that cannot be asked."""
+    sizes = []
+    for segment in segments:
+        try:
+            sizes.append(fskind.page_bytes_of(segment.fd))
+        except OSError:
+            sizes.append(PAGE_SIZE)
+    return min(sizes, default=PAGE_SIZE)
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -260,6 +260,11 @@ def test_cold_pass_and_memory_warm_up_are_recorded(tmp_path, fake_drop):
     (record,) = doc["cases"][0]["designs"]
     figures = record["figures"]
     assert figures["store_cold_gbps"] > 0 and figures["load_cold_gbps"] > 0
+    # Each phase's busy part lay between two idle windows; the idle rate is their mean.
+    idle = record["idle_rates"]
+    assert len(idle) == 4 and all(rate > 0 for rate in idle)
+    assert record["idle_loop_rate"] == pytest.approx(sum(idle) / 4)
+    assert set(record["busy_seconds"]) == {"store", "load"}
     assert record["cold_verify"]["ok"] and record["cold_verify"]["blocks_checked"] == 32
     # Every phase that writes got 1.25x its bytes of recently freed memory first.
     warm = record["warm_memory"]
@@ -557,6 +562,32 @@ def test_the_case_title_says_when_loads_went_beside_their_lookups():
     assert cli.workloads(args)[0].await_lookups is True  # an engine's order by default
 
 
+def test_loop_rate_is_taken_against_the_idle_windows_around_its_busy_part():
+    from mptier.bench.report import MIN_BUSY_SECONDS, design_record
+    from mptier.bench.scheduler import PhaseStats
+
+    def busy(rate: float, seconds: float) -> PhaseStats:
+        return PhaseStats(jobs=1, ok_bytes=1, elapsed_ns=int(seconds * 1e9),
+                          loop_iterations=int(rate * seconds), loop_ns=int(seconds * 1e9))
+    out = {"store": PhaseStats(jobs=1, ok_bytes=1, elapsed_ns=1), "load": PhaseStats(),
+           "store_busy": busy(900.0, 2.0), "load_busy": busy(450.0, 0.2),
+           "store_idle": [800.0, 1200.0], "load_idle": [500.0, 400.0],
+           "idle_rates": [800.0, 1200.0, 500.0, 400.0], "idle_loop_rate": 725.0}
+    record = design_record("x", "a", "tier", {}, [], out)
+    figures = record["figures"]
+    # Each phase against the mean of its own two windows, not the run's mean (725).
+    assert figures["interference_store"] == pytest.approx(0.9)
+    assert figures["interference_load"] == pytest.approx(1.0)
+    assert record["busy_seconds"] == pytest.approx({"store": 2.0, "load": 0.2})
+    (note,) = record["notes"]
+    assert note.startswith("the busy part of the load phase lasted under "
+                           f"{MIN_BUSY_SECONDS:g} s") and "interference_load" in note
+    # A record without the windows (an older harness) still uses the one idle rate.
+    del out["store_idle"], out["load_idle"]
+    figures = design_record("x", "a", "tier", {}, [], out)["figures"]
+    assert figures["interference_store"] == pytest.approx(900 / 725)
+
+
 def test_short_phases_are_flagged():
     from mptier.bench.report import short_phase
     w = {"blocks_per_phase": 256, "job_blocks": 16, "busy_fraction": 0.5,
@@ -578,6 +609,11 @@ def test_checksum_variant_and_crc32c_speed_are_reported(tmp_path, fake_drop, cap
     crc = doc["crc32c"]
     assert crc["gbps"] > 0 and crc["impl"]
     on, off = (r["figures"] for r in doc["cases"][0]["designs"])
+    # The info says what "auto" gave the root (the bench's buffer is 4 KiB pages).
+    from mptier.workers.bounce import bounce_stores
+    info = doc["cases"][0]["designs"][0]["info"]
+    assert info["bounce_stores"] is bounce_stores(str(tmp_path), info["o_direct"], "auto")
+    assert isinstance(info["bounce_loads"], bool)
     out = capsys.readouterr().out
     lines = [x for x in out.splitlines() if x.startswith("checksums on / off")]
     assert len(lines) == 1 and "mptier:workers=1+1:prefault=0" in lines[0]

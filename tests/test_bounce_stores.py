@@ -6,6 +6,7 @@ it where ``bounce_stores`` says so."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import pathlib
 import shutil
@@ -16,7 +17,7 @@ import pytest
 
 from mptier import TransferJob, make_key, native
 from mptier.fskind import fs_type
-from mptier.workers.bounce import Bounce, bounce_stores
+from mptier.workers.bounce import HUGE_PAGE_BYTES, Bounce, bounce_stores
 
 BLOCK = 64 << 10
 N = 11  # not a multiple of the bounce slots: slots are reused as blocks finish
@@ -134,6 +135,11 @@ def test_the_setting_and_the_file_system_decide(tmp_path, make_fuse_fs):
     assert bounce_stores(disk, False, "auto") is False  # buffered: the page cache copies
     assert bounce_stores(disk, False, True) is True
     assert bounce_stores(disk, True, False) is False
+    # An engine buffer already in huge pages needs no copy under "auto"; True still copies.
+    assert bounce_stores(disk, True, "auto", HUGE_PAGE_BYTES) is False
+    assert bounce_stores(disk, True, "auto", 1 << 30) is False
+    assert bounce_stores(disk, True, "auto", 64 << 10) is True
+    assert bounce_stores(disk, True, True, HUGE_PAGE_BYTES) is True
     if fs_type("/dev/shm") == "tmpfs":
         assert bounce_stores("/dev/shm", True, True) is False
     fuse = make_fuse_fs()
@@ -200,3 +206,46 @@ def test_no_bounce_in_memory_whatever_the_setting(make_buffer, make_tier):
             tier.shutdown()
     finally:
         shutil.rmtree(shm)
+
+
+@pytest.mark.parametrize("pages", ["huge", "base"])
+def test_auto_writes_from_an_engine_buffer_in_huge_pages(make_tier, tmp_path, pages):
+    """A real pool on a disk root with O_DIRECT: "auto" copies stores out of an engine
+    buffer of base pages (a tmpfs with ``huge=never``), not out of one whose tmpfs asks
+    for huge pages (``huge=always``); the block round-trips either way."""
+    from reliability_kit import tiny_tmpfs
+
+    from mptier import SharedKVBuffer
+
+    disk = str(tmp_path)
+    if fs_type(disk) not in ("ext4", "xfs", "btrfs"):
+        pytest.skip(f"{disk} is on {fs_type(disk)}, not a local disk file system")
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    nbytes = 4 * BLOCK
+    with tiny_tmpfs(8 << 20, "huge=always" if pages == "huge" else "huge=never") as point:
+        fd = os.open(os.path.join(point, "engine.mmap"), os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes)
+        os.close(fd)
+        view = np.frombuffer(mapping, dtype=np.uint8).reshape(4, BLOCK)
+        buf = SharedKVBuffer.from_memoryview(memoryview(view))
+        try:
+            tier = make_tier(buf, root_dir=str(tmp_path / "kv"), use_o_direct=True,
+                             n_load_workers=1, n_store_workers=1)
+            assert tier.stats()["roots"][0]["bounce_stores"] is (pages == "base")
+            block = np.random.default_rng(5).integers(0, 256, BLOCK, dtype=np.uint8)
+            buf.view[0] = block
+            key = make_key(b"huge-buffer", 0)
+            tier.submit_store(TransferJob(1, [key], [0]))
+            tier.drain_jobs()
+            buf.view[1] = 0
+            tier.submit_load(TransferJob(2, [key], [1]))
+            tier.drain_jobs()
+            assert all(r.success for r in tier.get_finished_jobs())
+            assert np.array_equal(buf.view[1], block)
+            tier.shutdown()
+        finally:
+            buf.close()
+            del view
+            mapping.close()

@@ -6,6 +6,7 @@ import ctypes
 import errno
 import mmap
 import os
+import pathlib
 import resource
 
 import pytest
@@ -138,3 +139,70 @@ def test_a_buffer_is_mapped_only_where_its_files_are(sparse_shm, case):
         assert len(buf.memory) == size
     finally:
         buf.close()
+
+
+@pytest.fixture
+def mounted():
+    """``mount(kind, options)`` -> a fresh mount under this run's mount folder (root
+    only), unmounted and removed at teardown."""
+    import subprocess
+
+    from support import mounts
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting needs root")
+    made = []
+
+    def mount(kind: str, options: str) -> str:
+        point = mounts.new_mount_dir(f"{kind}-")
+        made.append(point)
+        subprocess.run(["mount", "-t", kind, "-o", options, "mptier-test", str(point)],
+                       check=True, capture_output=True, timeout=30)
+        return str(point)
+    yield mount
+    for point in made:
+        mounts.unmount(point)
+        os.rmdir(point)
+
+
+def _segment_in(folder: str, nbytes: int = 4 * MIB) -> Segment:
+    fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
+    os.ftruncate(fd, nbytes)
+    return Segment(fd, 0, nbytes, 0)
+
+
+def _sysfs(name: str) -> str:
+    return pathlib.Path("/sys/kernel/mm/transparent_hugepage", name).read_text()
+
+
+def _shmem_word() -> str:
+    text = _sysfs("shmem_enabled")
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def test_page_bytes_are_the_buffer_files_own(mounted, tmp_path):
+    """hugetlbfs gives its own pages, a tmpfs that asks for huge pages the PMD size, the
+    smallest segment decides, and a disk file, a plain tmpfs, a memfd (under this
+    machine's shmem_enabled) and an empty list give the base page."""
+    word = _shmem_word()
+    if word in ("force", "deny"):
+        pytest.skip(f"shmem_enabled is {word}: it overrides every mount's huge= option")
+    huge = int(_sysfs("hpage_pmd_size"))
+    plain = _segment_in(mounted("tmpfs", "size=8m,huge=never"))
+    asked = _segment_in(mounted("tmpfs", "size=8m,huge=within_size"))
+    hugetlb = os.open(mounted("hugetlbfs", "mode=0700"), os.O_RDONLY)
+    disk = _segment_in(str(tmp_path))
+    memfd = os.memfd_create("mptier-test-pages")
+    try:
+        assert mapping.page_bytes([plain]) == PAGE_SIZE
+        assert mapping.page_bytes([asked]) == huge
+        assert mapping.page_bytes([Segment(hugetlb, 0, huge, 0)]) == huge
+        assert mapping.page_bytes([asked, plain]) == PAGE_SIZE
+        assert mapping.page_bytes([disk]) == PAGE_SIZE
+        assert mapping.page_bytes([Segment(memfd, 0, 0, 0)]) == (
+            huge if word in ("always", "within_size") else PAGE_SIZE)
+        assert mapping.page_bytes([]) == PAGE_SIZE
+        assert mapping.page_bytes([Segment(-1, 0, 0, 0)]) == PAGE_SIZE  # cannot ask
+    finally:
+        for fd in (plain.fd, asked.fd, hugetlb, disk.fd, memfd):
+            os.close(fd)

@@ -167,6 +167,12 @@ class MptierDesign(Design):
                 for key in ("mode", "o_direct", "native", "blocks_per_task"):
                     if isinstance(snapshot, dict) and key in snapshot:
                         self.info[key] = snapshot[key]
+                # what the first root got, "auto" decided (e.g. no bounced stores out of
+                # an engine buffer in huge pages)
+                for key in ("bounce_loads", "bounce_stores"):
+                    roots = snapshot.get("roots") if isinstance(snapshot, dict) else None
+                    if roots and key in roots[0]:
+                        self.info[key] = roots[0][key]
 
     def block_path(self, ctx: DesignContext, key: bytes) -> str:
         if self._tier is not None:

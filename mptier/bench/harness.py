@@ -21,11 +21,12 @@ design at full speed: throughput, job latency -- and the rest (``--busy-fraction
 beside the *busy* scheduler, which alternates a GIL-free wait (the model's forward pass
 in a real engine) with pure-Python work, half and half by default. The work's rate
 there, counted from the moment each wait should have ended, divided by its rate with
-the design idle, is the scheduler interference: it charges both a CPU taken away and
-the time to get the interpreter back from the design's threads. The throughput there
-shows what the busy scheduler costs the design. ``--busy-wait-us 0`` makes a loop that
-never lets go of the interpreter: in-process threads then starve rather than slow the
-loop. Scheduler calls are timed in both halves.
+the design idle (in windows right before and after that busy part), is the scheduler
+interference: it charges both a CPU taken away and the time to get the interpreter
+back from the design's threads. The throughput there shows what the busy scheduler
+costs the design. ``--busy-wait-us 0`` makes a loop that never lets go of the
+interpreter: in-process threads then starve rather than slow the loop. Scheduler calls
+are timed in both halves.
 
 Per case (root x block size x job size) the harness makes one primary buffer of two
 regions -- source slots ``[0, R)`` filled with random bytes, destination slots
@@ -39,8 +40,9 @@ its own:
    light scheduler -- the first time the design's I/O touches the buffer's pages (a
    worker process that did not pre-fault its mapping pays a fault per page here);
    verified, and in memory its files removed again (the warm pass needs the memory);
-2. warm-up job, idle loop rate, store phase, page-cache drop, load phase (with
-   lookups), byte-for-byte verification of the destination region (the *warm* pass);
+2. warm-up job, store phase, page-cache drop, load phase (with lookups), each phase's
+   busy part between two windows of the busy loop alone; byte-for-byte verification
+   of the destination region (the *warm* pass);
 3. the 64-block job alone under the light scheduler (store, drop, load), repeated.
 
 A design's files go right after it in memory, and at the end of the run on a disk root
@@ -263,16 +265,17 @@ class Case:
             self._cold_pass(design, ctx, out)
         run(design, self._jobs(design, keys.warmup, w.job_blocks, False), "store", False)
         run(design, self._jobs(design, keys.warmup, w.job_blocks, True), "load", False)
-        self._idle(out)
 
         self.progress(f"{design.label}: store phase")
         jobs = self._jobs(design, keys.phase, w.job_blocks, False)
         split = self._split(len(jobs))
         self._warm(out, "store")
         out["store"] = run(design, jobs[:split], "store", False, w.inflight_jobs)
+        self._idle(out, "store")
         out["store_busy"] = run(design, jobs[split:], "store", False, w.inflight_jobs,
                                 self.busy)
         design.drain()
+        self._idle(out, "store")
         if w.inject_corruption:
             out["corrupted_files"] = self._corrupt(design, ctx, w.inject_corruption)
         self.buffer.clear_destination()
@@ -283,9 +286,11 @@ class Case:
         jobs = self._jobs(design, keys.phase, w.job_blocks, True)
         out["load"] = run(design, jobs[:split], "load", design.supports_lookup,
                           w.inflight_jobs, await_lookups=w.await_lookups)
+        self._idle(out, "load")
         out["load_busy"] = run(design, jobs[split:], "load", design.supports_lookup,
                                w.inflight_jobs, self.busy, await_lookups=w.await_lookups)
         design.drain()
+        self._idle(out, "load")
         out["verify"] = self._verify(min(w.n_blocks, self.buffer.region))
 
         self.progress(f"{design.label}: {w.single_job_blocks}-block job alone")
@@ -381,6 +386,7 @@ class Case:
                 self._warm(out, "store")
                 out["raw"] = raw.run(root, w.block_bytes, w.n_blocks - n_busy, n_busy,
                                      w.inflight_jobs, wait, drop, w.job_blocks)
+                self._idle(out)
             out["drop"] = drops[0] if drops else None
         except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
@@ -388,11 +394,24 @@ class Case:
             self.remove(root)
         return out
 
-    def _idle(self, out: dict[str, Any]) -> None:
-        """Idle rate of the scheduler loop, and how busy the rest of the machine was."""
+    def _idle(self, out: dict[str, Any], phase: str = "") -> None:
+        """One window of the scheduler loop with the design idle: its rate joins
+        ``out["idle_rates"]`` (and ``out[phase + "_idle"]``), whose mean is
+        ``out["idle_loop_rate"]``; ``out["background_cpus"]`` is the busiest the rest of
+        the machine was in any window. A phase's busy part is bracketed by two windows,
+        right before and after it: one window of 0.3 s alone swings 0.6-1.07 of
+        its median on this VM (docs/performance.md section 26), and the machine drifts
+        between a store phase and its load phase."""
         before = CpuSnapshot.take()
-        out["idle_loop_rate"] = self.busy.idle_rate(self.w.idle_seconds)
-        out["background_cpus"] = CpuSnapshot.take().others_since(before)
+        rate = self.busy.idle_rate(self.w.idle_seconds)
+        others = CpuSnapshot.take().others_since(before)
+        rates = out.setdefault("idle_rates", [])
+        rates.append(rate)
+        out["idle_loop_rate"] = sum(rates) / len(rates)
+        if phase:
+            out.setdefault(f"{phase}_idle", []).append(rate)
+        if others is not None:
+            out["background_cpus"] = max(others, out.get("background_cpus") or 0.0)
 
     # checks -------------------------------------------------------------------------
     def _verify(self, n_slots: int) -> dict[str, Any]:

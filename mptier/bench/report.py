@@ -85,6 +85,10 @@ FIGURE_KEYS = tuple(f.key for f in FIGURES)
 # Background load (CPUs busy with other processes while the design idled) above which
 # the table warns that the machine was not quiet.
 BUSY_MACHINE_CPUS = 0.25
+# A loop rate over a shorter busy part is noisy: on a 2-vCPU VM the loop alone swings
+# 0.58-1.16 of its median over 0.1 s windows and 0.94-1.01 over 1 s ones
+# (docs/performance.md section 26).
+MIN_BUSY_SECONDS = 1.0
 # Designs every other design is compared with, by letter: the in-process baseline, vLLM's
 # own tier, the raw limit.
 REFERENCE_LETTERS = ("b", "v", "d")
@@ -107,6 +111,7 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
                               "figures": figures}
     idle = out.get("idle_loop_rate")
     record["idle_loop_rate"] = idle
+    record["idle_rates"] = out.get("idle_rates")
     record["background_cpus"] = out.get("background_cpus")
     drop = out.get("drop")
     record["page_cache_dropped"] = None if drop is None else drop.dropped
@@ -157,7 +162,15 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
                 figures["lookup_answer_ms_p99"] = answers["p99"]
         if busy is not None:
             figures[f"{kind}_gbps_busy"] = busy.gbps
-            figures[f"interference_{kind}"] = _ratio(busy.loop_rate, idle)
+            around = out.get(f"{kind}_idle") or [idle]
+            figures[f"interference_{kind}"] = _ratio(
+                busy.loop_rate, statistics.mean(around) if None not in around else None)
+            record.setdefault("busy_seconds", {})[kind] = busy.elapsed_ns / 1e9
+            if busy.loop_ns and busy.elapsed_ns < MIN_BUSY_SECONDS * 1e9:
+                record["notes"].append(
+                    f"the busy part of the {kind} phase lasted under {MIN_BUSY_SECONDS:g} s, "
+                    f"so interference_{kind} is noisy; raise --total-bytes or "
+                    "--busy-fraction")
         if both:
             _put(figures, f"submit_{kind}_us", us_summary([x for p in both for x in p.submit_ns]))
         if kind == "load" and any(p.lookup_ns for p in both):

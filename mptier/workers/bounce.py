@@ -77,17 +77,22 @@ def needs_bounce(root_dir: str, use_o_direct: bool, setting: bool | str = "auto"
     return setting is True or use_o_direct or kind not in PAGE_CACHE_FS_TYPES
 
 
-def bounce_stores(root_dir: str, use_o_direct: bool, setting: bool | str = "auto") -> bool:
+def bounce_stores(root_dir: str, use_o_direct: bool, setting: bool | str = "auto",
+                  buffer_page_bytes: int = mmap.PAGESIZE) -> bool:
     """Whether process workers' stores under ``root_dir`` copy each block into the
     bounce buffer and write it from there (``TierConfig.bounce_stores``): "auto" for
     O_DIRECT stores on a local disk (BOUNCE_STORES_FS_TYPES), where the write's pages
-    decide how the device takes it; True wherever not in memory; False never."""
+    decide how the device takes it, unless the engine's buffer is already in huge
+    pages (``buffer_page_bytes``, :func:`mptier.mapping.page_bytes`: a block then goes
+    to the device in one or a few segments, and the copy would be pure cost); True
+    wherever not in memory; False never."""
     if setting is False:
         return False
     kind = fs_type(root_dir)
     if kind in MEMORY_FS_TYPES:
         return False
-    return setting is True or (use_o_direct and kind in BOUNCE_STORES_FS_TYPES)
+    return setting is True or (use_o_direct and kind in BOUNCE_STORES_FS_TYPES
+                               and buffer_page_bytes < HUGE_PAGE_BYTES)
 
 
 # A bounce buffer holds this many bytes of blocks (at least one block): the reads in

@@ -27,6 +27,7 @@ from dataclasses import asdict, fields
 from typing import Any
 
 from mptier.errors import MptierError
+from mptier.mapping import page_bytes
 from mptier.workers.contract import Pool
 from mptier.workers.control import ControlBlock, SlotState
 from mptier.workers.figures import room_waits, root_figures, store_figures, task_latency
@@ -112,8 +113,9 @@ class WorkerPool(ControlDoor, Pool):
         session's descriptors. Raises ``MptierError`` (or ``OSError``/``ConfigError``
         from the root) and leaves no session behind on failure."""
         sup = self._supervisor
-        io = bounded(lambda: prepare_io(self.settings, session.layout, session.block_bytes),
-                      self.settings.io_timeout_s, f"preparing {self.settings.root_label}")
+        io = bounded(lambda: prepare_io(self.settings, session.layout, session.block_bytes,
+                                        page_bytes(session.segments)),
+                     self.settings.io_timeout_s, f"preparing {self.settings.root_label}")
         self.io = io
         own = session.dup()
         ids: list[int] = []

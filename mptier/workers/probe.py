@@ -15,6 +15,7 @@ from typing import Any
 from mptier import fskind, native
 from mptier.errors import ConfigError, MptierError
 from mptier.layout import FileMapper
+from mptier.mapping import PAGE_SIZE
 from mptier.storage import FOLDERS_AHEAD_MIN_CAPACITY, FOLDERS_AHEAD_MIN_INODES
 from mptier.workers.bounce import PAGE_CACHE_FS_TYPES, bounce_stores, needs_bounce
 from mptier.workers.poolbase import PoolSettings
@@ -23,17 +24,19 @@ from mptier.workers.session import IoSettings, RootIo
 log = logging.getLogger("mptier.workers")
 
 
-def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
-               ) -> IoSettings:
+def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int,
+               buffer_page_bytes: int = PAGE_SIZE) -> IoSettings:
     """Make the cache folder for ``layout`` under every root, check its block size and
     probe what each file system offers (O_DIRECT, user xattrs for checksums, O_TMPFILE
     files that survive being published, whether io_uring pays); returns the settings
-    workers use. Raises
+    workers use. ``buffer_page_bytes``: the engine buffer's pages
+    (:func:`mptier.mapping.page_bytes`), which decide ``bounce_stores = "auto"``. Raises
     ``OSError`` naming the path, or ``ConfigError`` for a block-size clash or
     ``checksum_blocks=true`` on a root without user xattrs. Every root must be usable
     now: a root that is down at start is a configuration to fix (leave it out of
     ``root_dirs``; only its keys move)."""
-    roots = [_prepare_root(settings, root, layout, block_bytes) for root in settings.roots]
+    roots = [_prepare_root(settings, root, layout, block_bytes, buffer_page_bytes)
+             for root in settings.roots]
     first = roots[0]
     return IoSettings(root_dir=first.path, use_o_direct=first.use_o_direct,
                       backend=settings.backend, prefault=settings.prefault,
@@ -51,7 +54,7 @@ def prepare_io(settings: PoolSettings, layout: dict[str, Any], block_bytes: int
 
 
 def _prepare_root(settings: PoolSettings, root: str, layout: dict[str, Any],
-                  block_bytes: int) -> RootIo:
+                  block_bytes: int, buffer_page_bytes: int) -> RootIo:
     mapper = FileMapper(root, **layout)
     mapper.prepare(block_bytes)
     backend = native.get_backend(settings.backend)
@@ -87,7 +90,8 @@ def _prepare_root(settings: PoolSettings, root: str, layout: dict[str, Any],
     return RootIo(root, use_o_direct=bool(o_direct), checksum=bool(checksum),
                   tmpfile=tmpfile, uring=use_uring(settings.io_uring, backend, where),
                   bounce=needs_bounce(root, bool(o_direct), settings.bounce_loads),
-                  bounce_stores=bounce_stores(root, bool(o_direct), settings.bounce_stores),
+                  bounce_stores=bounce_stores(root, bool(o_direct), settings.bounce_stores,
+                                              buffer_page_bytes),
                   folders_ahead=folders_ahead(settings.folders_ahead, root,
                                               settings.capacity_bytes))
 

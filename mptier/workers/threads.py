@@ -15,6 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from mptier import native
+from mptier.mapping import page_bytes
 from mptier.workers.context import WorkerContext
 from mptier.workers.contract import Pool
 from mptier.workers.control import ControlBlock, SlotWriter
@@ -54,7 +55,8 @@ class ThreadWorkers(ControlDoor, Pool):
 
     def attach(self, session: Session) -> IoSettings:
         self.io = io = bounded(
-            lambda: prepare_io(self.settings, session.layout, session.block_bytes),
+            lambda: prepare_io(self.settings, session.layout, session.block_bytes,
+                               page_bytes(session.segments)),
             self.settings.io_timeout_s, f"preparing {self.settings.root_label}")
         backend = native.get_backend(io.backend)
         shared = WorkerSession(queues=session.queues, completion=session.completion,
