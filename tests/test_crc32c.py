@@ -205,6 +205,35 @@ def test_path_large_inputs_offsets_and_continuation(path):
         assert value == want, (length, cuts)
 
 
+# Around mpt_crc32c_copy's 128 KiB pieces, and a 2 MiB block with a tail.
+COPY_LENGTHS = [0, 1, 4095, (128 << 10) - 1, 128 << 10, (128 << 10) + 1, 256 << 10,
+                (2 << 20) + 77]
+
+
+def test_copy_with_crc_copies_and_checksums_on_every_path(path):
+    """``mpt_crc32c_copy`` (a bounced store's copy into its bounce slot) leaves the
+    destination equal to the source and returns the CRC the tables give, continuing
+    from a value, on each path this CPU runs."""
+    from mptier.native import _native
+
+    be = native.get_backend("native")
+    rng = random.Random(11)
+    data = rng.randbytes((2 << 20) + 77 + 64)
+    code, _ = _native.crc32c_select(path)
+    assert code == 0
+    try:
+        for length in COPY_LENGTHS:
+            offset = rng.randrange(64)
+            src = data[offset:offset + length]
+            dst = _native.ffi.new("char[]", length + 1)
+            value = rng.randrange(1 << 32) if length % 2 else 0
+            got = _native.lib.mpt_crc32c_copy(value, dst, src, length)
+            assert got == be.crc32c(src, value, impl="table"), (length, offset)
+            assert _native.ffi.buffer(dst, length)[:] == src and dst[length] == b"\0"
+    finally:
+        _native.lib.mpt_crc32c_select(_native.ffi.NULL)  # the fastest again
+
+
 def _cpuinfo_flags() -> set[str]:
     with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
         for line in f:

@@ -76,6 +76,7 @@ ffibuilder.cdef(
     int mpt_probe_xattr(const char *dir);
     int mpt_probe_o_tmpfile(const char *dir);
     uint32_t mpt_crc32c(uint32_t crc, const char *p, size_t n, int impl);
+    uint32_t mpt_crc32c_copy(uint32_t crc, char *dst, const char *src, size_t n);
     const char *mpt_crc32c_impls(void);
     const char *mpt_crc32c_lacks(const char *name);
     int mpt_crc32c_select(const char *name);

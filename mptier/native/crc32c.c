@@ -850,6 +850,24 @@ uint32_t mpt_crc32c(uint32_t crc, const char *p, size_t n, int impl)
     return ~mpt_crc_table(crc, u, n);
 }
 
+/* mpt_crc32c_copy's piece: the CRC reads each piece from the cache the copy just
+ * filled, where a whole 2 MiB block copied first is read back from farther out.
+ * Measured (bench/experiments/store_copy_crc.c; AMD EPYC VM, avx2-vpclmulqdq, the
+ * source out of cache, six rounds): 1.10-1.21x the rate of a whole copy then its CRC at
+ * 2 MiB, 0.83-1.37x (median 1.02) at 256 KiB, a block that fits in L2 either way.
+ * Pieces of 64 KiB did as well at 2 MiB, 32 KiB a little worse (1.04-1.21x). */
+#define MPT_COPY_CRC_PIECE (128 * 1024)
+
+uint32_t mpt_crc32c_copy(uint32_t crc, char *dst, const char *src, size_t n)
+{
+    for (size_t done = 0; done < n; done += MPT_COPY_CRC_PIECE) {
+        size_t part = n - done < MPT_COPY_CRC_PIECE ? n - done : MPT_COPY_CRC_PIECE;
+        memcpy(dst + done, src + done, part);
+        crc = mpt_crc32c(crc, dst + done, part, MPT_CRC32C_BEST);
+    }
+    return crc;
+}
+
 const char *mpt_crc32c_impls(void)
 {
     pthread_once(&mpt_crc_once, mpt_crc_init);

@@ -139,6 +139,9 @@ int mpt_probe_o_tmpfile(const char *dir);
 /* CRC32C (Castagnoli) of n bytes at p, continuing from crc (0 to start), as zlib's
  * crc32() continues: crc(a + b) == crc(b, crc(a)). */
 uint32_t mpt_crc32c(uint32_t crc, const char *p, size_t n, int impl);
+/* Copy n bytes from src to dst (not overlapping) and return their CRC32C continuing
+ * from crc, by the fastest path, piece by piece while each piece is in cache. */
+uint32_t mpt_crc32c_copy(uint32_t crc, char *dst, const char *src, size_t n);
 /* The implementations ("paths") this CPU runs, best first, comma-separated: e.g.
  * "avx2-vpclmulqdq,pclmulqdq,sse4.2,table". A folding impl the CPU lacks, or an input
  * shorter than it takes, runs the CRC instruction (or the tables, without one). */

@@ -636,8 +636,14 @@ static void mpt_start(struct mpt_ubatch *u, size_t i, const char *rel, const cha
     j->dst = p;
     if (u->b->bounce != NULL) { /* I/O from or into a private slot */
         p = u->b->bounce + (i % u->b->bounce_blocks) * u->len;
-        if (u->store) /* written from there: its pages are the bounce buffer's, not ours */
+        /* written from there: its pages are the bounce buffer's, not ours; the record's
+         * CRC taken as the copy goes, over exactly the bytes written */
+        if (u->store && (u->b->flags & MPT_CHECKSUM)) {
+            j->crc = mpt_crc32c_copy(0, p, j->dst, u->len);
+            j->crc_done = 1;
+        } else if (u->store) {
             memcpy(p, j->dst, u->len);
+        }
     } /* a bounced load's read lands there, and mpt_finish copies it over */
     j->p = p;
     j->direct = (uint8_t)mpt_direct_ok(u->b->flags, p, u->len);
