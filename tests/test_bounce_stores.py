@@ -230,6 +230,7 @@ def test_auto_writes_from_an_engine_buffer_in_huge_pages(make_tier, tmp_path, pa
         os.close(fd)
         view = np.frombuffer(mapping, dtype=np.uint8).reshape(4, BLOCK)
         buf = SharedKVBuffer.from_memoryview(memoryview(view))
+        tier = None
         try:
             tier = make_tier(buf, root_dir=str(tmp_path / "kv"), use_o_direct=True,
                              n_load_workers=1, n_store_workers=1)
@@ -244,8 +245,9 @@ def test_auto_writes_from_an_engine_buffer_in_huge_pages(make_tier, tmp_path, pa
             tier.drain_jobs()
             assert all(r.success for r in tier.get_finished_jobs())
             assert np.array_equal(buf.view[1], block)
-            tier.shutdown()
         finally:
+            if tier is not None:  # before the tmpfs goes: its workers map the file
+                tier.shutdown()
             buf.close()
             del view
             mapping.close()
