@@ -97,20 +97,27 @@ def _read_word(path: str) -> str:
     return text[start + 1:end] if 0 <= start < end else text
 
 
+def _mountinfo() -> list[tuple[list[str], list[str]]]:
+    """Each line of :data:`MOUNTINFO` as its fields before `` - `` and after (type,
+    source, file-system options); empty if it cannot be read."""
+    try:
+        with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        out.append((left.split(), right.split()))
+    return out
+
+
 def _super_options(dev: int) -> str | None:
     """The file-system options (after `` - type source``) of the mount whose device
     is ``dev`` (``st_dev``), or None where no mount this process sees has it."""
     want = f"{os.major(dev)}:{os.minor(dev)}"
-    try:
-        with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields, tail = left.split(), right.split()
-                if len(fields) > 2 and fields[2] == want and len(tail) > 2:
-                    return tail[2]
-    except OSError:
-        pass
-    return None
+    return next((tail[2] for fields, tail in _mountinfo()
+                 if len(fields) > 2 and fields[2] == want and len(tail) > 2), None)
 
 
 def page_bytes_of(fd: int) -> int:
@@ -140,20 +147,8 @@ def page_bytes_of(fd: int) -> int:
 def mount_table() -> list[tuple[str, str]]:
     """``(mount point, type)`` of every mount this process sees, in mount order (a later
     mount over the same point hides an earlier one); empty if it cannot be read."""
-    try:
-        with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.readlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields = left.split()
-        if len(fields) < 5 or not right:
-            continue
-        point = fields[4].replace("\\040", " ").rstrip("/") or "/"
-        out.append((point, right.split()[0]))
-    return out
+    return [(fields[4].replace("\\040", " ").rstrip("/") or "/", tail[0])
+            for fields, tail in _mountinfo() if len(fields) >= 5 and tail]
 
 
 def mount_of(path: str, mounts: list[tuple[str, str]] | None = None) -> tuple[str, str]:
