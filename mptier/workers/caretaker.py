@@ -344,7 +344,7 @@ class Caretaker:
         if share is not None and share.walker and m.capacity_bytes and (
                 share.others_reserved or share.asking()):
             return True  # another tier's stores wait for this walker's eviction or grant
-        if any(control.slot_stores(slot, kept.index).want_free
+        if any(control.want_free(slot, kept.index)
                for slot in range(control.n_slots)):
             return True
         # A contributor whose stores will soon run out of their grant: its ask goes out
@@ -624,7 +624,7 @@ class Caretaker:
             # (before slot_made: never folds more than the slot created)
             told, lost, store = self._take_ring(kept, slot)
             made = control.slot_made(slot, index)     # more than the slot created
-            want = max(want, control.slot_stores(slot, index).want_free)
+            want = max(want, control.want_free(slot, index))
             made_pid, folded = kept.made.get(slot, (pid, made))
             folded = min(made, folded + told)  # (a race at take(): never below)
             if (lost or made_pid != pid) and made > folded:

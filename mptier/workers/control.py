@@ -24,9 +24,9 @@ attaches. Three parts::
         +SLOT_ROOT_AT   the root the task in hand is on (for a timeout's blame)
         +SLOT_WRITTEN_AT bytes its stores wrote, and skipped (blocks already there;
                       folded into the pool header's totals when the slot is emptied)
-        +SLOT_STORES_AT per root: the bytes this worker waits to find room for -- read
-                      by the root's caretaker (the other fields are no longer written:
-                      new blocks are told by path, in the rings below)
+        +SLOT_WANT_FREE_AT per root: the bytes this worker waits to find room for --
+                      read by the root's caretaker (new blocks are told by path, in
+                      the rings below)
         +SLOT_READ_ONLY_AT per root: stores failed at once, the root being read-only
         +SLOT_NO_SPACE_AT  per root: stores the file system refused for space (ENOSPC,
                       EDQUOT) -- the caretaker evicts on a rise
@@ -77,19 +77,17 @@ _ROOT_HEALTH = struct.Struct("<IIIIQ")
 # walk position (h3 index, -1 not reached), flags, caretaker pid (u32)
 _ROOT_USAGE = struct.Struct("<QQQQQIiII")
 _ROOT_USAGE_AT = _ROOT_HEALTH.size
-# In a slot's header page: the root of the task in hand (index + 1; 0 = none), then per
-# root: pass id (u32, pad), ahead bytes, ahead blocks, behind bytes, behind blocks, bytes
-# waiting for room (u64 each).
+# In a slot's header page: the root of the task in hand (index + 1; 0 = none).
 SLOT_ROOT_AT = 960
 # Stores that had to wait for room (capacity_bytes), and the time they waited (u64 each).
 SLOT_WAITS_AT = 968
 # Bytes of blocks this worker's stores wrote, and of blocks they found already on disk
 # and skipped (u64 each; see ControlBlock.store_bytes).
 SLOT_WRITTEN_AT = 984
-SLOT_STORES_AT = 1024
-_SLOT_STORES = struct.Struct("<IIQQQQQ")
+# Per root: bytes this worker's store waits to find room for (u64 each; 0: none).
+SLOT_WANT_FREE_AT = 1024
 # Per root: stores this worker failed at once because the root is read-only (u64 each).
-SLOT_READ_ONLY_AT = SLOT_STORES_AT + MAX_ROOTS * _SLOT_STORES.size
+SLOT_READ_ONLY_AT = SLOT_WANT_FREE_AT + MAX_ROOTS * 8
 # Per root: stores the file system refused for space, ENOSPC or EDQUOT (u64 each).
 SLOT_NO_SPACE_AT = SLOT_READ_ONLY_AT + MAX_ROOTS * 8
 # Task latency per kind (store, load, lookup): bucket i counts tasks of [2^i, 2^(i+1)) us
@@ -207,18 +205,6 @@ class RootRecord:
     top_position: int
     flags: int
     caretaker_pid: int
-
-
-@dataclass
-class SlotStores:
-    """What one worker created on one root (see :meth:`ControlBlock.slot_stores`)."""
-
-    pass_id: int
-    ahead_bytes: int
-    ahead_blocks: int
-    behind_bytes: int
-    behind_blocks: int
-    want_free: int
 
 
 @dataclass
@@ -401,11 +387,10 @@ class ControlBlock:
                 break
         return usage + made + held + others
 
-    def slot_stores(self, slot: int, root: int) -> SlotStores:
-        """What the worker in ``slot`` created on ``root`` (the caretaker reads it)."""
-        at = self._slot_at(slot) + SLOT_STORES_AT + root * _SLOT_STORES.size
-        pass_id, _, *rest = _SLOT_STORES.unpack_from(self.memory, at)
-        return SlotStores(pass_id, *rest)
+    def want_free(self, slot: int, root: int) -> int:
+        """Bytes the store in ``slot`` waits to find room for on ``root`` (0: none)."""
+        return struct.unpack_from("<Q", self.memory,
+                                  self._slot_at(slot) + SLOT_WANT_FREE_AT + 8 * root)[0]
 
     def slot_pid(self, slot: int) -> int:
         """The pid of the worker in ``slot`` (0: none yet)."""
@@ -710,12 +695,11 @@ class SlotWriter:
 
     def want_free(self, root: int, nbytes: int) -> None:
         """Ask the caretaker of ``root`` for room for ``nbytes`` (0: no longer)."""
-        struct.pack_into("<Q", self._mem, SLOT_STORES_AT + root * _SLOT_STORES.size + 40,
-                         nbytes)
+        struct.pack_into("<Q", self._mem, SLOT_WANT_FREE_AT + 8 * root, nbytes)
 
 
 assert _POOL_HEADER.size <= POOL_WRITTEN_AT and POOL_WRITTEN_AT + 16 <= ROOTS_AT
-assert SLOT_WAITS_AT + 16 <= SLOT_WRITTEN_AT and SLOT_WRITTEN_AT + 16 <= SLOT_STORES_AT
+assert SLOT_WAITS_AT + 16 <= SLOT_WRITTEN_AT and SLOT_WRITTEN_AT + 16 <= SLOT_WANT_FREE_AT
 assert _POOL_HEADER.size <= ROOTS_AT and ROOTS_AT + MAX_ROOTS * ROOT_BYTES <= PAGE_BYTES
 assert _ROOT_HEALTH.size + _ROOT_USAGE.size == ROOT_BYTES
 assert SLOT_NO_SPACE_AT + MAX_ROOTS * 8 <= RECORD_OFFSET
