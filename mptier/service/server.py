@@ -61,10 +61,12 @@ from mptier.workers import PoolSettings, WorkerPool
 
 log = logging.getLogger("mptier.service")
 
-# Version of the engine <-> service messages; an engine of another version is refused.
-# 2: the task records and completion messages the two exchange are mptier.jobs'
-# WIRE_VERSION 3 (messages carry the task's outcome).
-PROTOCOL_VERSION = 2
+# Version of what an engine and its service share -- the messages, and the layout of the
+# control block the engine maps (mptier.workers.control); an engine of another version
+# is refused. 2: the task records and completion messages the two exchange are
+# mptier.jobs' WIRE_VERSION 3 (messages carry the task's outcome). 3: a slot's per-root
+# store record became one want_free word (the offsets after it moved).
+PROTOCOL_VERSION = 3
 # A client must send its first message within this time, or it is dropped.
 FIRST_MESSAGE_S = 5.0
 # Pending connections the kernel queues while the service attaches an engine.

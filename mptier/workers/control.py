@@ -43,7 +43,8 @@ writer (the supervisor).
 
 Long because it is the one map of one shared-memory block: every offset, and every
 reader (ControlBlock) and single writer (SlotWriter) of it, sit together so that a
-change of layout is made in one place.
+change of layout is made in one place. An engine attached to a service maps its block:
+a change of layout bumps ``mptier.service.server.PROTOCOL_VERSION``.
 """
 
 from __future__ import annotations
