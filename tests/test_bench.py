@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -430,6 +431,34 @@ def test_saturation_counts_the_machine_s_cpus_and_the_root_s_device(tmp_path):
     in_flight = saturation_figures([span])["disk_read_in_flight"]
     assert in_flight is not None and 0 < in_flight <= size * IN_FLIGHT_SLACK, span
     assert saturation_figures([span])["disk_write_in_flight"] is not None
+
+
+def test_saturation_counts_the_engine_thread_s_waits_for_a_cpu(tmp_path):
+    """The thread that takes a phase's saturation is the engine's (it drives the phase):
+    sharing its one CPU with a busy process, it waits on a run queue for about half the
+    time, and the figures say so. Steal is the host's: present, and never negative."""
+    cpu = min(os.sched_getaffinity(0))
+    hog = subprocess.Popen([sys.executable, "-c",
+                            f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        spin(200_000_000)  # the hog is running on that CPU by now
+        before = Saturation.take(str(tmp_path))
+        spin(400_000_000)
+        span = Saturation.take(str(tmp_path)).since(before)
+    finally:
+        os.sched_setaffinity(0, allowed)
+        hog.kill()
+        hog.wait()
+    # Two runnable tasks of one weight on one CPU: each waits about half the wall time.
+    assert 0.1 <= span["waited_seconds"] <= span["seconds"], span
+    figures = saturation_figures([span])
+    assert figures["waited_ms_per_s"] == pytest.approx(
+        span["waited_seconds"] / span["seconds"] * 1e3)
+    assert span["steal_seconds"] >= 0 and figures["steal_cpus"] >= 0
+    quiet = Saturation.take(str(tmp_path))
+    assert quiet.waited >= before.waited + span["waited_seconds"] - 1e-6
 
 
 def test_memory_roots_remove_each_design_s_files_at_once(tmp_path):

@@ -54,6 +54,10 @@ FIGURES: tuple[Figure, ...] = (
     Figure("store_cpus", "CPUs busy: store", "CPUs", "lower"),
     Figure("load_cpus", "CPUs busy: load", "CPUs", "lower"),
     Figure("single_load_cpus", "CPUs busy: large job alone, load", "CPUs", "lower"),
+    # CPUs a virtual machine's host took from this one while they had work (steal):
+    # time no process here ran, that the busy loop loses all the same.
+    Figure("store_steal_cpus", "host steal: store", "CPUs", "lower"),
+    Figure("load_steal_cpus", "host steal: load", "CPUs", "lower"),
     Figure("store_disk_busy", "disk busy: store", "x", "lower"),
     Figure("load_disk_busy", "disk busy: load", "x", "lower"),
     Figure("single_load_disk_busy", "disk busy: large job alone, load", "x", "lower"),
@@ -80,6 +84,11 @@ FIGURES: tuple[Figure, ...] = (
     Figure("interference", "scheduler loop rate busy/idle", "x", "higher"),
     Figure("interference_store", "  during stores", "x", "higher"),
     Figure("interference_load", "  during loads", "x", "higher"),
+    # Of the busy loop's lost time, what it spent runnable on a run queue while the
+    # design ran (the busy part; milliseconds per second): time the CPUs were taken by
+    # the design's threads or processes, as against time stolen or a slower loop.
+    Figure("store_loop_waited_ms", "  loop waited for a CPU: stores", "ms/s", "lower", 1),
+    Figure("load_loop_waited_ms", "  loop waited for a CPU: loads", "ms/s", "lower", 1),
 )
 FIGURE_KEYS = tuple(f.key for f in FIGURES)
 # Background load (CPUs busy with other processes while the design idled) above which
@@ -150,6 +159,7 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
             if light.saturation is not None:
                 used = saturation_figures([light.saturation])
                 figures[f"{kind}_cpus"] = used["cpus_busy"]
+                figures[f"{kind}_steal_cpus"] = used["steal_cpus"]
                 figures[f"{kind}_disk_busy"] = used["disk_busy"]
                 figures[f"{kind}_disk_mib"] = _mib(used[
                     "disk_write_in_flight" if kind == "store" else "disk_read_in_flight"])
@@ -165,6 +175,9 @@ def design_record(label: str, letter: str, kind: str, info: dict[str, Any],
             around = out.get(f"{kind}_idle") or [idle]
             figures[f"interference_{kind}"] = _ratio(
                 busy.loop_rate, statistics.mean(around) if None not in around else None)
+            if busy.saturation is not None:
+                figures[f"{kind}_loop_waited_ms"] = \
+                    saturation_figures([busy.saturation])["waited_ms_per_s"]
             record.setdefault("busy_seconds", {})[kind] = busy.elapsed_ns / 1e9
             if busy.loop_ns and busy.elapsed_ns < MIN_BUSY_SECONDS * 1e9:
                 record["notes"].append(

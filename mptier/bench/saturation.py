@@ -1,7 +1,13 @@
-"""What a stretch of a benchmark run kept busy: the machine's CPUs (``/proc/stat``) and
-the block device under the root (``/proc/diskstats``).
+"""What a stretch of a benchmark run kept busy: the machine's CPUs (``/proc/stat``), the
+block device under the root (``/proc/diskstats``), and what the engine's thread waited
+for (``/proc/thread-self/schedstat``).
 
 * :func:`machine_busy_seconds` -- CPU seconds the whole machine has been busy.
+* :func:`stolen_seconds` -- CPU seconds a virtual machine's host ran something else on
+  its CPUs while they had work ("steal"): on this project's VM it rises with some I/O
+  patterns, and the busy loop loses it (docs/performance.md, section 28).
+* :func:`thread_waited_seconds` -- seconds the calling thread has spent runnable on a run
+  queue, waiting for a CPU.
 * :func:`device_counters` -- bytes read and written, busy time, the time requests spent
   in flight and discards of the device holding a path (None in memory and on network
   or FUSE file systems).
@@ -16,15 +22,36 @@ import time
 from dataclasses import dataclass
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds the whole machine has spent busy since boot (``/proc/stat``: every
-    state but idle and iowait, in ticks of 1/CLK_TCK s); 0.0 where unreadable."""
+def _cpu_ticks() -> list[int] | None:
+    """``/proc/stat``'s first line: user nice system idle iowait irq softirq steal."""
     try:
         with open("/proc/stat") as f:
-            fields = f.readline().split()[1:]
-        ticks = [int(x) for x in fields[:8]]
-        # user nice system idle iowait irq softirq steal: all but idle and iowait
-        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+        return ticks if len(ticks) == 8 else None
+    except (OSError, ValueError):
+        return None
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (``/proc/stat``: every
+    state but idle, iowait and steal, in ticks of 1/CLK_TCK s); 0.0 where unreadable."""
+    ticks = _cpu_ticks()
+    return sum(ticks[:3] + ticks[5:7]) / os.sysconf("SC_CLK_TCK") if ticks else 0.0
+
+
+def stolen_seconds() -> float:
+    """CPU seconds the host has taken from this machine's CPUs since boot (``steal``:
+    runnable, not running; 0 outside a virtual machine); 0.0 where unreadable."""
+    ticks = _cpu_ticks()
+    return ticks[7] / os.sysconf("SC_CLK_TCK") if ticks else 0.0
+
+
+def thread_waited_seconds() -> float:
+    """Seconds the calling thread has spent on a run queue, runnable but not running
+    (``/proc/thread-self/schedstat``, its second field, in ns); 0.0 where unreadable."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return 0.0
 
@@ -92,18 +119,24 @@ class Saturation:
     wall: float
     machine_busy: float
     device: DeviceCounters | None
+    stolen: float = 0.0
+    waited: float = 0.0  # the thread that took it, as the engine's thread drives the phase
 
     @classmethod
     def take(cls, root: str) -> Saturation:
-        return cls(time.monotonic(), machine_busy_seconds(), device_counters(root))
+        return cls(time.monotonic(), machine_busy_seconds(), device_counters(root),
+                   stolen_seconds(), thread_waited_seconds())
 
     def since(self, earlier: Saturation) -> dict[str, float]:
-        """``seconds``, ``cpu_seconds`` (the whole machine's), and with a device under
-        the root ``disk_busy_seconds``, ``disk_read_bytes``, ``disk_write_bytes``,
-        ``disk_read_requests``, ``disk_write_requests`` and ``disk_read_seconds``,
-        ``disk_write_seconds`` (the requests' summed times)."""
+        """``seconds``, ``cpu_seconds`` (the whole machine's), ``steal_seconds`` (the
+        host's), ``waited_seconds`` (the taking thread's on a run queue), and with a
+        device under the root ``disk_busy_seconds``, ``disk_read_bytes``,
+        ``disk_write_bytes``, ``disk_read_requests``, ``disk_write_requests`` and
+        ``disk_read_seconds``, ``disk_write_seconds`` (the requests' summed times)."""
         out = {"seconds": self.wall - earlier.wall,
-               "cpu_seconds": max(0.0, self.machine_busy - earlier.machine_busy)}
+               "cpu_seconds": max(0.0, self.machine_busy - earlier.machine_busy),
+               "steal_seconds": max(0.0, self.stolen - earlier.stolen),
+               "waited_seconds": max(0.0, self.waited - earlier.waited)}
         if self.device is not None and earlier.device is not None:
             out["disk_busy_seconds"] = (self.device.busy_ms - earlier.device.busy_ms) / 1e3
             out["disk_read_bytes"] = self.device.read_bytes - earlier.device.read_bytes
@@ -117,15 +150,17 @@ class Saturation:
 
 def saturation_figures(stretches: list[dict[str, float]]) -> dict[str, float | None]:
     """Summed stretches (:meth:`Saturation.since`) as ``cpus_busy`` (CPUs busy on
-    average), ``disk_busy`` (the fraction of the time the device had a request in
-    flight), ``disk_read_in_flight`` and ``disk_write_in_flight`` (bytes being read and
-    written on average: see :class:`DeviceCounters`; 0 without requests; the three None
-    without a device). Several short stretches (the large job alone, a few tens of
-    milliseconds each) are summed first: /proc/stat counts in 10 ms ticks."""
+    average), ``steal_cpus`` (CPUs the host took on average), ``waited_ms_per_s`` (the
+    engine's thread's milliseconds on a run queue per second), ``disk_busy`` (the
+    fraction of the time the device had a request in flight), ``disk_read_in_flight``
+    and ``disk_write_in_flight`` (bytes being read and written on average: see
+    :class:`DeviceCounters`; 0 without requests; the three None without a device).
+    Several short stretches (the large job alone, a few tens of milliseconds each) are
+    summed first: /proc/stat counts in 10 ms ticks."""
     seconds = sum(s["seconds"] for s in stretches)
     if not stretches or seconds <= 0:
-        return {"cpus_busy": None, "disk_busy": None, "disk_read_in_flight": None,
-                "disk_write_in_flight": None}
+        return {"cpus_busy": None, "steal_cpus": None, "waited_ms_per_s": None,
+                "disk_busy": None, "disk_read_in_flight": None, "disk_write_in_flight": None}
     on_disk = all("disk_busy_seconds" in s for s in stretches)
 
     def total(key: str) -> float:
@@ -139,6 +174,9 @@ def saturation_figures(stretches: list[dict[str, float]]) -> dict[str, float | N
         return total(f"disk_{op}_seconds") / seconds * per_request
 
     return {"cpus_busy": total("cpu_seconds") / seconds,
+            "steal_cpus": sum(s.get("steal_seconds", 0.0) for s in stretches) / seconds,
+            "waited_ms_per_s": sum(s.get("waited_seconds", 0.0) for s in stretches)
+            / seconds * 1e3,
             "disk_busy": min(1.0, total("disk_busy_seconds") / seconds) if on_disk else None,
             "disk_read_in_flight": in_flight("read"),
             "disk_write_in_flight": in_flight("write")}
