@@ -457,8 +457,6 @@ def test_saturation_counts_the_engine_thread_s_waits_for_a_cpu(tmp_path):
     assert figures["waited_ms_per_s"] == pytest.approx(
         span["waited_seconds"] / span["seconds"] * 1e3)
     assert span["steal_seconds"] >= 0 and figures["steal_cpus"] >= 0
-    quiet = Saturation.take(str(tmp_path))
-    assert quiet.waited >= before.waited + span["waited_seconds"] - 1e-6
 
 
 def test_memory_roots_remove_each_design_s_files_at_once(tmp_path):
