@@ -54,6 +54,7 @@ import shutil
 import signal
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 from worker_slice import set_slice  # this folder
@@ -192,6 +193,31 @@ class TierDriver:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
+def _file_step(kind: str, path: str, index: int) -> Callable[[], int]:
+    """One 2 MiB read or write of ``path`` a call, going round the file (kread) or the
+    half of it that competitor ``index`` has to itself (dread, dwrite: O_DIRECT, into or
+    out of 4 KiB pages). Returns the bytes moved."""
+    if kind == "kread":
+        fd, buf, start, span = os.open(path, os.O_RDONLY), bytearray(CHUNK_BYTES), 0, FILE_BYTES
+    else:
+        write = kind == "dwrite"
+        fd = os.open(path, (os.O_WRONLY if write else os.O_RDONLY) | os.O_DIRECT)
+        buf = mmap.mmap(-1, CHUNK_BYTES)  # 4 KiB pages, page-aligned
+        if write:
+            buf.write(os.urandom(CHUNK_BYTES))
+        span = FILE_BYTES // 2
+        start = (index % 2) * span
+    move = os.pwritev if kind == "dwrite" else os.preadv
+    offset = 0
+
+    def step() -> int:
+        nonlocal offset
+        got = move(fd, [buf], start + offset)
+        offset = (offset + got) % span
+        return got
+    return step
+
+
 def _competitor(kind: str, counter: np.ndarray, index: int, path: str, block: int,
                 policy: str) -> None:
     """Set ``kind`` up, stop until the first window, then run it until SIGTERM, adding
@@ -223,35 +249,8 @@ def _competitor(kind: str, counter: np.ndarray, index: int, path: str, block: in
             def step() -> int:
                 np.copyto(b, a)
                 return size
-        elif kind == "kread":
-            fd = os.open(path, os.O_RDONLY)
-            buf = bytearray(CHUNK_BYTES)
-            offset = [0]
-
-            def step() -> int:
-                got = os.preadv(fd, [buf], offset[0])
-                offset[0] = (offset[0] + got) % FILE_BYTES
-                return got
-        elif kind == "dread":
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            page_buf = mmap.mmap(-1, CHUNK_BYTES)
-            offset = [(index % 2) * (FILE_BYTES // 2)]
-
-            def step() -> int:
-                got = os.preadv(fd, [page_buf], offset[0])
-                offset[0] = (offset[0] + got) % FILE_BYTES
-                return got
-        elif kind == "dwrite":
-            fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-            page_buf = mmap.mmap(-1, CHUNK_BYTES)  # 4 KiB pages, page-aligned
-            page_buf.write(os.urandom(CHUNK_BYTES))
-            half = FILE_BYTES // 2
-            offset = [0]
-
-            def step() -> int:
-                got = os.pwritev(fd, [page_buf], (index % 2) * half + offset[0])
-                offset[0] = (offset[0] + got) % half
-                return got
+        elif kind in ("kread", "dread", "dwrite"):
+            step = _file_step(kind, path, index)
         else:
             raise SystemExit(f"unknown kind {kind!r}")
         if driver is None:
