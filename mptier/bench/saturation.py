@@ -32,18 +32,25 @@ def _cpu_ticks() -> list[int] | None:
         return None
 
 
+def _busy_and_stolen() -> tuple[float, float]:
+    """:func:`machine_busy_seconds` and :func:`stolen_seconds` from one read."""
+    ticks = _cpu_ticks()
+    if not ticks:
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return sum(ticks[:3] + ticks[5:7]) / tick, ticks[7] / tick
+
+
 def machine_busy_seconds() -> float:
     """CPU seconds the whole machine has spent busy since boot (``/proc/stat``: every
     state but idle, iowait and steal, in ticks of 1/CLK_TCK s); 0.0 where unreadable."""
-    ticks = _cpu_ticks()
-    return sum(ticks[:3] + ticks[5:7]) / os.sysconf("SC_CLK_TCK") if ticks else 0.0
+    return _busy_and_stolen()[0]
 
 
 def stolen_seconds() -> float:
     """CPU seconds the host has taken from this machine's CPUs since boot (``steal``:
     runnable, not running; 0 outside a virtual machine); 0.0 where unreadable."""
-    ticks = _cpu_ticks()
-    return ticks[7] / os.sysconf("SC_CLK_TCK") if ticks else 0.0
+    return _busy_and_stolen()[1]
 
 
 def thread_waited_seconds() -> float:
@@ -124,8 +131,9 @@ class Saturation:
 
     @classmethod
     def take(cls, root: str) -> Saturation:
-        return cls(time.monotonic(), machine_busy_seconds(), device_counters(root),
-                   stolen_seconds(), thread_waited_seconds())
+        busy, stolen = _busy_and_stolen()
+        return cls(time.monotonic(), busy, device_counters(root), stolen,
+                   thread_waited_seconds())
 
     def since(self, earlier: Saturation) -> dict[str, float]:
         """``seconds``, ``cpu_seconds`` (the whole machine's), ``steal_seconds`` (the
