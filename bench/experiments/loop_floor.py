@@ -22,9 +22,10 @@ blocks kept in flight, stores of fresh keys or loads of blocks stored first:
     store-here / load-here     the tier driven from the loop's own thread between its
                                steps, as the bench drives it
 
-``--policies batch,short,idle`` makes each case once per scheduling policy of the
-competitors and the tiers' worker threads: batch is the workers' own (SCHED_BATCH at
-nice 10), short the same with a 100 us EEVDF slice (worker_slice.py), idle SCHED_IDLE.
+``--policies batch,short,idle,loopshort`` makes each case once per scheduling policy of
+the competitors and the tiers' worker threads: batch is the workers' own (SCHED_BATCH at
+nice 10), short the same with a 100 us EEVDF slice (worker_slice.py), idle SCHED_IDLE;
+loopshort leaves them batch and gives the loop's own thread the 100 us slice instead.
 
 Each round: an idle window, the competitor's window (SIGCONT ... SIGSTOP, or the tier
 driven), an idle window; the loop's rate in the busy window over the mean of the two
@@ -104,8 +105,11 @@ def _interrupts() -> dict[str, int]:
 
 
 # batch: the workers' own (SCHED_BATCH, nice 10); short: the same with a 100 us EEVDF
-# slice (worker_slice.py); idle: SCHED_IDLE, which any normal task's wakeup preempts.
-POLICIES = ("batch", "short", "idle")
+# slice (worker_slice.py); idle: SCHED_IDLE, which any normal task's wakeup preempts;
+# loopshort: the workers' batch, and the loop's own thread (SCHED_OTHER, nice 0) given
+# the 100 us slice, with which a waking task may preempt one of a longer slice at once
+# (EEVDF's PREEMPT_SHORT, Linux 6.12+), in its idle windows too.
+POLICIES = ("batch", "short", "idle", "loopshort")
 SHORT_SLICE_NS = 100_000
 WORKER_NICE = 10
 
@@ -115,6 +119,11 @@ def _apply(tid: int, policy: str) -> None:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
     else:
         set_slice(tid, SHORT_SLICE_NS if policy == "short" else 0, WORKER_NICE)
+
+
+def _loop_slice(policy: str) -> None:
+    """The loop's thread: the 100 us slice under ``loopshort``, the default otherwise."""
+    set_slice(0, SHORT_SLICE_NS if policy == "loopshort" else 0, 0, os.SCHED_OTHER)
 
 
 def _stolen_seconds() -> tuple[float, float]:
@@ -351,6 +360,7 @@ def main() -> None:
             order = cases[:]
             random.Random(r).shuffle(order)
             for case in order:
+                _loop_slice(case[2])
                 before = loop.idle_rate(args.window_s)
                 busy0, own0, t0 = machine_busy_seconds(), time.process_time(), time.monotonic()
                 waits0, irqs0, stolen0 = _loop_waits(), _interrupts(), _stolen_seconds()

@@ -38,9 +38,10 @@ POOL_BLOCKS = 1024
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def set_slice(tid: int, slice_ns: int, nice: int = 10) -> None:
-    """SCHED_BATCH at ``nice`` with a slice of ``slice_ns`` (0: the kernel's default)."""
-    attr = struct.pack("<IIQiIQQQII", SCHED_ATTR_BYTES, os.SCHED_BATCH, 0, nice, 0,
+def set_slice(tid: int, slice_ns: int, nice: int = 10, policy: int = os.SCHED_BATCH) -> None:
+    """``policy`` (SCHED_BATCH unless told) at ``nice`` with a slice of ``slice_ns`` (0:
+    the kernel's default)."""
+    attr = struct.pack("<IIQiIQQQII", SCHED_ATTR_BYTES, policy, 0, nice, 0,
                        slice_ns, 0, 0, 0, 0)
     buf = ctypes.create_string_buffer(attr, SCHED_ATTR_BYTES)
     if _libc.syscall(SYS_SCHED_SETATTR, tid, buf, 0) != 0:
