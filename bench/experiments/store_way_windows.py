@@ -39,17 +39,37 @@ IN_FLIGHT = 16
 COPY_MARGIN = 1.15
 
 
-class Way:
-    """One tier and its stream of fresh keys."""
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-    def __init__(self, name: str, buf: SharedKVBuffer, root: str, copy: bool) -> None:
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU seconds of ``pids`` so far, every thread (/proc/PID/stat)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue  # a worker replaced meanwhile: its CPU is lost to the figure
+        total += int(fields[11]) + int(fields[12])
+    return total / CLK_TCK
+
+
+class Way:
+    """One tier (``settings``: TierConfig fields) and its stream of fresh keys."""
+
+    def __init__(self, name: str, buf: SharedKVBuffer, root: str, **settings: object) -> None:
         self.name, self.buf, self.root = name, buf, root
-        self.tier = FileSystemTier(buf, root_dir=root, bounce_stores=copy)
+        self.tier = FileSystemTier(buf, root_dir=root, **settings)
         self.next_key = self.next_job = 0
+        self.cpu_s_per_gb = 0.0  # the workers', over the last window
 
     def window(self, seconds: float) -> tuple[float, float]:
-        """Store for ``seconds`` (then drain); (device busy ms per GB written, GB/s)."""
+        """Store for ``seconds`` (then drain); (device busy ms per GB written, GB/s).
+        The workers' CPU seconds per GB stored are left in ``cpu_s_per_gb``."""
         before = device_counters(self.root)
+        pids = self.tier.worker_pids()
+        cpu = _cpu_seconds(pids)
         start = time.perf_counter()
         running = stored = 0
         while time.perf_counter() - start < seconds or running:
@@ -69,6 +89,7 @@ class Way:
                 running -= 1
                 stored += JOB_BLOCKS * self.buf.block_bytes
         elapsed = time.perf_counter() - start
+        self.cpu_s_per_gb = (_cpu_seconds(pids) - cpu) / max(stored / 1e9, 1e-9)
         after = device_counters(self.root)
         if before is None or after is None:
             raise SystemExit("the root is on no block device: nothing to read")
@@ -98,8 +119,8 @@ def main() -> None:
     ways: list[Way] = []
     try:
         buf.view[:] = 7
-        ways = [Way("copy", buf, os.path.join(top, "copy"), True),
-                Way("direct", buf, os.path.join(top, "direct"), False)]
+        ways = [Way("copy", buf, os.path.join(top, "copy"), bounce_stores=True),
+                Way("direct", buf, os.path.join(top, "direct"), bounce_stores=False)]
         for way in ways:
             way.window(0.2)  # the pools' first stores (bounce buffers, folders) off the clock
         print(f"block {args.block}, {IN_FLIGHT} jobs of {JOB_BLOCKS} in flight; per pair: "
