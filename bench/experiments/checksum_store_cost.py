@@ -10,9 +10,12 @@ window: GB/s, the workers' CPU seconds per GB stored (every thread of every work
         --window-s 1 --pairs 8
 
 Why: docs/performance.md, section 29. In a bench run at 256 KiB on ext4, stores without
-checksums ran 1.05-1.60x as fast (the phase's whole-machine CPU less busy per GB), far
-more than a CRC at 35 GB/s and an xattr (~5 us) per block should cost. Every block stays
-on disk until the end (ext4's deletions would cost the next window: section 14).
+checksums ran 1.05-1.60x as fast, far more than a CRC at 35 GB/s and an xattr (~5 us) per
+block should cost. Measured here: about 80 ms of the workers' CPU per GB, the same GB/s;
+stretches of windows in which one tier's workers spend 1-5 CPU seconds per GB are ext4's
+inode allocator skipping inodes deleted in the last minutes (journal-less ext4; sections
+11, 25), whichever tier meets them. Every block stays on disk until the end (ext4's
+deletions would cost the next window: section 14).
 """
 
 from __future__ import annotations

@@ -37,9 +37,7 @@ IN_FLIGHT = 16
 # A pair says "copy" when the direct way kept the device busy this much longer per GB
 # (StoreWay's margin on the branch store-way: the copy costs a worker's CPU).
 COPY_MARGIN = 1.15
-
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts CPU time in these
 
 
 def _cpu_seconds(pids: list[int]) -> float:
