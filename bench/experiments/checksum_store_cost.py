@@ -21,19 +21,11 @@ deletions would cost the next window: section 14).
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
-import tempfile
 
-from store_way_windows import Way  # this folder
+from store_way_windows import IN_FLIGHT, JOB_BLOCKS, two_ways  # this folder
 
-from mptier import SharedKVBuffer
-from mptier.bench.saturation import device_counters
 from mptier.config import parse_bytes
-
-JOB_BLOCKS = 16
-IN_FLIGHT = 16
 
 
 def _huge_kib(pids: list[int]) -> int:
@@ -59,23 +51,10 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=8)
     args = ap.parse_args()
     block = parse_bytes(args.block)
-    if device_counters(args.root) is None:
-        raise SystemExit(f"--root {args.root} is on no block device /proc/diskstats "
-                         "names: give a folder on a local disk")
-    need = 2.5e9 * 2 * args.pairs * args.window_s
-    free = shutil.disk_usage(args.root).free
-    if free < need:
-        raise SystemExit(f"--root {args.root} has {free / 1e9:.0f} GB free; these windows "
-                         f"may write {need / 1e9:.0f} GB: fewer --pairs or a shorter --window-s")
-    top = tempfile.mkdtemp(prefix="mptier-checksum-cost-", dir=args.root)
-    buf = SharedKVBuffer.create(JOB_BLOCKS * IN_FLIGHT, block)
-    ways: list[Way] = []
-    try:
-        buf.view[:] = 7
-        ways = [Way("on", buf, os.path.join(top, "on"), checksum_blocks=True),
-                Way("off", buf, os.path.join(top, "off"), checksum_blocks=False)]
+    with two_ways(args.root, block, args.pairs * args.window_s, "mptier-checksum-cost-",
+                  "fewer --pairs or a shorter --window-s",
+                  {"on": {"checksum_blocks": True}, "off": {"checksum_blocks": False}}) as ways:
         for way in ways:
-            way.window(0.2)  # the pools' first stores (bounce buffers, folders) off the clock
             print(f"checksums {way.name}: workers' anonymous huge pages "
                   f"{_huge_kib(way.tier.worker_pids()) >> 10} MiB")
         print(f"block {args.block}, {IN_FLIGHT} jobs of {JOB_BLOCKS} in flight, "
@@ -98,13 +77,6 @@ def main() -> None:
               f"({min(ratio):.2f}-{max(ratio):.2f}); the checksum's CPU "
               f"{statistics.median(extra) * 1e3:.0f} ms per GB "
               f"({min(extra) * 1e3:.0f} to {max(extra) * 1e3:.0f})")
-    finally:
-        for way in ways:
-            way.tier.shutdown()
-        buf.close()
-        buf.unlink()
-        print(f"removing {top} ...", flush=True)
-        shutil.rmtree(top, ignore_errors=True)
 
 
 if __name__ == "__main__":

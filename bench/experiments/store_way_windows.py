@@ -21,12 +21,14 @@ time: section 14); mind the free space (about 2 GB a second of windows).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import select
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 
 from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
 from mptier.bench.saturation import device_counters
@@ -95,6 +97,41 @@ class Way:
         return (after.busy_ms - before.busy_ms) / (written / 1e9), stored / elapsed / 1e9
 
 
+@contextlib.contextmanager
+def two_ways(root: str, block: int, window_seconds: float, prefix: str, fewer: str,
+             settings: dict[str, dict[str, object]]) -> Iterator[list[Way]]:
+    """One :class:`Way` per entry of ``settings`` (name -> TierConfig fields), each in its
+    own folder of a temporary one on ``root``, sharing one buffer of ``block`` blocks, their
+    first stores done off the clock; shut down and removed on the way out. Exits first if
+    ``root`` is on no block device, or has not the room ``window_seconds`` of windows per
+    way may write at 2.5 GB/s (``fewer`` says how to ask for less)."""
+    if device_counters(root) is None:
+        raise SystemExit(f"--root {root} is on no block device /proc/diskstats "
+                         "names: give a folder on a local disk")
+    need = 2.5e9 * len(settings) * window_seconds
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise SystemExit(f"--root {root} has {free / 1e9:.0f} GB free; these windows "
+                         f"may write {need / 1e9:.0f} GB: {fewer}")
+    top = tempfile.mkdtemp(prefix=prefix, dir=root)
+    buf = SharedKVBuffer.create(JOB_BLOCKS * IN_FLIGHT, block)
+    ways: list[Way] = []
+    try:
+        buf.view[:] = 7
+        for name, fields in settings.items():
+            ways.append(Way(name, buf, os.path.join(top, name), **fields))
+        for way in ways:
+            way.window(0.2)  # the pools' first stores (bounce buffers, folders) off the clock
+        yield ways
+    finally:
+        for way in ways:
+            way.tier.shutdown()
+        buf.close()
+        buf.unlink()
+        print(f"removing {top} ...", flush=True)
+        shutil.rmtree(top, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default="/var/tmp", help="a folder on a local disk")
@@ -104,23 +141,9 @@ def main() -> None:
     args = ap.parse_args()
     block = parse_bytes(args.block)
     windows = [float(w) for w in args.windows.split(",")]
-    if device_counters(args.root) is None:
-        raise SystemExit(f"--root {args.root} is on no block device /proc/diskstats "
-                         "names: give a folder on a local disk")
-    need = 2.5e9 * 2 * args.pairs * sum(windows)
-    free = shutil.disk_usage(args.root).free
-    if free < need:
-        raise SystemExit(f"--root {args.root} has {free / 1e9:.0f} GB free; these windows "
-                         f"may write {need / 1e9:.0f} GB: fewer --pairs or --windows")
-    top = tempfile.mkdtemp(prefix="mptier-way-windows-", dir=args.root)
-    buf = SharedKVBuffer.create(JOB_BLOCKS * IN_FLIGHT, block)
-    ways: list[Way] = []
-    try:
-        buf.view[:] = 7
-        ways = [Way("copy", buf, os.path.join(top, "copy"), bounce_stores=True),
-                Way("direct", buf, os.path.join(top, "direct"), bounce_stores=False)]
-        for way in ways:
-            way.window(0.2)  # the pools' first stores (bounce buffers, folders) off the clock
+    with two_ways(args.root, block, args.pairs * sum(windows), "mptier-way-windows-",
+                  "fewer --pairs or --windows",
+                  {"copy": {"bounce_stores": True}, "direct": {"bounce_stores": False}}) as ways:
         print(f"block {args.block}, {IN_FLIGHT} jobs of {JOB_BLOCKS} in flight; per pair: "
               "busy ms per GB written, copy / direct, their ratio; GB/s copy / direct")
         for seconds in windows:
@@ -135,13 +158,6 @@ def main() -> None:
             says_copy = sum(r > COPY_MARGIN for r in ratios)
             print(f"{seconds:g} s windows: median x{statistics.median(ratios):.2f}, "
                   f"{says_copy} of {len(ratios)} pairs say copy (ratio > {COPY_MARGIN})")
-    finally:
-        for way in ways:
-            way.tier.shutdown()
-        buf.close()
-        buf.unlink()
-        print(f"removing {top} ...", flush=True)
-        shutil.rmtree(top, ignore_errors=True)
 
 
 if __name__ == "__main__":
