@@ -110,9 +110,9 @@ static void *pool_thread(void *arg)
     }
 }
 
-/* The job's files written anew, as a store leaves them: a fresh file's pages are on the
- * inactive list, and its first read pays their activation (folio_mark_accessed), which
- * a file read over and over does not. */
+/* The job's files written anew, as a store leaves them right before the bench's lone
+ * load: the first read of fresh pages costs more than reading the same files again
+ * (docs/performance.md, section 30). */
 static int write_blocks(void)
 {
     for (int i = 0; i < job.nblocks; i++) {
@@ -120,21 +120,23 @@ static int write_blocks(void)
         block_path(p, sizeof p, i);
         unlink(p);
         int fd = open(p, O_CREAT | O_WRONLY | O_TRUNC, 0644);
-        if (fd < 0 || write(fd, job.source + (size_t)i * job.block_bytes, job.block_bytes)
-                          != (ssize_t)job.block_bytes)
+        if (fd < 0)
             return -1;
+        ssize_t wrote = write(fd, job.source + (size_t)i * job.block_bytes, job.block_bytes);
         close(fd);
+        if (wrote != (ssize_t)job.block_bytes)
+            return -1;
     }
     return 0;
 }
 
-/* One job on `threads` threads by `way`; the pool's idle members pass both barriers. */
 /* Jobs on two threads whose threads both began on one CPU: the scheduler placed the
  * second where the first ran, and the two shares ran one after the other. */
 static int stacked[WAYS];
 static int fresh = 1; /* 0: the same files read again each time (argv[5] = "again") */
-static int unpinned; /* argv[6] = "unpinned": the scheduler places the threads */
+static int unpinned;  /* argv[6] = "unpinned": the scheduler places the threads */
 
+/* One job on `threads` threads by `way`; the pool's idle members pass both barriers. */
 static double timed_job(int threads, int way)
 {
     job.threads = threads;
@@ -161,6 +163,15 @@ int main(int argc, char **argv)
     job.nblocks = atoi(argv[2]);
     job.dir = argv[3];
     int rounds = argc > 4 ? atoi(argv[4]) : 31;
+    if (argc > 5 && strcmp(argv[5], "fresh") != 0 && strcmp(argv[5], "again") != 0) {
+        fprintf(stderr, "files %s: say fresh (written anew before each job) or again\n",
+                argv[5]);
+        return 64;
+    }
+    if (argc > 6 && strcmp(argv[6], "pinned") != 0 && strcmp(argv[6], "unpinned") != 0) {
+        fprintf(stderr, "threads %s: say pinned (one to a CPU) or unpinned\n", argv[6]);
+        return 64;
+    }
     fresh = !(argc > 5 && strcmp(argv[5], "again") == 0);
     unpinned = argc > 6 && strcmp(argv[6], "unpinned") == 0;
     if (rounds < 1 || rounds > MAX_ROUNDS || job.nblocks < 1) {

@@ -25,8 +25,6 @@ import statistics
 import tempfile
 import time
 
-import psutil
-
 from mptier import FileSystemTier, SharedKVBuffer, TransferJob, make_key
 from mptier.config import parse_bytes
 
@@ -43,23 +41,18 @@ def workers_run_ns(tier_pids: list[int]) -> dict[int, int]:
         try:
             with open(f"/proc/{pid}/schedstat") as f:
                 out[pid] = int(f.read().split()[0])
-        except OSError:  # a worker restarted: its time is lost, not wrong
+        except OSError:  # a worker gone meanwhile: its time is lost, not wrong
             out[pid] = 0
     return out
 
 
-def worker_pids(before: set[int]) -> list[int]:
-    """The worker processes started since ``before`` was taken."""
-    return [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
-
-
-def one_job(tier: FileSystemTier, pids: list[int], tag: str, job: int) -> tuple[float, int,
-                                                                              float]:
+def one_job(tier: FileSystemTier, tag: str, job: int) -> tuple[float, int, float]:
     keys = [make_key(hashlib.sha256(f"{tag}{job}-{i}".encode()).digest(), 0)
             for i in range(BLOCKS)]
     tier.submit_store(TransferJob(2 * job, keys, list(range(BLOCKS))))
     tier.drain_jobs()
     tier.get_finished_jobs()
+    pids = tier.worker_pids()  # a restarted worker is a new pid: taken per job
     ran = workers_run_ns(pids)
     t0 = time.perf_counter_ns()
     tier.submit_load(TransferJob(2 * job + 1, keys, list(range(BLOCKS, 2 * BLOCKS))))
@@ -69,7 +62,7 @@ def one_job(tier: FileSystemTier, pids: list[int], tag: str, job: int) -> tuple[
         done = tier.get_finished_jobs()
     ms = (time.perf_counter_ns() - t0) / 1e6
     assert done[0].success, done[0].error
-    spent = {pid: ns - ran[pid] for pid, ns in workers_run_ns(pids).items()}
+    spent = {pid: max(0, ns - ran[pid]) for pid, ns in workers_run_ns(pids).items()}
     total = sum(spent.values())
     return ms, total, max(spent.values()) / total if total else 0.0
 
@@ -99,16 +92,13 @@ def main() -> None:
     tiers, results = {}, {w: [] for w in ways}
     try:
         for way in ways:
-            before = {p.pid for p in psutil.Process().children(recursive=True)}
-            tier = FileSystemTier(buf, root_dir=f"{root}/{way}", **WAYS[way])
-            tiers[way] = (tier, worker_pids(before))
+            tiers[way] = FileSystemTier(buf, root_dir=f"{root}/{way}", **WAYS[way])
         time.sleep(a.settle)
         for job in range(a.jobs):
             for way in ways:
-                tier, pids = tiers[way]
-                results[way].append(one_job(tier, pids, way, job))
+                results[way].append(one_job(tiers[way], way, job))
     finally:
-        for tier, _ in tiers.values():
+        for tier in tiers.values():
             tier.shutdown()
         shutil.rmtree(root)
         buf.close()
